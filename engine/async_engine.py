@@ -1,0 +1,153 @@
+"""AsyncEngine: one background thread runs the step loop; each request streams through its own queue.
+
+The event loop never runs model code. Requests and aborts reach the engine thread through an inbox
+that it drains between steps, so only that thread touches LLMEngine state. With no work, the thread
+blocks on the inbox instead of spinning."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.llm_engine import LLMEngine
+from engine.types import RequestOutput, SamplingParams
+
+log = logging.getLogger("engine")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None, **kwargs):
+        self.engine = engine or LLMEngine(config or EngineConfig(**kwargs))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stats = self.engine.stats()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def generate(self, prompt: str | dict, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield one RequestOutput per step that produced something for this request (deltas in
+        `outputs[i].delta_text` / `delta_token_ids`). Invalid input raises before anything runs.
+        Leaving the loop early (break, cancel) aborts the request and frees its blocks."""
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        ids = self.engine.tokenize(prompt)  # validates; raises InvalidRequestError
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self._inbox.put(("add", request_id, prompt, params, ids))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort and wait until the engine thread has freed the request's blocks."""
+        done = threading.Event()
+        self._inbox.put(("abort", request_id, done))
+        await asyncio.get_running_loop().run_in_executor(None, done.wait)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=30)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        last_log = time.monotonic()
+        while True:
+            # Block for work when idle; otherwise just drain what arrived during the last step.
+            try:
+                cmd = self._inbox.get(block=not eng.has_unfinished())
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd[0] == "stop":
+                    return
+                self._handle(cmd)
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if not eng.has_unfinished():
+                self._stats = eng.stats()
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # a bug, not user input: fail what is in flight, keep serving
+                log.exception("engine step failed; aborting %d in-flight requests", len(self._streams))
+                for rid in list(eng._groups):
+                    eng.abort(rid)
+                    self._send(rid, EngineError(f"engine step failed: {e!r}"))
+                continue
+            for out in outputs:
+                self._send(out.request_id, out)
+            self._stats = eng.stats()
+            interval = eng.cfg.log_stats_interval
+            if interval and time.monotonic() - last_log >= interval:
+                last_log = time.monotonic()
+                s = self._stats
+                log.info("running %d, waiting %d, KV %.0f%%, preemptions %d, generated %d tokens",
+                         s["running"], s["waiting"], 100 * s["kv_usage"], s["num_preemptions"],
+                         s["num_generated_tokens"])
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, ids = cmd
+            if rid not in self._streams:  # cancelled before it was added
+                return
+            try:
+                self.engine.add_request(rid, prompt, params, prompt_token_ids=ids)
+            except Exception as e:
+                self._send(rid, e)
+        elif cmd[0] == "abort":
+            _, rid, done = cmd
+            self.engine.abort(rid)
+            self._stats = self.engine.stats()
+            if done is not None:
+                done.set()
+
+    def _send(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            self.engine.abort(request_id)

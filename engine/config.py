@@ -1,0 +1,64 @@
+"""The one frozen engine config. Validated at construction; run-time facts (block counts) live elsewhere."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_cache_root() -> str:
+    """A per-user cache dir. On Runpod, handler/settings.py passes BASE_PATH instead."""
+    return str(Path.home() / ".cache" / "rp-llm-worker")
+
+
+def default_hf_cache_dirs() -> tuple[str, ...]:
+    return (str(Path.home() / ".cache" / "huggingface" / "hub"),)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local dir, HF repo id found in an HF cache, or None for the default model
+    revision: str = "main"
+    tokenizer: str | None = None  # defaults to the model's folder
+    dtype: str = "auto"  # auto: bfloat16 (fp32 and fp16 checkpoints included; CPU bf16 GEMMs are fastest)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV pool
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int = 1 << 30  # KV pool bytes on CPU
+    gpu_memory_utilization: float = 0.90  # fraction of GPU memory for weights + KV on CUDA
+    num_kv_blocks: int | None = None  # fixed pool size; overrides both budgets (tests, planner)
+    cache_root: str = dataclasses.field(default_factory=default_cache_root)
+    hf_cache_dirs: tuple[str, ...] = dataclasses.field(default_factory=default_hf_cache_dirs)
+    attention_backend: str = "auto"  # auto | torch
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
+    log_stats_interval: float = 5.0  # seconds between status lines while busy; 0 disables
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+
+        need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
+             "must be auto, cpu or cuda[:N]")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        need(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        need(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        need(self.attention_backend in ("auto", "torch"), "attention_backend", "must be auto or torch")
+        need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        if isinstance(self.hf_cache_dirs, (list, str)):
+            dirs = (self.hf_cache_dirs,) if isinstance(self.hf_cache_dirs, str) else tuple(self.hf_cache_dirs)
+            object.__setattr__(self, "hf_cache_dirs", dirs)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,27 @@
+"""Typed errors. Each one names what was wrong, so a handler can turn it into a job error as is."""
+
+
+class EngineError(Exception):
+    """Base class for every error the engine raises on purpose."""
+
+
+class ModelNotFoundError(EngineError):
+    """The model is neither a local folder nor cached; the message lists every path searched."""
+
+
+class UnsupportedModelError(EngineError):
+    """The checkpoint exists but we cannot load it (pickle-only weights, unknown architecture, ...)."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine will not run: bad sampling params, empty or over-long prompt.
+
+    `field` names the offending input (e.g. "temperature", "prompt") so callers can report it."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class ConfigError(EngineError, ValueError):
+    """An EngineConfig value that cannot work; the message names the field."""

@@ -1,0 +1,51 @@
+"""Rotary position embedding, neox style (rotate half), with linear and Llama-3 frequency scaling."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.errors import UnsupportedModelError
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        # Same arithmetic as HF's _compute_llama3_parameters, so positions match exactly.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out)
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+class RotaryCache:
+    """cos/sin tables for every position, built once. apply() indexes them by position."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None, device):
+        inv = inv_frequencies(head_dim, theta, scaling)
+        freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]  # [max_pos, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        # q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

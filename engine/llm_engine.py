@@ -1,0 +1,197 @@
+"""LLMEngine: owns the model, KV pool, scheduler and detokenizers. `step()` = schedule, run, postprocess."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCapacity, allocate, plan_capacity
+from engine.layers.attention import TorchAttention
+from engine.loader import iter_weights, read_json, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM, ModelSpec
+from engine.scheduler import Scheduler
+from engine.types import CompletionOutput, Request, RequestOutput, SamplingParams
+
+log = logging.getLogger("engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class _Group:
+    """One user request: n sequences sharing a prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    sent_tokens: list[int] = field(default_factory=list)  # per seq: token ids already reported
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device if cfg.device != "auto" else
+                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_path = resolve_model_path(cfg)
+        hf_cfg = read_json(self.model_path / "config.json")
+        self.spec = ModelSpec.from_hf(hf_cfg, read_json(self.model_path / "generation_config.json"))
+        self.dtype = _DTYPES.get(cfg.dtype, torch.bfloat16)
+        if cfg.dtype == "auto" and self.device.type == "cuda" and hf_cfg.get("torch_dtype") == "float16":
+            self.dtype = torch.float16
+
+        from transformers import AutoTokenizer  # tokenization and chat templates only
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or str(self.model_path))
+        self._decoder = _FastDecoder(self.tokenizer)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        weight_bytes = self.spec.num_params() * torch.tensor([], dtype=self.dtype).element_size()
+        self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.dtype, self.device, weight_bytes)
+        self.max_model_len = self.capacity.max_model_len
+        self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len)
+        self.model.load_weights(iter_weights(self.model_path))
+        kv = allocate(self.spec, self.capacity, self.dtype, self.device)
+        attn = TorchAttention(cfg.block_size, self.spec.head_dim ** -0.5)
+        self.runner = ModelRunner(self.model, kv, attn, cfg.block_size, self.device)
+        self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.max_model_len)
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[Request, _Group] = {}
+        self.num_generated_tokens = 0
+        log.info("model %s (%s, %s) on %s in %.1fs; %s", self.model_path, self.spec.architecture,
+                 str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0,
+                 self.capacity.describe())
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict | list[int]) -> list[int]:
+        """Prompt text or {"prompt_token_ids": [...]} -> validated token ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'", field="prompt")
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            raise InvalidRequestError(f"prompt must be a str or a dict, not {type(prompt).__name__}",
+                                      field="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", field="prompt")
+        if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt_token_ids must be ints in [0, {self.spec.vocab_size})",
+                                      field="prompt_token_ids")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} and at least one "
+                f"token must be generated", field="prompt")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        seqs, detoks = [], []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(self.device).manual_seed(params.seed + i)
+            seqs.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
+                                eos_token_ids=self.eos_token_ids, generator=gen))
+            detoks.append(IncrementalDetokenizer(self._decoder, ids, params.stop,
+                                                 params.include_stop_str_in_output, params.skip_special_tokens))
+        group = _Group(request_id, ids, params, seqs, detoks, [0] * params.n)
+        self._groups[request_id] = group
+        for s in seqs:
+            self._group_of[s] = group
+            self.scheduler.add(s)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every sequence of the request and free its blocks now. False if unknown."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for s in group.seqs:
+            self.scheduler.finish(s, "abort")
+            self._group_of.pop(s, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        sampled, logprobs = self.runner.execute(out)
+        for req, lp in logprobs.items():
+            req.logprobs.append(lp)
+        self.scheduler.update(out, sampled)
+        self.num_generated_tokens += len(sampled)
+
+        touched: dict[_Group, None] = {}
+        for req, token in sampled.items():
+            group = self._group_of[req]
+            touched[group] = None
+            p = req.params
+            hidden = (token in self.eos_token_ids and p.skip_special_tokens) or \
+                (req.stop_reason == token and not p.include_stop_str_in_output)
+            stop_str = group.detoks[group.seqs.index(req)].add_token(token, emit=not hidden)
+            if stop_str is not None and not req.finished:
+                self.scheduler.finish(req, "stop")
+                req.stop_reason = stop_str
+        return [self._output(g) for g in touched]
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, (seq, detok) in enumerate(zip(group.seqs, group.detoks)):
+            new_ids = seq.output_token_ids[group.sent_tokens[i]:]
+            group.sent_tokens[i] = len(seq.output_token_ids)
+            outs.append(CompletionOutput(
+                index=i, text=detok.text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                delta_text=detok.pop_delta(seq.finished), delta_token_ids=new_ids))
+        finished = all(s.finished for s in group.seqs)
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for s in group.seqs:
+                self._group_of.pop(s, None)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
+                             sum(s.num_preemptions for s in group.seqs))
+
+    def stats(self) -> dict:
+        bm, sch = self.block_manager, self.scheduler
+        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
+                "kv_usage": bm.usage(), "running": len(sch.running), "waiting": len(sch.waiting),
+                "num_preemptions": sch.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
+                "max_model_len": self.max_model_len}
+
+
+class _FastDecoder:
+    """Decode through the Rust tokenizer directly: the Python wrapper costs ~10x more per call."""
+
+    def __init__(self, tokenizer):
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        self._slow = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._slow.decode(ids, skip_special_tokens=skip_special_tokens)

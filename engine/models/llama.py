@@ -1,0 +1,195 @@
+"""The Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+The differences are config flags, so one file covers them. Weights are fused at load time
+(q/k/v into qkv, gate/up into gate_up) so each layer runs 4 GEMMs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.errors import UnsupportedModelError
+from engine.layers.norm import add_rms_norm, rms_norm
+from engine.layers.rotary import RotaryCache
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs from config.json, normalized across transformers versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    def num_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeds + h
+
+    @classmethod
+    def from_hf(cls, cfg: dict, generation_cfg: dict | None = None) -> "ModelSpec":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architectures {archs} not supported; this engine runs {', '.join(ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        # transformers 5 writes rope_parameters; 4.x writes rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = []
+        for src in (generation_cfg or {}, cfg):
+            e = src.get("eos_token_id")
+            eos += e if isinstance(e, list) else ([e] if e is not None else [])
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelSpec, dtype, device):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, s.hidden_size, **kw), False)
+        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) \
+            if s.attention_bias else None
+        self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **kw), False)
+        self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.hidden_size, **kw), False)
+        self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **kw), False)
+        self.input_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
+        self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
+        self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int):
+        super().__init__()
+        s = self.spec = spec
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
+        self.layers = nn.ModuleList(DecoderLayer(s, dtype, device) for _ in range(s.num_layers))
+        self.norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
+        self.lm_head = self.embed if s.tie_word_embeddings else \
+            nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
+        self.rotary = RotaryCache(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                attn, meta) -> torch.Tensor:
+        """input_ids, positions: [T]. kv_caches: [layers, 2, blocks, block_size, kv_heads, head_dim].
+        Returns the final hidden states before the last norm: [T, hidden]."""
+        s = self.spec
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, x = h, rms_norm(h, layer.input_norm, s.rms_norm_eps)
+            else:
+                x, residual = add_rms_norm(h, residual, layer.input_norm, s.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+            q = q.view(-1, s.num_heads, s.head_dim)
+            k = k.view(-1, s.num_kv_heads, s.head_dim)
+            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
+            q, k = self.rotary.apply(q, k, positions)
+            o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta)  # [T, H, D]
+            h = F.linear(o.reshape(-1, layer.q_size), layer.o_proj)
+            x, residual = add_rms_norm(h, residual, layer.post_norm, s.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, layer.down)
+        return h + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32
+        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+    def load_weights(self, weights) -> None:
+        """Copy HF-named tensors into the fused parameters as they stream in."""
+        s = self.spec
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        fused = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
+                 "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter)}
+        plain = {"o_proj": "o_proj", "down_proj": "down", "input_layernorm": "input_norm",
+                 "post_attention_layernorm": "post_norm", "q_norm": "q_norm", "k_norm": "k_norm"}
+        seen: set[str] = set()
+        for name, t in weights:
+            if "rotary_emb" in name:
+                continue
+            if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+                if name == "lm_head.weight" and s.tie_word_embeddings:
+                    continue
+                target = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
+                          "lm_head.weight": self.lm_head}[name]
+                _copy(target, t, name)
+                seen.add(name)
+                continue
+            parts = name.split(".")  # model.layers.{i}.{self_attn|mlp|...}.{proj}.{weight|bias}
+            if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+                raise UnsupportedModelError(f"unexpected weight {name!r}")
+            layer, proj, kind = self.layers[int(parts[2])], parts[-2], parts[-1]
+            if proj in fused:
+                attr, off, size = fused[proj]
+                if kind == "bias":
+                    attr = "qkv_bias"
+                _copy(getattr(layer, attr).narrow(0, off, size), t, name)
+            elif proj in plain and kind == "weight":
+                _copy(getattr(layer, plain[proj]), t, name)
+            else:
+                raise UnsupportedModelError(f"unexpected weight {name!r}")
+            seen.add(name)
+        need = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not s.tie_word_embeddings:
+            need.add("lm_head.weight")
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            need |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
+            need |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        missing = sorted(need - seen)
+        if missing:
+            raise UnsupportedModelError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise UnsupportedModelError(f"weight {name}: shape {tuple(src.shape)} does not match config "
+                                    f"({tuple(dst.shape)})")
+    dst.copy_(src)

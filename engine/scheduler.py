@@ -1,0 +1,123 @@
+"""Token-budget scheduler: chunked prefill mixed with decodes, recompute preemption. Pure Python."""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.types import Request, RequestStatus, SchedulerOutput
+
+
+class Scheduler:
+    """Each step spends at most `max_num_batched_tokens` tokens over at most `max_num_seqs` requests.
+
+    Running requests go first (one token per decode, the next chunk for an unfinished prefill); waiting
+    requests fill what is left, a chunk at a time. When blocks run out, the most recently admitted running
+    request is preempted by recompute: its blocks are freed and it goes back to the front of the queue."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput(requests=[], num_scheduled_tokens=[])
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(req, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.PREEMPTED:
+                break
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+            i += 1
+
+        # Admit waiting requests only when nothing was preempted this step: otherwise the
+        # freed blocks would be handed straight to a newcomer and the victim would starve.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.bm.allocate_slots(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
+
+        `sampled` maps the requests that produced a token this step to it. Returns the newly finished."""
+        finished = []
+        for req, n in zip(out.requests, out.num_scheduled_tokens):
+            req.num_computed_tokens += n
+            token = sampled.get(req)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        p = req.params
+        num_out = len(req.output_token_ids)
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+        if p.max_tokens is not None and num_out >= p.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove `req` wherever it is and free its blocks. Safe to call twice."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.bm.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

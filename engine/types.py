@@ -1,0 +1,172 @@
+"""Plain dataclasses that form the contracts between stages. Pure Python: no torch here."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's names and defaults. Validated on construction; errors name the field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "must be an integer >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "must be an integer in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} {why}", field=name)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"SamplingParams.min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
+                field="min_tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence the scheduler runs. A request with n > 1 becomes n of these (see LLMEngine)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache. Reset to 0 by recompute preemption.
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)  # owned by BlockManager
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Per-position top-N logprobs, filled by the engine when params.logprobs is set.
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Seeded requests carry their own RNG state (a torch.Generator), owned by the sampler.
+    generator: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the full list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step. The runner reads it; nothing here is a tensor."""
+
+    # Requests in batch order, and how many new tokens each contributes
+    # (a decode contributes 1; a prefill chunk contributes up to the token budget).
+    requests: list[Request]
+    num_scheduled_tokens: list[int]
+    # Requests preempted this step (their blocks are already freed).
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n sequences of a request. `text`/`token_ids` are cumulative; `delta_*` is what is new."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_preemptions: int = 0

