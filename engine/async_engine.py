@@ -115,9 +115,9 @@ class AsyncEngine:
                     eng.abort(rid)
                     self._send(rid, EngineError(f"engine step failed: {e!r}"))
                 continue
+            self._stats = eng.stats()
             for out in outputs:
                 self._send(out.request_id, out)
-            self._stats = eng.stats()
             interval = eng.cfg.log_stats_interval
             if interval and time.monotonic() - last_log >= interval:
                 last_log = time.monotonic()

@@ -1,0 +1,352 @@
+"""Offline throughput: our engine against HF transformers peers, in one process run, on the same prompts.
+
+Method (`vllm bench throughput`'s): N requests of random token ids (seeded, so every peer gets the identical
+token-id prompts), prompt and output lengths uniform in the given ranges, ignore_eos, greedy, all submitted at
+t=0. Each peer gets one timed call over all N requests, after an untimed warmup; model loading and cache set-up
+sit outside the timed region. Output tok/s counts only each request's own out_len tokens ("useful" tokens):
+tokens a padded batch generates past a request's out_len are waste. Total tok/s = (prompt + output) / wall.
+
+Peers:
+  ours      LLM(...).generate(prompts, per-request SamplingParams)
+  hf-pad64  model.generate, one left-padded batch of all N; every row generates max(out_len) tokens
+  hf-pad16  the same in batches of 16, in submission order
+  hf-cb     HF continuous batching (the ContinuousBatchingManager behind generate_batch), one add_request per
+            request with its own max_new_tokens; explicit num_blocks and max_batch_tokens
+  hf-cb-gb  (opt-in) model.generate_batch as a user calls it: one max_new_tokens for all, set-up timed too
+
+Roofline: this run also measures a bf16 2048^3 matmul (GFLOP/s). Workload FLOPs = 2 * non-embedding params *
+(prompt + output tokens) + 2 * vocab * hidden * output tokens (lm_head on sampled rows); attention is left out.
+Each peer's GFLOP/s = workload FLOPs / wall, and its share of the roofline = that / matmul rate.
+
+Engine overhead: a separate run of decode-heavy requests (prompt 32, 128 out) with LLMEngine.step and the model's
+forward + compute_logits wrapped in perf_counter accumulators (in this script only); at full-batch decode steps,
+overhead = 1 - forward / step.
+
+Usage: python bench/throughput.py                 # full run, writes docs/benchmarks.md + docs/throughput.png
+       python bench/throughput.py --quick         # 8 short requests, prints only (smoke test)
+       python bench/throughput.py --tune          # also tries hf-cb at several max_batch_tokens
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import default_model_path, gemm_gflops, machine_line, sync, write_section  # noqa: E402
+
+from engine.loader import read_json  # noqa: E402
+from engine.models.llama import ModelSpec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+PAD_ID = 2  # <|im_end|>, SmolLM2's eos = pad
+LOW_ID = 20  # below this are SmolLM2's special tokens
+PEERS = ("ours", "hf-pad64", "hf-pad16", "hf-cb", "hf-cb-gb")
+CB_PAGE = 256  # HF's default page_size
+CB_MAX_BATCH_TOKENS = 512  # default for hf-cb; see --tune
+TUNE_MBT = (256, 512, 1024)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    out_lens: list[int]
+
+    @property
+    def n_prompt(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def n_out(self) -> int:
+        return sum(self.out_lens)
+
+
+def make_workload(n, pmin, pmax, omin, omax, vocab, seed) -> Workload:
+    rng = np.random.default_rng(seed)
+    plens, olens = rng.integers(pmin, pmax + 1, n), rng.integers(omin, omax + 1, n)
+    return Workload([rng.integers(LOW_ID, vocab, int(p)).tolist() for p in plens], [int(o) for o in olens])
+
+
+def timed(fn, device):
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+# ---- ours -----------------------------------------------------------------------------------------
+def build_llm(path, spec, args, workloads):
+    from engine import LLM
+    from engine.kv_cache import kv_bytes_per_token
+
+    blocks = max(sum(math.ceil((len(p) + o) / 16) for p, o in zip(w.prompts, w.out_lens)) for w in workloads)
+    mem = (blocks + 16) * 16 * kv_bytes_per_token(spec, DTYPES[args.dtype])
+    return LLM(model=str(path), dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=args.max_batched_tokens,
+               kv_cache_memory=mem, log_stats_interval=0)
+
+
+def ours_generate(llm, wl: Workload) -> None:
+    from engine import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in wl.out_lens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == wl.out_lens, "ours: wrong output lengths"
+
+
+def engine_overhead(llm, wl: Workload, device) -> dict:
+    """Time every step and the model's forward + lm_head inside it; report full-batch decode steps."""
+    eng, model = llm.engine, llm.engine.runner.model
+    acc, steps, shape = [0.0], [], [0, 0]
+
+    def wrap(fn):
+        def inner(*a, **k):
+            sync(device)
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            sync(device)
+            acc[0] += time.perf_counter() - t
+            return r
+        return inner
+
+    def execute(out, _orig=eng.runner.execute):
+        shape[:] = [len(out.requests), out.total_tokens]
+        return _orig(out)
+
+    def step(_orig=eng.step):
+        f0, t = acc[0], time.perf_counter()
+        r = _orig()
+        sync(device)
+        steps.append((*shape, time.perf_counter() - t, acc[0] - f0))
+        return r
+
+    model.forward, model.compute_logits = wrap(model.forward), wrap(model.compute_logits)
+    eng.runner.execute, eng.step = execute, step
+    try:
+        ours_generate(llm, wl)
+    finally:
+        for obj, name in ((model, "forward"), (model, "compute_logits"), (eng.runner, "execute"), (eng, "step")):
+            delattr(obj, name)
+    batch = max(s[0] for s in steps)
+    dec = [s for s in steps if s[0] == batch and s[1] == batch]  # every running request decodes one token
+    step_ms, fwd_ms = (1e3 * sum(s[i] for s in dec) / len(dec) for i in (2, 3))
+    all_step, all_fwd = sum(s[2] for s in steps), sum(s[3] for s in steps)
+    return dict(batch=batch, n_steps=len(dec), step_ms=step_ms, fwd_ms=fwd_ms, overhead=1 - fwd_ms / step_ms,
+                all_overhead=1 - all_fwd / all_step)
+
+
+# ---- HF transformers --------------------------------------------------------------------------------
+def hf_padded(model, wl: Workload, batch: int, device) -> None:
+    for i in range(0, len(wl.prompts), batch):
+        ps, m = wl.prompts[i:i + batch], max(wl.out_lens[i:i + batch])
+        width = max(map(len, ps))
+        ids = torch.full((len(ps), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(ps):  # left padding
+            ids[j, width - len(p):], mask[j, width - len(p):] = torch.tensor(p), 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=m,
+                             min_new_tokens=m, do_sample=False, pad_token_id=PAD_ID)  # min_new: EOS can't stop a row
+        assert out.shape == (len(ps), width + m), f"hf-pad{batch}: got {tuple(out.shape)}"
+
+
+def cb_config(wl: Workload, max_batch_tokens: int, out_lens=None):
+    from transformers import ContinuousBatchingConfig
+
+    out_lens = out_lens or wl.out_lens
+    blocks = sum(math.ceil((len(p) + o) / CB_PAGE) for p, o in zip(wl.prompts, out_lens)) + 2
+    return ContinuousBatchingConfig(page_size=CB_PAGE, num_blocks=blocks, max_batch_tokens=max_batch_tokens)
+
+
+def hf_cb(model, wl: Workload, max_batch_tokens: int, device) -> float:
+    """The manager API, so each request gets its own max_new_tokens. Returns the timed seconds (submission of
+    the first request to the last result); cache allocation and thread start happen before."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    n = len(wl.prompts)
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID, max_new_tokens=max(wl.out_lens))
+    hints = WorkloadHints(max(map(len, wl.prompts)), max(wl.out_lens), n)
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=30,
+                                                   continuous_batching_config=cb_config(wl, max_batch_tokens),
+                                                   workload_hints=hints) as mgr:
+        t, done = time.perf_counter(), {}
+        for i, (p, o) in enumerate(zip(wl.prompts, wl.out_lens)):
+            mgr.add_request(p, request_id=f"r{i}", max_new_tokens=o, eos_token_id=-1)  # -1: no EOS
+        while len(done) < n:
+            r = mgr.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done[r.request_id] = r
+            elif r is None and not mgr.is_running():
+                raise RuntimeError("hf-cb: the generation thread died")
+        sync(device)
+        seconds = time.perf_counter() - t
+    got = [len(done[f"r{i}"].generated_tokens) for i in range(n)]
+    assert got == wl.out_lens and not any(r.error for r in done.values()), f"hf-cb: wrong outputs {got}"
+    return seconds
+
+
+def hf_cb_generate_batch(model, wl: Workload, max_batch_tokens: int) -> None:
+    from transformers import GenerationConfig
+
+    m = max(wl.out_lens)
+    gen = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID)
+    res = model.generate_batch(inputs=wl.prompts, generation_config=gen,
+                               continuous_batching_config=cb_config(wl, max_batch_tokens, [m] * len(wl.prompts)))
+    assert [len(r.generated_tokens) for r in res.values()] == [m] * len(wl.prompts), "hf-cb-gb: wrong outputs"
+
+
+# ---- report --------------------------------------------------------------------------------------
+def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
+    floor_s = flops / (peak * 1e9)
+    ours = next((r for r in rows if r[0] == "ours"), None)
+    hf = [r for r in rows if r[0] != "ours"]
+    lines = ["## Offline throughput", "",
+             f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}.", "",
+             f"Workload: {len(wl.prompts)} requests, prompt tokens uniform in [{args.min_prompt}, {args.max_prompt}] "
+             f"(sum {wl.n_prompt}), output tokens uniform in [{args.min_out}, {args.max_out}] (sum {wl.n_out}); "
+             f"random token ids (seed {args.seed}), ignore_eos, greedy, all submitted at t=0, {args.dtype}. "
+             f"Model: SmolLM2-135M-Instruct ({p_ne / 1e6:.1f} M non-embedding params, vocab {spec.vocab_size}). "
+             "One timed call per peer, all in one process run; output tok/s counts only each request's own output "
+             "tokens.", "",
+             "| peer | wall s | output tok/s | total tok/s | GFLOP/s | % of roofline | ours ÷ peer |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, s, note in rows:
+        ratio = f"{s / ours[1]:.2f}×" if ours else "–"
+        lines.append(f"| {name} | {s:.2f} | {wl.n_out / s:,.0f} | {(wl.n_prompt + wl.n_out) / s:,.0f} | "
+                     f"{flops / s / 1e9:,.0f} | {100 * floor_s / s:.1f} % | {ratio} |")
+    lines.append("")
+    if ours and hf:
+        best = min(hf, key=lambda r: r[1])
+        lines += [f"**ours vs the best HF peer ({best[0]}): {best[1] / ours[1]:.2f}× the output tok/s.**", ""]
+    lines += [f"Roofline: a bf16 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
+              f"{flops / 1e12:.2f} TFLOP (2·params·tokens + 2·vocab·hidden·output tokens; attention left out), so "
+              f"its floor is {floor_s:.2f} s, {wl.n_out / floor_s:,.0f} output tok/s.", ""]
+    if oh:
+        lines += [f"Engine overhead ({oh['n_req']} requests, prompt 32, {oh['n_out']} output tokens each): at the "
+                  f"{oh['n_steps']} decode steps of batch {oh['batch']}, a step takes {oh['step_ms']:.1f} ms, of which "
+                  f"the model forward + lm_head take {oh['fwd_ms']:.1f} ms, so **{100 * oh['overhead']:.1f} %** of "
+                  f"step time is outside the model (scheduling, input building, sampling, detokenizing); "
+                  f"{100 * oh['all_overhead']:.1f} % over all steps, prefill included.", ""]
+    lines += ["Notes:",
+              "- hf-pad*: `model.generate` on left-padded batches with an attention mask; every row generates the "
+              "batch's max out_len (`min_new_tokens = max_new_tokens`, so EOS cannot end a row), and pad positions "
+              "and surplus tokens are computed but not counted.",
+              f"- hf-cb: HF continuous batching through `continuous_batching_context_manager` + `add_request`, the "
+              f"manager `generate_batch` wraps: only `add_request` takes a per-request `max_new_tokens` "
+              f"(`generate_batch` takes one for all). EOS disabled with `eos_token_id=-1`; the cache is sized "
+              f"explicitly (page_size {CB_PAGE}, num_blocks = pages the workload needs + 2, max_batch_tokens as "
+              f"named; default {CB_MAX_BATCH_TOKENS}). Cache allocation and thread start-up are not timed.",
+              "- hf-cb-gb (when run): `generate_batch` as a user calls it, every request generating max(out_len) "
+              "tokens, set-up included in the time.",
+              "- Timings on shared machines are noisy: compare the ratios within this run, not absolute numbers.",
+              "", "![Offline throughput: output tok/s per peer](throughput.png)"]
+    return "\n".join(lines)
+
+
+def plot(rows, wl, floor_s, png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, tps = [r[0] for r in rows], [wl.n_out / r[1] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.8))
+    bars = ax.barh(names, tps, color=["tab:green" if n == "ours" else "tab:gray" for n in names])
+    ax.bar_label(bars, fmt="{:,.0f}", padding=3)
+    ax.axvline(wl.n_out / floor_s, ls="--", color="tab:red", label="bf16 GEMM roofline")
+    ax.invert_yaxis()
+    ax.set_xlabel("useful output tokens / s (higher is better)")
+    ax.set_title(f"Offline throughput, SmolLM2-135M, {len(wl.prompts)} requests")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-out", type=int, default=16)
+    ap.add_argument("--max-out", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    ap.add_argument("--peers", default="ours,hf-pad64,hf-pad16,hf-cb", help=f"comma list of {','.join(PEERS)}")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048, help="ours: max_num_batched_tokens")
+    ap.add_argument("--cb-max-batch-tokens", type=int, default=CB_MAX_BATCH_TOKENS, help="hf-cb: max_batch_tokens")
+    ap.add_argument("--tune", action="store_true", help=f"also run hf-cb at max_batch_tokens {TUNE_MBT}")
+    ap.add_argument("--quick", action="store_true", help="8 short requests; prints only unless --docs-dir")
+    ap.add_argument("--docs-dir", type=Path, default=None, help="where to write (default docs/, none with --quick)")
+    args = ap.parse_args()
+    oh_n, oh_out = 64, 128
+    if args.quick:
+        args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out = 8, 16, 64, 4, 32
+        oh_n, oh_out = 8, 16
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if bad := set(peers) - set(PEERS):
+        ap.error(f"unknown peers {sorted(bad)}; choose from {PEERS}")
+    docs = args.docs_dir or (None if args.quick else REPO / "docs")
+    cmd = "python bench/throughput.py " + " ".join(sys.argv[1:])
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = DTYPES[args.dtype]
+
+    path = default_model_path()
+    spec = ModelSpec.from_hf(read_json(path / "config.json"), read_json(path / "generation_config.json"))
+    p_ne = spec.num_params() - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    wl = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out,
+                       spec.vocab_size, args.seed)
+    flops = 2 * p_ne * (wl.n_prompt + wl.n_out) + 2 * spec.vocab_size * spec.hidden_size * wl.n_out
+    peak = gemm_gflops(dtype, device)
+    print(f"{len(wl.prompts)} requests, {wl.n_prompt} prompt + {wl.n_out} output tokens; matmul {peak:.0f} GFLOP/s",
+          flush=True)
+    rows, oh = [], None
+
+    def record(name, seconds, note=""):
+        rows.append((name, seconds, note))
+        print(f"  {name:<16} {seconds:7.2f} s  {wl.n_out / seconds:8.1f} output tok/s", flush=True)
+
+    if "ours" in peers:
+        oh_wl = make_workload(oh_n, 32, 32, oh_out, oh_out, spec.vocab_size, args.seed + 1)
+        llm = build_llm(path, spec, args, [wl, oh_wl])
+        ours_generate(llm, Workload([wl.prompts[0][:16]] * 2, [4, 4]))  # warmup
+        record("ours", timed(lambda: ours_generate(llm, wl), device))
+        oh = engine_overhead(llm, oh_wl, device) | dict(n_req=oh_n, n_out=oh_out)
+        print(f"  engine overhead at batch {oh['batch']}: step {oh['step_ms']:.1f} ms, forward {oh['fwd_ms']:.1f} ms, "
+              f"{100 * oh['overhead']:.1f} % outside the model", flush=True)
+        del llm
+        gc.collect()
+    if set(peers) - {"ours"}:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        model.generate(torch.tensor([wl.prompts[0][:16]], device=device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=PAD_ID)  # warmup
+        for bs in (64, 16):
+            if f"hf-pad{bs}" in peers:
+                record(f"hf-pad{bs}", timed(lambda: hf_padded(model, wl, bs, device), device))
+        if "hf-cb" in peers:
+            for mbt in sorted({args.cb_max_batch_tokens, *(TUNE_MBT if args.tune else ())}):
+                record("hf-cb" + (f" mbt={mbt}" if args.tune else ""), hf_cb(model, wl, mbt, device))
+        if "hf-cb-gb" in peers:
+            record("hf-cb-gb", timed(lambda: hf_cb_generate_batch(model, wl, args.cb_max_batch_tokens), device))
+
+    md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device))
+    print("\n" + md)
+    if docs is not None:
+        write_section(docs / "benchmarks.md", "throughput", md)
+        plot(rows, wl, flops / (peak * 1e9), docs / "throughput.png")
+        print(f"\nwrote {docs / 'benchmarks.md'} and {docs / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()
