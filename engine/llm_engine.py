@@ -13,7 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCapacity, allocate, plan_capacity
 from engine.layers.attention import TorchAttention
-from engine.loader import iter_weights, read_json, resolve_model_path
+from engine.loader import iter_weights, read_json, resolve_model_path, safetensors_files
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.scheduler import Scheduler
@@ -45,6 +45,7 @@ class LLMEngine:
         self.device = torch.device(cfg.device if cfg.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_path = resolve_model_path(cfg)
+        safetensors_files(self.model_path)  # refuse pickle-only checkpoints before anything else
         hf_cfg = read_json(self.model_path / "config.json")
         self.spec = ModelSpec.from_hf(hf_cfg, read_json(self.model_path / "generation_config.json"))
         self.dtype = _DTYPES.get(cfg.dtype, torch.bfloat16)

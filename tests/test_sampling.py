@@ -1,0 +1,129 @@
+"""Sampler: seeds independent of the batch, penalties as vLLM defines them, top-k/top-p/min-p, n > 1."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import Sampler
+from engine.types import Request
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=str(tiny_llama), dtype="float32", log_stats_interval=0)
+
+
+PROMPT = {"prompt_token_ids": [5, 17, 33, 90, 4, 61]}
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seed_reproduces_alone_and_inside_a_batch(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPT, p)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [7 + i, 8 + 2 * i, 9]} for i in range(16)]
+    other_params = [SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True,
+                                   seed=None if i % 2 else i) for i in range(16)]
+    batch = llm.generate(others[:8] + [PROMPT] + others[8:], other_params[:8] + [p] + other_params[8:])
+    assert batch[8].outputs[0].token_ids == alone
+    # the check can fail: another seed gives another sequence
+    other_seed = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24,
+                                                     ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_sequences(llm):
+    out = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    greedy = llm.generate(PROMPT, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def _req(output_ids, prompt_ids=(1,), **kw):
+    return Request("r", list(prompt_ids), SamplingParams(**kw), eos_token_ids=frozenset({2}),
+                   output_token_ids=list(output_ids))
+
+
+def test_penalties_match_vllm_definition():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 10) * 3
+    s = Sampler(10, torch.device("cpu"))
+    r = _req([3, 3, 5], prompt_ids=[7], temperature=0, repetition_penalty=1.5, frequency_penalty=0.4,
+             presence_penalty=0.3)
+    ref = logits.clone()[0]
+    for t in (3, 5, 7):  # repetition: prompt and output tokens
+        ref[t] = ref[t] / 1.5 if ref[t] > 0 else ref[t] * 1.5
+    ref[3] -= 0.4 * 2 + 0.3  # frequency x count + presence, output tokens only
+    ref[5] -= 0.4 * 1 + 0.3
+    work = logits.clone()
+    s._apply_penalties(work, [r])
+    torch.testing.assert_close(work[0], ref)
+    # and the sampler picks the argmax of the penalized logits
+    tokens, _ = s(logits.clone(), [r])
+    assert tokens == [int(ref.argmax())]
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.full((1, 10), -5.0)
+    logits[0, 2] = 10.0  # eos is the clear favourite
+    logits[0, 4] = 9.0
+    logits[0, 6] = 1.0
+    s = Sampler(10, torch.device("cpu"))
+    assert s(logits.clone(), [_req([], temperature=0)])[0] == [2]
+    assert s(logits.clone(), [_req([], temperature=0, min_tokens=2, stop_token_ids=[4])])[0] == [6]
+    assert s(logits.clone(), [_req([1, 1], temperature=0, min_tokens=2)])[0] == [2]
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    torch.manual_seed(0)
+    logits = torch.tensor([[4.0, 3.9, 3.0, 1.0, 0.0, -1.0]])
+    s = Sampler(6, torch.device("cpu"))
+
+    def support(**kw):
+        seen = set()
+        for seed in range(300):
+            r = _req([], temperature=1.0, seed=seed, **kw)
+            r.generator = torch.Generator().manual_seed(seed)
+            seen.add(s(logits.clone(), [r])[0][0])
+        return seen
+
+    assert support() >= {0, 1, 2, 3}  # unrestricted: more than any restricted support below
+    assert support(top_k=2) == {0, 1}
+    assert support(top_p=0.5) == {0, 1}  # p(0) ~ 0.43 < 0.5, so token 1 is needed too
+    assert support(min_p=0.3) == {0, 1, 2}  # p(2)/p(0) = e^-1 ~ 0.37
+
+
+def test_logprobs_are_raw_and_include_sampled_token():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    s = Sampler(4, torch.device("cpu"))
+    r = _req([], temperature=0, logprobs=2, repetition_penalty=2.0, prompt_ids=[2])
+    tokens, lps = s(logits.clone(), [r])
+    raw = torch.log_softmax(logits[0], -1)
+    assert tokens == [1]  # the penalty moved the argmax away from token 2 ...
+    assert set(lps[0]) == {2, 1}  # ... but logprobs are from the raw logits: top-2 is {2, 1}
+    assert lps[0][2] == pytest.approx(raw[2].item())
+    assert lps[0][1] == pytest.approx(raw[1].item())
+
+
+def test_stop_strings_and_stop_ids_in_engine(llm):
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(base.text) > 6
+    stop = base.text[3:6]  # spans whatever tokens it spans
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop and c.text == base.text[:base.text.index(stop)]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                              include_stop_str_in_output=True))
+    assert out[0].outputs[0].text == base.text[:base.text.index(stop) + len(stop)]
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_id and c.token_ids == base.token_ids[:first + 1]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 5
