@@ -1,13 +1,17 @@
-"""Shared helpers for the scripts in bench/: the default model, the GEMM roofline, the machine line, and
-writing one marked section of docs/benchmarks.md."""
+"""Shared helpers for the scripts in bench/: the default model, a seeded token-id workload, timing, the GEMM
+roofline, the machine line, and writing one marked section of docs/benchmarks.md."""
 from __future__ import annotations
 
 import platform
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+
+LOW_ID = 20  # SmolLM2's special tokens sit below this id
 
 
 def default_model_path() -> Path:
@@ -38,6 +42,35 @@ def gemm_gflops(dtype: torch.dtype, device: str = "cpu", n: int = 2048, reps: in
     return 2 * n ** 3 / best / 1e9
 
 
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    out_lens: list[int]
+
+    @property
+    def n_prompt(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def n_out(self) -> int:
+        return sum(self.out_lens)
+
+
+def make_workload(n, pmin, pmax, omin, omax, vocab, seed, low_id=LOW_ID) -> Workload:
+    """n requests of random token ids in [low_id, vocab); lengths uniform in the closed ranges; seeded."""
+    rng = np.random.default_rng(seed)
+    plens, olens = rng.integers(pmin, pmax + 1, n), rng.integers(omin, omax + 1, n)
+    return Workload([rng.integers(low_id, vocab, int(p)).tolist() for p in plens], [int(o) for o in olens])
+
+
+def timed(fn, device):
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
 def machine_line(device: str) -> str:
     cpu = platform.processor() or ""
     try:
@@ -47,7 +80,7 @@ def machine_line(device: str) -> str:
     gpu = f", {torch.cuda.get_device_name()}" if device.startswith("cuda") else ""
     import transformers
 
-    return (f"{cpu or 'unknown CPU'}, {torch.get_num_threads()} torch threads{gpu}; torch {torch.__version__}, "
+    return (f"{cpu or 'unknown CPU'}, torch threads: {torch.get_num_threads()}{gpu}; torch {torch.__version__}, "
             f"transformers {transformers.__version__}")
 
 

@@ -22,6 +22,9 @@ Engine overhead: a separate run of decode-heavy requests (prompt 32, 128 out) wi
 forward + compute_logits wrapped in perf_counter accumulators (in this script only); at full-batch decode steps,
 overhead = 1 - forward / step.
 
+On a shared 2-core machine, 2 torch threads oversubscribe the cores and every peer slows several-fold: run
+when the machine is idle, or pass --threads 1.
+
 Usage: python bench/throughput.py                 # full run, writes docs/benchmarks.md + docs/throughput.png
        python bench/throughput.py --quick         # 8 short requests, prints only (smoke test)
        python bench/throughput.py --tune          # also tries hf-cb at several max_batch_tokens
@@ -34,14 +37,13 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import default_model_path, gemm_gflops, machine_line, sync, write_section  # noqa: E402
+from _common import (Workload, default_model_path, gemm_gflops, machine_line, make_workload,  # noqa: E402
+                     sync, timed, write_section)
 
 from engine.loader import read_json  # noqa: E402
 from engine.models.llama import ModelSpec  # noqa: E402
@@ -49,39 +51,10 @@ from engine.models.llama import ModelSpec  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 PAD_ID = 2  # <|im_end|>, SmolLM2's eos = pad
-LOW_ID = 20  # below this are SmolLM2's special tokens
 PEERS = ("ours", "hf-pad64", "hf-pad16", "hf-cb", "hf-cb-gb")
 CB_PAGE = 256  # HF's default page_size
-CB_MAX_BATCH_TOKENS = 512  # default for hf-cb; see --tune
+CB_MAX_BATCH_TOKENS = 512  # hf-cb default: 256/512/1024 were within 4 % in a --tune run (16 requests)
 TUNE_MBT = (256, 512, 1024)
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    out_lens: list[int]
-
-    @property
-    def n_prompt(self) -> int:
-        return sum(map(len, self.prompts))
-
-    @property
-    def n_out(self) -> int:
-        return sum(self.out_lens)
-
-
-def make_workload(n, pmin, pmax, omin, omax, vocab, seed) -> Workload:
-    rng = np.random.default_rng(seed)
-    plens, olens = rng.integers(pmin, pmax + 1, n), rng.integers(omin, omax + 1, n)
-    return Workload([rng.integers(LOW_ID, vocab, int(p)).tolist() for p in plens], [int(o) for o in olens])
-
-
-def timed(fn, device):
-    sync(device)
-    t = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t
 
 
 # ---- ours -----------------------------------------------------------------------------------------
@@ -137,7 +110,7 @@ def engine_overhead(llm, wl: Workload, device) -> dict:
         for obj, name in ((model, "forward"), (model, "compute_logits"), (eng.runner, "execute"), (eng, "step")):
             delattr(obj, name)
     batch = max(s[0] for s in steps)
-    dec = [s for s in steps if s[0] == batch and s[1] == batch]  # every running request decodes one token
+    dec = [s for s in steps if s[0] == batch and s[1] == batch] or steps  # full batch, each request decodes 1
     step_ms, fwd_ms = (1e3 * sum(s[i] for s in dec) / len(dec) for i in (2, 3))
     all_step, all_fwd = sum(s[2] for s in steps), sum(s[3] for s in steps)
     return dict(batch=batch, n_steps=len(dec), step_ms=step_ms, fwd_ms=fwd_ms, overhead=1 - fwd_ms / step_ms,
@@ -219,7 +192,7 @@ def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
              "tokens.", "",
              "| peer | wall s | output tok/s | total tok/s | GFLOP/s | % of roofline | ours ÷ peer |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, s, note in rows:
+    for name, s in rows:
         ratio = f"{s / ours[1]:.2f}×" if ours else "–"
         lines.append(f"| {name} | {s:.2f} | {wl.n_out / s:,.0f} | {(wl.n_prompt + wl.n_out) / s:,.0f} | "
                      f"{flops / s / 1e9:,.0f} | {100 * floor_s / s:.1f} % | {ratio} |")
@@ -227,7 +200,7 @@ def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
     if ours and hf:
         best = min(hf, key=lambda r: r[1])
         lines += [f"**ours vs the best HF peer ({best[0]}): {best[1] / ours[1]:.2f}× the output tok/s.**", ""]
-    lines += [f"Roofline: a bf16 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
+    lines += [f"Roofline: a {args.dtype} 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
               f"{flops / 1e12:.2f} TFLOP (2·params·tokens + 2·vocab·hidden·output tokens; attention left out), so "
               f"its floor is {floor_s:.2f} s, {wl.n_out / floor_s:,.0f} output tok/s.", ""]
     if oh:
@@ -237,17 +210,13 @@ def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
                   f"step time is outside the model (scheduling, input building, sampling, detokenizing); "
                   f"{100 * oh['all_overhead']:.1f} % over all steps, prefill included.", ""]
     lines += ["Notes:",
-              "- hf-pad*: `model.generate` on left-padded batches with an attention mask; every row generates the "
-              "batch's max out_len (`min_new_tokens = max_new_tokens`, so EOS cannot end a row), and pad positions "
-              "and surplus tokens are computed but not counted.",
-              f"- hf-cb: HF continuous batching through `continuous_batching_context_manager` + `add_request`, the "
-              f"manager `generate_batch` wraps: only `add_request` takes a per-request `max_new_tokens` "
-              f"(`generate_batch` takes one for all). EOS disabled with `eos_token_id=-1`; the cache is sized "
-              f"explicitly (page_size {CB_PAGE}, num_blocks = pages the workload needs + 2, max_batch_tokens as "
-              f"named; default {CB_MAX_BATCH_TOKENS}). Cache allocation and thread start-up are not timed.",
-              "- hf-cb-gb (when run): `generate_batch` as a user calls it, every request generating max(out_len) "
-              "tokens, set-up included in the time.",
-              "- Timings on shared machines are noisy: compare the ratios within this run, not absolute numbers.",
+              "- hf-pad*: `model.generate` on left-padded batches; each row generates its batch's max out_len "
+              "(`min_new_tokens = max_new_tokens`, so EOS cannot end it); padding and surplus tokens are not counted.",
+              "- hf-cb: the manager behind `generate_batch`, driven by `add_request`, which alone takes a per-request "
+              f"`max_new_tokens`; EOS off (`eos_token_id=-1`); page_size {CB_PAGE}, num_blocks = the pages the "
+              f"workload needs + 2, max_batch_tokens {args.cb_max_batch_tokens} unless named. Cache set-up is untimed.",
+              "- hf-cb-gb (if run): `generate_batch` itself: one max_new_tokens for all, set-up timed.",
+              "- Timings here are noisy: compare ratios within this run, not absolute numbers.",
               "", "![Offline throughput: output tok/s per peer](throughput.png)"]
     return "\n".join(lines)
 
@@ -261,7 +230,7 @@ def plot(rows, wl, floor_s, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.8))
     bars = ax.barh(names, tps, color=["tab:green" if n == "ours" else "tab:gray" for n in names])
     ax.bar_label(bars, fmt="{:,.0f}", padding=3)
-    ax.axvline(wl.n_out / floor_s, ls="--", color="tab:red", label="bf16 GEMM roofline")
+    ax.axvline(wl.n_out / floor_s, ls="--", color="tab:red", label="GEMM roofline")
     ax.invert_yaxis()
     ax.set_xlabel("useful output tokens / s (higher is better)")
     ax.set_title(f"Offline throughput, SmolLM2-135M, {len(wl.prompts)} requests")
@@ -283,6 +252,7 @@ def main() -> None:
     ap.add_argument("--peers", default="ours,hf-pad64,hf-pad16,hf-cb", help=f"comma list of {','.join(PEERS)}")
     ap.add_argument("--max-batched-tokens", type=int, default=2048, help="ours: max_num_batched_tokens")
     ap.add_argument("--cb-max-batch-tokens", type=int, default=CB_MAX_BATCH_TOKENS, help="hf-cb: max_batch_tokens")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every peer")
     ap.add_argument("--tune", action="store_true", help=f"also run hf-cb at max_batch_tokens {TUNE_MBT}")
     ap.add_argument("--quick", action="store_true", help="8 short requests; prints only unless --docs-dir")
     ap.add_argument("--docs-dir", type=Path, default=None, help="where to write (default docs/, none with --quick)")
@@ -297,6 +267,8 @@ def main() -> None:
     docs = args.docs_dir or (None if args.quick else REPO / "docs")
     cmd = "python bench/throughput.py " + " ".join(sys.argv[1:])
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype]
 
@@ -311,8 +283,8 @@ def main() -> None:
           flush=True)
     rows, oh = [], None
 
-    def record(name, seconds, note=""):
-        rows.append((name, seconds, note))
+    def record(name, seconds):
+        rows.append((name, seconds))
         print(f"  {name:<16} {seconds:7.2f} s  {wl.n_out / seconds:8.1f} output tok/s", flush=True)
 
     if "ours" in peers:
