@@ -68,6 +68,8 @@ def plan_capacity(cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, dev
 
 
 def allocate(spec: ModelSpec, cap: KVCapacity, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # [layers, K/V, blocks, block_size, kv_heads, head_dim]. Zeros, so stale slots are finite.
-    return torch.zeros(spec.num_layers, 2, cap.num_blocks, cap.block_size, spec.num_kv_heads, spec.head_dim,
+    # [layers, K/V, kv_heads, blocks, block_size, head_dim]: head-major, so a gather of blocks lands
+    # as [kv_heads, seqs, ctx, head_dim] and feeds batched matmuls without a copy. Zeros: stale slots
+    # are finite.
+    return torch.zeros(spec.num_layers, 2, spec.num_kv_heads, cap.num_blocks, cap.block_size, spec.head_dim,
                        dtype=dtype, device=device)

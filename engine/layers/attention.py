@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -24,12 +23,12 @@ class StepLayout:
 
 @dataclass
 class _Group:
-    """Sequences that share one SDPA call. Q rows are padded to the group's longest query."""
+    """Sequences that share one attention call. Q rows are padded to the group's longest query."""
 
     rows: torch.Tensor  # [G, Qmax] flat token row per (seq, query); padding repeats a valid row
     valid: torch.Tensor | None  # [G, Qmax] bool, None when no padding (all queries of length Qmax)
-    slots: torch.Tensor  # [G, L] cache slot of each context position
-    mask: torch.Tensor  # [G, 1, Qmax, L] bool: key visible to query
+    blocks: torch.Tensor  # [G * nblk] block ids, row-major; context position j is in block j // bs
+    mask: torch.Tensor  # [G, 1, Qmax, L] bool (L = nblk * bs): key visible to query
 
 
 @dataclass
@@ -59,8 +58,7 @@ class TorchAttention:
         qmax = max(qlens[i] for i in idx)
         nblk = max(len(block_tables[i]) for i in idx)
         tables = torch.tensor([block_tables[i] + [0] * (nblk - len(block_tables[i])) for i in idx],
-                              dtype=torch.int64)
-        slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(idx), nblk * bs)  # [G, L]
+                              dtype=torch.int64)  # [G, nblk], padded with block 0 (masked out)
         qlen = torch.tensor([qlens[i] for i in idx])
         start = torch.tensor([qsl[i] for i in idx])
         ctx = torch.tensor([seq_lens[i] for i in idx])
@@ -71,26 +69,49 @@ class TorchAttention:
         qpos = ctx[:, None] - qlen[:, None] + qi_clamped  # absolute position of each query
         mask = torch.arange(nblk * bs)[None, None, :] <= qpos[:, :, None]  # causal, within context
         return _Group(rows=rows.to(device), valid=None if bool(valid.all()) else valid.to(device),
-                      slots=slots.to(device), mask=mask.unsqueeze(1).to(device))
+                      blocks=tables.view(-1).to(device), mask=mask.unsqueeze(1).to(device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttnMetadata) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]
+        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
         kvh, d = k.shape[1], k.shape[2]
-        k_flat = k_cache.view(-1, kvh, d)
-        v_flat = v_cache.view(-1, kvh, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
         for g in meta.groups:
-            qg = q[g.rows].transpose(1, 2)  # [G, H, Qmax, D]
-            kg = k_flat[g.slots].transpose(1, 2).to(q.dtype)  # [G, KVH, L, D]
-            vg = v_flat[g.slots].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
-                                               enable_gqa=kvh != q.shape[1])
-            o = o.transpose(1, 2)  # [G, Qmax, H, D]
+            n = g.rows.shape[0]
+            kg = _gather_blocks(k_cache, g.blocks).view(kvh, n, -1, d).to(q.dtype)  # [KVH, G, L, D]
+            vg = _gather_blocks(v_cache, g.blocks).view(kvh, n, -1, d).to(q.dtype)
+            o = self._attend(q[g.rows], kg, vg, g.mask)  # [G, Qmax, H, D]
             if g.valid is None:
                 out[g.rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:
                 out[g.rows[g.valid]] = o[g.valid]
         return out
+
+    def _attend(self, q, k, v, mask):
+        """Grouped-query attention as two batched matmuls with fp32 softmax.
+
+        On CPU this is ~7x faster than SDPA's flash kernel for decode (one query per sequence), which
+        parallelizes poorly at that shape. q: [G, Q, H, D]; k, v: [KVH, G, L, D]; mask: [G, 1, Q, L]."""
+        n, nq, h, d = q.shape
+        kvh, L = k.shape[0], k.shape[2]
+        rep = h // kvh
+        # head h reads kv head h // rep: the rep query heads of a kv head become extra query rows
+        qg = q.view(n, nq, kvh, rep, d).permute(2, 0, 1, 3, 4).reshape(kvh, n, nq * rep, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [KVH, G, Q*rep, L]
+        m = mask.view(1, n, nq, 1, L).expand(1, n, nq, rep, L).reshape(1, n, nq * rep, L)
+        probs = scores.masked_fill_(~m, float("-inf")).softmax(-1).to(v.dtype)
+        o = torch.matmul(probs, v)  # [KVH, G, Q*rep, D]
+        return o.view(kvh, n, nq, rep, d).permute(1, 2, 0, 3, 4).reshape(n, nq, h, d)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache: [KVH, num_blocks, block_size, D] -> [KVH, len(blocks), block_size, D].
+
+    One index_select per kv head along its leading dim: the contiguous fast path, ~8x faster on CPU
+    than index_select along dim 1 of the whole cache, and 5x faster than gathering slot by slot."""
+    out = cache.new_empty(cache.shape[0], blocks.numel(), *cache.shape[2:])
+    for h in range(cache.shape[0]):
+        torch.index_select(cache[h], 0, blocks, out=out[h])
+    return out
