@@ -10,7 +10,8 @@ import logging
 import sys
 import time
 
-from engine import AsyncEngine, EngineConfig, EngineError, SamplingParams
+from engine import AsyncEngine, EngineError, SamplingParams
+from handler.settings import SettingsError, load_settings
 
 
 async def _chat(eng: AsyncEngine, prompt: str, params: SamplingParams) -> int:
@@ -34,16 +35,20 @@ async def _chat(eng: AsyncEngine, prompt: str, params: SamplingParams) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompt")
-    ap.add_argument("--model", default=None, help="local dir or HF repo id in the HF cache; default: SmolLM2")
+    ap.add_argument("--model", default=None,
+                    help="local dir or HF repo id in the HF cache; default: $MODEL_NAME, else the embedded SmolLM2")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        eng = AsyncEngine(EngineConfig(model=args.model))
+        cfg = load_settings().engine_config()
+        if args.model:
+            cfg = cfg.replace(model=args.model)
+        eng = AsyncEngine(cfg)
         return asyncio.run(_chat(eng, args.prompt,
                                  SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)))
-    except EngineError as e:
+    except (EngineError, SettingsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,93 @@
+"""The only module that reads the environment. It parses worker-vllm's variable names with pydantic and
+builds the frozen EngineConfig. An invalid value fails fast with a message naming the variable."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine import EngineConfig
+
+
+class SettingsError(ValueError):
+    """An environment variable with a value we cannot use; the message names it."""
+
+
+class Settings(BaseModel):
+    """Field names are the environment variable names (worker-vllm's where one exists)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    MODEL_NAME: str | None = None  # None: the embedded default model
+    MODEL_REVISION: str = "main"
+    TOKENIZER_NAME: str | None = None
+    BASE_PATH: str | None = None  # Runpod network volume; default /runpod-volume on Runpod
+    HF_HOME: str | None = None
+    HF_HUB_CACHE: str | None = None
+    RUNPOD_POD_ID: str | None = None
+    RUNPOD_ENDPOINT_ID: str | None = None
+    MAX_MODEL_LEN: int | None = Field(default=None, ge=1)
+    DTYPE: str = "auto"
+    MAX_NUM_SEQS: int = Field(default=128, ge=1)
+    MAX_NUM_BATCHED_TOKENS: int = Field(default=2048, ge=1)
+    GPU_MEMORY_UTILIZATION: float = Field(default=0.90, gt=0, le=1)
+    KV_CACHE_MEMORY: int = Field(default=1 << 30, gt=0)  # bytes of KV pool on CPU
+    BLOCK_SIZE: int = 16
+
+    @field_validator("MODEL_NAME", "TOKENIZER_NAME", "BASE_PATH", "HF_HOME", "HF_HUB_CACHE", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("DTYPE", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v):
+        # vLLM's aliases, which worker-vllm users set
+        v = str(v).strip().lower()
+        v = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(v, v)
+        if v not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("must be auto, float32 (float), bfloat16 or float16 (half)")
+        return v
+
+    @property
+    def on_runpod(self) -> bool:
+        return bool(self.RUNPOD_POD_ID or self.RUNPOD_ENDPOINT_ID)
+
+    def cache_root(self) -> str | None:
+        """Where converted models live: BASE_PATH when set or on Runpod; else the engine's user cache."""
+        if self.BASE_PATH:
+            return self.BASE_PATH
+        return "/runpod-volume" if self.on_runpod else None
+
+    def hf_cache_dirs(self) -> tuple[str, ...]:
+        dirs = [self.HF_HUB_CACHE, self.HF_HOME and str(Path(self.HF_HOME) / "hub")]
+        root = self.cache_root()
+        if root:
+            dirs.append(str(Path(root) / "huggingface-cache" / "hub"))  # Runpod's model store layout
+        dirs.append(str(Path.home() / ".cache" / "huggingface" / "hub"))
+        return tuple(dict.fromkeys(d for d in dirs if d))
+
+    def engine_config(self) -> EngineConfig:
+        kw = dict(model=self.MODEL_NAME, revision=self.MODEL_REVISION, tokenizer=self.TOKENIZER_NAME,
+                  max_model_len=self.MAX_MODEL_LEN, dtype=self.DTYPE, max_num_seqs=self.MAX_NUM_SEQS,
+                  max_num_batched_tokens=self.MAX_NUM_BATCHED_TOKENS, block_size=self.BLOCK_SIZE,
+                  gpu_memory_utilization=self.GPU_MEMORY_UTILIZATION, kv_cache_memory=self.KV_CACHE_MEMORY,
+                  hf_cache_dirs=self.hf_cache_dirs())
+        if self.cache_root():
+            kw["cache_root"] = self.cache_root()
+        try:
+            return EngineConfig(**kw)
+        except ValueError as e:
+            raise SettingsError(f"invalid engine setting from the environment: {e}") from e
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    try:
+        return Settings.model_validate({k: v for k, v in env.items() if k in Settings.model_fields})
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = err["loc"][0] if err["loc"] else "?"
+        raise SettingsError(f"environment variable {name}={env.get(name)!r}: {err['msg']}") from None
