@@ -1,9 +1,13 @@
 """Paged attention over the KV pool for a varlen batch that mixes prefill chunks and decodes.
 
-The backend interface: `build(step) -> metadata` once per step, then `forward(layer, q, k, v, meta)`
-per layer. The torch reference here defines correctness and is the CPU fast path: per layer it does
-one cache write, then one gather + one SDPA call for the decode rows and one for the prefill rows,
-never a Python loop over sequences."""
+The backend interface: `build(layout) -> metadata` once per step, then `forward(q, k, v, caches, meta)`
+per layer. The torch reference here defines correctness and is the CPU fast path. Per layer:
+- one cache write for all new tokens;
+- decodes (one query each): one gather of their pages and two batched matmuls per length bucket
+  (at most 4 buckets, so short contexts are not padded to the longest), never a per-sequence loop;
+- prefill chunks: one SDPA call each over the chunk's own context. A step holds few of them (the token
+  budget bounds it) and each call is large, while padding them into one call wasted up to 4x the work
+  on mixed lengths."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,78 +18,72 @@ import torch.nn.functional as F
 
 @dataclass
 class StepLayout:
-    """The flat batch's shape, as the model runner lays it out (all int64 tensors on the device)."""
+    """The flat batch's shape, as the model runner lays it out."""
 
-    slot_mapping: torch.Tensor  # [T] cache slot for each new token
+    slot_mapping: torch.Tensor  # [T] int64 cache slot for each new token
     query_start_loc: list[int]  # [B+1] token offsets of each sequence in the flat batch
     seq_lens: list[int]  # [B] context length after this step
     block_tables: list[list[int]]  # [B][blocks]
 
 
 @dataclass
-class _Group:
-    """Sequences that share one attention call. Q rows are padded to the group's longest query."""
+class _Decodes:
+    rows: torch.Tensor  # [G] flat token row of each decode
+    blocks: torch.Tensor  # [G * nblk] block ids, row-major, padded with block 0 (masked out)
+    mask: torch.Tensor  # [1, G, 1, L] bool (L = nblk * block_size): position < seq_len
 
-    rows: torch.Tensor  # [G, Qmax] flat token row per (seq, query); padding repeats a valid row
-    valid: torch.Tensor | None  # [G, Qmax] bool, None when no padding (all queries of length Qmax)
-    blocks: torch.Tensor  # [G * nblk] block ids, row-major; context position j is in block j // bs
-    mask: torch.Tensor  # [G, 1, Qmax, L] bool (L = nblk * bs): key visible to query
+
+@dataclass
+class _Prefill:
+    start: int  # first flat row of the chunk
+    num_q: int  # chunk length
+    ctx: int  # context length including the chunk
+    blocks: torch.Tensor  # [ceil(ctx / block_size)] block ids
+    mask: torch.Tensor | None  # [num_q, ctx] bool when the chunk has earlier context; None: plain causal
 
 
 @dataclass
 class TorchAttnMetadata:
     slot_mapping: torch.Tensor
-    groups: list[_Group]
+    decodes: list[_Decodes]
+    prefills: list[_Prefill]
 
 
 class TorchAttention:
-    """Reference backend. KV layout per layer: [num_blocks, block_size, kv_heads, head_dim]."""
+    """Reference backend. KV layout per layer: [kv_heads, num_blocks, block_size, head_dim]."""
 
     def __init__(self, block_size: int, scale: float):
         self.block_size = block_size
         self.scale = scale
-        # Reused gather buffers for K and V. Fresh multi-MB allocations per layer cost page faults
-        # that made decode gathers 3x slower on CPU.
+        # Reused gather buffer. Fresh multi-MB allocations per layer cost page faults that made
+        # decode gathers 2x slower on CPU.
         self._workspace: torch.Tensor | None = None
 
-    def _buffers(self, cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (2, cache.shape[0], num_blocks, *cache.shape[2:])  # [K/V, KVH, blocks, bs, D]
-        need = 1
-        for n in shape:
-            need *= n
-        ws = self._workspace
-        if ws is None or ws.numel() < need or ws.dtype != cache.dtype or ws.device != cache.device:
-            ws = self._workspace = cache.new_empty(max(need, 2 * (ws.numel() if ws is not None else 0)))
-        buf = ws[:need].view(shape)
-        return buf[0], buf[1]
-
+    # ---- once per step -------------------------------------------------------------------
     def build(self, layout: StepLayout, device) -> TorchAttnMetadata:
-        qsl, seq_lens = layout.query_start_loc, layout.seq_lens
-        qlens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
-        decode = [i for i, n in enumerate(qlens) if n == 1]
-        prefill = [i for i, n in enumerate(qlens) if n > 1]
-        groups = [self._group(idx, qsl, qlens, seq_lens, layout.block_tables, device)
-                  for idx in (decode, prefill) if idx]
-        return TorchAttnMetadata(layout.slot_mapping, groups)
+        qsl, lens, tables, bs = layout.query_start_loc, layout.seq_lens, layout.block_tables, self.block_size
+        dec = sorted((i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1), key=lambda i: len(tables[i]))
+        decodes = []
+        for bucket in _length_buckets([len(tables[i]) for i in dec]):
+            idx = [dec[j] for j in bucket]
+            nblk = len(tables[idx[-1]])
+            blocks = torch.tensor([b for i in idx for b in tables[i] + [0] * (nblk - len(tables[i]))])
+            ctx = torch.tensor([lens[i] for i in idx])
+            mask = torch.arange(nblk * bs)[None, :] < ctx[:, None]  # [G, L]
+            decodes.append(_Decodes(rows=torch.tensor([qsl[i] for i in idx]).to(device),
+                                    blocks=blocks.to(device), mask=mask[None, :, None, :].to(device)))
+        prefills = []
+        for i in range(len(lens)):
+            n = qsl[i + 1] - qsl[i]
+            if n == 1:
+                continue
+            mask = None
+            if n != lens[i]:  # bottom-right causal: query j sees positions <= ctx - n + j
+                mask = (torch.arange(lens[i])[None, :] <= torch.arange(lens[i] - n, lens[i])[:, None]).to(device)
+            prefills.append(_Prefill(qsl[i], n, lens[i], torch.tensor(tables[i]).to(device), mask))
+        return TorchAttnMetadata(layout.slot_mapping, decodes, prefills)
 
-    def _group(self, idx, qsl, qlens, seq_lens, block_tables, device) -> _Group:
-        bs = self.block_size
-        qmax = max(qlens[i] for i in idx)
-        nblk = max(len(block_tables[i]) for i in idx)
-        tables = torch.tensor([block_tables[i] + [0] * (nblk - len(block_tables[i])) for i in idx],
-                              dtype=torch.int64)  # [G, nblk], padded with block 0 (masked out)
-        qlen = torch.tensor([qlens[i] for i in idx])
-        start = torch.tensor([qsl[i] for i in idx])
-        ctx = torch.tensor([seq_lens[i] for i in idx])
-        qi = torch.arange(qmax)
-        valid = qi[None, :] < qlen[:, None]  # [G, Qmax]
-        qi_clamped = torch.minimum(qi[None, :], qlen[:, None] - 1)  # padding repeats the last query
-        rows = start[:, None] + qi_clamped
-        qpos = ctx[:, None] - qlen[:, None] + qi_clamped  # absolute position of each query
-        mask = torch.arange(nblk * bs)[None, None, :] <= qpos[:, :, None]  # causal, within context
-        return _Group(rows=rows.to(device), valid=None if bool(valid.all()) else valid.to(device),
-                      blocks=tables.view(-1).to(device), mask=mask.unsqueeze(1).to(device))
-
+    # ---- per layer -------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttnMetadata) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
@@ -93,45 +91,61 @@ class TorchAttention:
         k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
         out = torch.empty_like(q)
-        for g in meta.groups:
-            n = g.rows.shape[0]
-            kbuf, vbuf = self._buffers(k_cache, g.blocks.numel())
-            kg = _gather_blocks(k_cache, g.blocks, kbuf).view(kvh, n, -1, d).to(q.dtype)  # [KVH, G, L, D]
-            vg = _gather_blocks(v_cache, g.blocks, vbuf).view(kvh, n, -1, d).to(q.dtype)
-            o = self._attend(q[g.rows], kg, vg, g.mask)  # [G, Qmax, H, D]
-            if g.valid is None:
-                out[g.rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
-            else:
-                out[g.rows[g.valid]] = o[g.valid]
+        for g in meta.decodes:
+            out[g.rows] = self._decode(q[g.rows], *self._gather(k_cache, v_cache, g.blocks, g.rows.numel()),
+                                       g.mask)
+        for p in meta.prefills:
+            kg, vg = self._gather(k_cache, v_cache, p.blocks, 1)  # [KVH, 1, nblk * bs, D]
+            qp = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
+            o = F.scaled_dot_product_attention(
+                qp, kg[:, :, :p.ctx].transpose(0, 1).to(q.dtype), vg[:, :, :p.ctx].transpose(0, 1).to(q.dtype),
+                attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=kvh != q.shape[1])
+            out[p.start:p.start + p.num_q] = o[0].transpose(0, 1)
         return out
 
-    def _attend(self, q, k, v, mask):
-        """q: [G, Q, H, D]; k, v: [KVH, G, L, D]; mask: [G, 1, Q, L] -> [G, Q, H, D].
+    def _decode(self, q, k, v, mask):
+        """Grouped-query attention for one query per sequence, as two batched matmuls with an fp32
+        softmax: ~7x faster on CPU than SDPA's flash kernel at this shape.
+        q: [G, H, D]; k, v: [KVH, G, L, D]; mask: [1, G, 1, L] -> [G, H, D]."""
+        n, h, d = q.shape
+        kvh = k.shape[0]
+        # head h reads kv head h // rep: the rep query heads of a kv head become its query rows
+        qg = q.view(n, kvh, h // kvh, d).transpose(0, 1).to(k.dtype)  # [KVH, G, rep, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [KVH, G, rep, L]
+        probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1).to(v.dtype)
+        return torch.matmul(probs, v).transpose(0, 1).reshape(n, h, d).to(q.dtype)
 
-        Decode (Q = 1): grouped-query attention as two batched matmuls with an fp32 softmax, ~7x faster
-        on CPU than SDPA's flash kernel, which parallelizes poorly at that shape. Prefill chunks: SDPA,
-        whose tiled kernel never materializes the [Q, L] score matrix."""
-        n, nq, h, d = q.shape
-        kvh, L = k.shape[0], k.shape[2]
-        if nq > 1:
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=mask, scale=self.scale, enable_gqa=kvh != h)
-            return o.transpose(1, 2)
-        rep = h // kvh
-        # head h reads kv head h // rep: the rep query heads of a kv head become extra query rows
-        qg = q.view(n, nq, kvh, rep, d).permute(2, 0, 1, 3, 4).reshape(kvh, n, nq * rep, d)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [KVH, G, Q*rep, L]
-        m = mask.view(1, n, nq, 1, L).expand(1, n, nq, rep, L).reshape(1, n, nq * rep, L)
-        probs = scores.masked_fill_(~m, float("-inf")).softmax(-1).to(v.dtype)
-        o = torch.matmul(probs, v)  # [KVH, G, Q*rep, D]
-        return o.view(kvh, n, nq, rep, d).permute(1, 2, 0, 3, 4).reshape(n, nq, h, d)
+    def _gather(self, k_cache, v_cache, blocks, n):
+        """Copy the listed blocks of both caches into the workspace: ([KVH, n, L, D], same for V).
+
+        One index_select per kv head along its leading dim: the contiguous fast path, ~8x faster on
+        CPU than index_select along dim 1 of the whole cache, 5x faster than slot by slot."""
+        kvh, _, bs, d = k_cache.shape
+        need = 2 * kvh * blocks.numel() * bs * d
+        ws = self._workspace
+        if ws is None or ws.numel() < need or ws.dtype != k_cache.dtype or ws.device != k_cache.device:
+            ws = self._workspace = k_cache.new_empty(max(need, 2 * (ws.numel() if ws is not None else 0)))
+        buf = ws[:need].view(2, kvh, blocks.numel(), bs, d)
+        for i, cache in enumerate((k_cache, v_cache)):
+            for h in range(kvh):
+                torch.index_select(cache[h], 0, blocks, out=buf[i, h])
+        return buf[0].view(kvh, n, -1, d), buf[1].view(kvh, n, -1, d)
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """cache: [KVH, num_blocks, block_size, D] -> out: [KVH, len(blocks), block_size, D].
-
-    One index_select per kv head along its leading dim: the contiguous fast path, ~8x faster on CPU
-    than index_select along dim 1 of the whole cache, and 5x faster than gathering slot by slot."""
-    for h in range(cache.shape[0]):
-        torch.index_select(cache[h], 0, blocks, out=out[h])
-    return out
+def _length_buckets(nblks: list[int], max_buckets: int = 4, overhead: int = 64) -> list[range]:
+    """Split sorted block counts into <= max_buckets runs of equal size, then merge neighbours while
+    merging pads fewer than `overhead` extra blocks (the price of one more gather + matmul pair)."""
+    n = len(nblks)
+    if n == 0:
+        return []
+    edges = sorted({round(k * n / max_buckets) for k in range(max_buckets + 1)})
+    runs = [range(a, b) for a, b in zip(edges, edges[1:])]
+    merged = [runs[0]]
+    for r in runs[1:]:
+        prev = merged[-1]
+        extra = len(prev) * (nblks[r[-1]] - nblks[prev[-1]])  # prev's rows padded up to r's max
+        if extra < overhead:
+            merged[-1] = range(prev.start, r.stop)
+        else:
+            merged.append(r)
+    return merged
