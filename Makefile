@@ -1,5 +1,8 @@
 # Two commands matter (README): `make demo` and `make test`. Both set up .venv first.
 PY := .venv/bin/python
+# No hub access at run time, ever: everything loads from local files.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
 SETUP_STAMP := .venv/.setup-done
 
 .PHONY: setup demo test bench
