@@ -1,12 +1,12 @@
 """Public API of the inference engine. The handler imports only from here."""
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.errors import (ConfigError, EngineError, InvalidRequestError, ModelNotFoundError,
+from engine.errors import (ConfigError, EngineError, EngineFault, InvalidRequestError, ModelNotFoundError,
                            UnsupportedModelError)
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.types import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["AsyncEngine", "CompletionOutput", "ConfigError", "EngineConfig", "EngineError",
+__all__ = ["AsyncEngine", "CompletionOutput", "ConfigError", "EngineConfig", "EngineError", "EngineFault",
            "InvalidRequestError", "LLM", "LLMEngine", "ModelNotFoundError", "RequestOutput", "SamplingParams",
            "UnsupportedModelError"]

@@ -14,7 +14,7 @@ import time
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineFault
 from engine.llm_engine import LLMEngine
 from engine.types import RequestOutput, SamplingParams
 
@@ -29,6 +29,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = self.engine.stats()
         self._closed = False
+        self.fault: EngineFault | None = None  # set when a step raised; no new work is accepted after
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -45,6 +46,8 @@ class AsyncEngine:
         """Yield one RequestOutput per step that produced something for this request (deltas in
         `outputs[i].delta_text` / `delta_token_ids`). Invalid input raises before anything runs.
         Leaving the loop early (break, cancel) aborts the request and frees its blocks."""
+        if self.fault is not None:
+            raise EngineFault(str(self.fault))
         if self._closed:
             raise EngineError("the engine is shut down")
         params = params or SamplingParams()
@@ -109,11 +112,13 @@ class AsyncEngine:
                 continue
             try:
                 outputs = eng.step()
-            except Exception as e:  # a bug, not user input: fail what is in flight, keep serving
-                log.exception("engine step failed; aborting %d in-flight requests", len(self._streams))
+            except Exception as e:  # a bug or a device error, not user input: fail everything, promptly
+                log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+                self.fault = EngineFault(f"engine step failed: {e!r}")
                 for rid in list(eng._groups):
                     eng.abort(rid)
-                    self._send(rid, EngineError(f"engine step failed: {e!r}"))
+                for rid in list(self._streams):
+                    self._send(rid, EngineFault(str(self.fault)))
                 continue
             self._stats = eng.stats()
             for out in outputs:
@@ -130,6 +135,9 @@ class AsyncEngine:
         if cmd[0] == "add":
             _, rid, prompt, params, ids = cmd
             if rid not in self._streams:  # cancelled before it was added
+                return
+            if self.fault is not None:
+                self._send(rid, EngineFault(str(self.fault)))
                 return
             try:
                 self.engine.add_request(rid, prompt, params, prompt_token_ids=ids)

@@ -25,3 +25,8 @@ class InvalidRequestError(EngineError, ValueError):
 
 class ConfigError(EngineError, ValueError):
     """An EngineConfig value that cannot work; the message names the field."""
+
+
+class EngineFault(EngineError):
+    """The step loop failed (a bug or a device error). In-flight requests end with this; the engine
+    refuses new work, and the worker should be replaced."""

@@ -35,8 +35,25 @@ class Settings(BaseModel):
     GPU_MEMORY_UTILIZATION: float = Field(default=0.90, gt=0, le=1)
     KV_CACHE_MEMORY: int = Field(default=1 << 30, gt=0)  # bytes of KV pool on CPU
     BLOCK_SIZE: int = 16
+    # job handling (worker-vllm names)
+    MAX_CONCURRENCY: int = Field(default=30, ge=1)
+    DEFAULT_BATCH_SIZE: int = Field(default=50, ge=1)
+    DEFAULT_MIN_BATCH_SIZE: int = Field(default=1, ge=1)
+    DEFAULT_BATCH_SIZE_GROWTH_FACTOR: float = Field(default=3.0, ge=1)
+    OPENAI_SERVED_MODEL_NAME_OVERRIDE: str | None = None
+    CUSTOM_CHAT_TEMPLATE: str | None = None
+    RUNPOD_WEBHOOK_GET_JOB: str | None = None  # set on Runpod (and by handler.local); unset = local test mode
+    # Accepted for worker-vllm compatibility; implemented by later issues ([fp8], [prefix], [lora]).
+    QUANTIZATION: str | None = None
+    KV_CACHE_DTYPE: str = "auto"
+    ENABLE_PREFIX_CACHING: bool = True
+    ENABLE_LORA: bool = False
+    MAX_LORAS: int = Field(default=1, ge=1)
+    MAX_LORA_RANK: int = Field(default=16, ge=1)
+    LORA_MODULES: str | None = None
 
-    @field_validator("MODEL_NAME", "TOKENIZER_NAME", "BASE_PATH", "HF_HOME", "HF_HUB_CACHE", mode="before")
+    @field_validator("MODEL_NAME", "TOKENIZER_NAME", "BASE_PATH", "HF_HOME", "HF_HUB_CACHE", "QUANTIZATION",
+                     "OPENAI_SERVED_MODEL_NAME_OVERRIDE", "CUSTOM_CHAT_TEMPLATE", "LORA_MODULES", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
@@ -69,6 +86,17 @@ class Settings(BaseModel):
         dirs.append(str(Path.home() / ".cache" / "huggingface" / "hub"))
         return tuple(dict.fromkeys(d for d in dirs if d))
 
+    def not_yet_supported(self) -> list[str]:
+        """worker-vllm variables set to values this build cannot honour yet (logged at start)."""
+        out = []
+        if self.QUANTIZATION:
+            out.append(f"QUANTIZATION={self.QUANTIZATION}")
+        if self.KV_CACHE_DTYPE != "auto":
+            out.append(f"KV_CACHE_DTYPE={self.KV_CACHE_DTYPE}")
+        if self.ENABLE_LORA or self.LORA_MODULES:
+            out.append("ENABLE_LORA/LORA_MODULES")
+        return out
+
     def engine_config(self) -> EngineConfig:
         kw = dict(model=self.MODEL_NAME, revision=self.MODEL_REVISION, tokenizer=self.TOKENIZER_NAME,
                   max_model_len=self.MAX_MODEL_LEN, dtype=self.DTYPE, max_num_seqs=self.MAX_NUM_SEQS,
@@ -83,11 +111,20 @@ class Settings(BaseModel):
             raise SettingsError(f"invalid engine setting from the environment: {e}") from e
 
 
+# worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
+ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
+    values = {k: v for k, v in env.items() if k in Settings.model_fields}
+    for alias, name in ALIASES.items():
+        if alias in env and name not in values:
+            values[name] = env[alias]
     try:
-        return Settings.model_validate({k: v for k, v in env.items() if k in Settings.model_fields})
+        return Settings.model_validate(values)
     except ValidationError as e:
         err = e.errors()[0]
         name = err["loc"][0] if err["loc"] else "?"
-        raise SettingsError(f"environment variable {name}={env.get(name)!r}: {err['msg']}") from None
+        shown = name if name in env else next((a for a, n in ALIASES.items() if n == name and a in env), name)
+        raise SettingsError(f"environment variable {shown}={env.get(shown)!r}: {err['msg']}") from None

@@ -1,0 +1,179 @@
+"""Pydantic job schemas: worker-vllm's native job and the OpenAI request bodies (with vLLM's extras).
+
+Unknown keys are rejected; every validation error becomes one JobError naming the field."""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DEFAULT_MAX_TOKENS = 100  # worker-vllm's default when a native job omits max_tokens; stated in the output
+
+
+class JobError(Exception):
+    """A user error in a job. `param` names the offending field (dotted path)."""
+
+    def __init__(self, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.type, self.code = message, param, type, code
+
+    def to_dict(self) -> dict:
+        return {"error": {"type": self.type, "message": self.message, "param": self.param, "code": self.code}}
+
+
+def parse(model: type[BaseModel], data: Any, where: str = ""):
+    """Validate `data`, turning the first pydantic error into a JobError that names the field."""
+    if not isinstance(data, dict):
+        raise JobError(f"{where or 'input'} must be a JSON object, not {type(data).__name__}", param=where or None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in ((where,) if where else ()) + tuple(err["loc"]))
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        raise JobError(f"{loc}: {msg}", param=loc or None) from None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list):  # OpenAI content parts: only text parts are supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in v):
+                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            return "".join(p["text"] for p in v)
+        return v
+
+
+class NativeSamplingParams(_Strict):
+    """vLLM's SamplingParams names (engine validation checks the ranges)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class NativeJob(_Strict):
+    """worker-vllm's classic job input."""
+
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    apply_chat_template: bool = False
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    max_batch_size: int | None = Field(default=None, ge=1)
+    min_batch_size: int | None = Field(default=None, ge=1)
+    batch_size_growth_factor: float | None = Field(default=None, ge=1)
+    use_openai_format: bool = False
+    request_id: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _OpenAIBase(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters, accepted in the body as vLLM's OpenAI server does
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # OpenAI fields we cannot honour: accepted only when absent/null, so a client never gets a silent no-op
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v and v.get("type") not in (None, "text"):
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: Union[str, list[int], list[str]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            return v[0]
+        return v
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported")
+        return v

@@ -1,0 +1,250 @@
+"""The async generator handler: one job in, chunks out. Native (worker-vllm classic) and OpenAI jobs.
+
+Errors in a job end that job with one error object and never touch other jobs. An engine fault (the step
+loop raised) ends every in-flight job with an error and asks Runpod to replace this worker."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from engine import AsyncEngine, EngineFault, InvalidRequestError, SamplingParams
+from handler import openai_compat as oa
+from handler.schemas import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, JobError, NativeJob,
+                             parse)
+from handler.settings import Settings
+
+log = logging.getLogger("handler")
+
+
+class BatchSizer:
+    """Tokens (or SSE events) per yield: min, min*g, min*g^2, ... capped at max (1, 3, 9, 27, 50, ...).
+    Each yield is one HTTP POST on Runpod, so early yields are small (fast first token) and later ones big."""
+
+    def __init__(self, min_size: int, growth: float, max_size: int):
+        self.size, self.growth, self.max = max(1, min(min_size, max_size)), growth, max_size
+
+    def next(self) -> int:
+        cur = self.size
+        self.size = min(self.max, max(cur + 1, int(cur * self.growth))) if self.growth > 1 else cur
+        return cur
+
+
+class Worker:
+    def __init__(self, settings: Settings, engine: AsyncEngine | None, start_error: str | None = None):
+        self.settings = settings
+        self.engine = engine
+        self.start_error = start_error
+        self.served_name = settings.OPENAI_SERVED_MODEL_NAME_OVERRIDE or settings.MODEL_NAME or "SmolLM2-135M-Instruct"
+        self.rp_config: dict | None = None  # runpod's start() config; set refresh_worker on engine faults
+        self.fault: str | None = None
+
+    def concurrency(self, current: int) -> int:
+        return self.settings.MAX_CONCURRENCY
+
+    async def handle(self, job: dict) -> AsyncIterator[Any]:
+        """runpod calls this per job; each yield is one streamed chunk."""
+        inp = job.get("input")
+        try:
+            if self.engine is None or self.fault:
+                raise JobError(f"the worker could not serve: {self.fault or self.start_error}", type="server_error",
+                               code=500)
+            if isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
+                gen = self._openai(inp)
+            else:
+                gen = self._native(inp, str(job.get("id", "")))
+            async for chunk in gen:
+                yield chunk
+        except JobError as e:
+            yield {"error": json.dumps(e.to_dict()["error"])}
+        except InvalidRequestError as e:
+            yield {"error": json.dumps(JobError(str(e), param=e.field).to_dict()["error"])}
+        except EngineFault as e:
+            self._on_fault(e)
+            yield {"error": json.dumps(JobError(str(e), type="server_error", code=500).to_dict()["error"])}
+
+    def _on_fault(self, e: Exception) -> None:
+        if self.fault is None:
+            log.error("engine fault: %s; asking Runpod to replace this worker", e)
+        self.fault = str(e)
+        if self.rp_config is not None:
+            self.rp_config["refresh_worker"] = True  # the SDK stops the pod once in-flight jobs report
+
+    # ---- native jobs ----------------------------------------------------------------------
+    async def _native(self, inp: Any, job_id: str) -> AsyncIterator[dict]:
+        job = parse(NativeJob, inp)
+        sp = job.sampling_params.model_dump()
+        default_max = sp["max_tokens"] is None
+        if default_max:
+            sp["max_tokens"] = DEFAULT_MAX_TOKENS
+        params = _sampling(sp, "sampling_params")
+        if job.use_openai_format:
+            if not job.messages:
+                raise JobError("use_openai_format needs messages", param="messages")
+            body = {"messages": [m.model_dump(exclude_none=True) for m in job.messages], "stream": job.stream,
+                    **{k: v for k, v in job.sampling_params.model_dump(exclude_unset=True).items()
+                       if k != "logprobs"}}
+            body.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+            async for chunk in self._openai({"openai_route": "/v1/chat/completions", "openai_input": body}):
+                yield chunk
+            return
+        prompt = self._native_prompt(job)
+        s = self.settings
+        sizer = BatchSizer(job.min_batch_size or s.DEFAULT_MIN_BATCH_SIZE,
+                           job.batch_size_growth_factor or s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR,
+                           job.max_batch_size or s.DEFAULT_BATCH_SIZE)
+        n = params.n
+        pending: list[list[str]] = [[] for _ in range(n)]
+        n_pending, batch, out_tokens, finish = 0, sizer.next(), 0, [None] * n
+        n_input = 0
+        async for out in self.engine.generate(prompt, params, request_id=job.request_id or None):
+            n_input = len(out.prompt_token_ids)
+            for c in out.outputs:
+                if c.delta_text:
+                    pending[c.index].append(c.delta_text)
+                n_pending += len(c.delta_token_ids)
+                out_tokens += len(c.delta_token_ids)
+                finish[c.index] = c.finish_reason
+            if job.stream and n_pending >= batch and not out.finished:
+                yield _native_chunk(pending, n_input, out_tokens)
+                pending, n_pending, batch = [[] for _ in range(n)], 0, sizer.next()
+        final = _native_chunk(pending, n_input, out_tokens, finish)
+        final["max_tokens"] = params.max_tokens
+        if default_max:
+            final["note"] = f"sampling_params.max_tokens not given; used the default {DEFAULT_MAX_TOKENS}"
+        yield final
+
+    def _native_prompt(self, job: NativeJob) -> str:
+        if job.messages:
+            return self._chat_prompt([m.model_dump(exclude_none=True) for m in job.messages], "messages")
+        if job.prompt is None or job.prompt == "":
+            raise JobError("give a non-empty prompt or messages", param="prompt")
+        if job.apply_chat_template:
+            return self._chat_prompt([{"role": "user", "content": job.prompt}], "prompt")
+        return job.prompt
+
+    def _chat_prompt(self, messages: list[dict], param: str, add_generation_prompt: bool = True, **kw) -> str:
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=self.settings.CUSTOM_CHAT_TEMPLATE, **kw)
+        except Exception as e:  # jinja errors from a template the messages do not fit
+            raise JobError(f"{param}: the chat template rejected these messages: {e}", param=param) from None
+
+    # ---- OpenAI jobs ----------------------------------------------------------------------
+    async def _openai(self, inp: dict) -> AsyncIterator[Any]:
+        route = inp.get("openai_route")
+        body = inp.get("openai_input") or {}
+        if route == "/v1/models":
+            yield oa.models_list([self.served_name])
+            return
+        if route == "/v1/chat/completions":
+            req = parse(ChatCompletionRequest, body, "openai_input")
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            prompt = self._chat_prompt(messages, "openai_input.messages", req.add_generation_prompt,
+                                       **(req.chat_template_kwargs or {}))
+            shapes, max_tokens = oa.ChatShapes(self.served_name), req.max_completion_tokens or req.max_tokens
+            top_n = req.top_logprobs or 0 if req.logprobs else None
+        elif route == "/v1/completions":
+            req = parse(CompletionRequest, body, "openai_input")
+            prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else req.prompt
+            shapes, max_tokens, top_n = oa.CompletionShapes(self.served_name), req.max_tokens, req.logprobs
+        else:
+            raise JobError(f"openai_route {route!r} is not one of /v1/chat/completions, /v1/completions, "
+                           "/v1/models", param="openai_route", type="not_found_error", code=404)
+        if req.model is not None and req.model != self.served_name:
+            raise JobError(f"model {req.model!r} is not served here; use {self.served_name!r}", param="model",
+                           type="not_found_error", code=404)
+        fields = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                  "skip_special_tokens", "include_stop_str_in_output")
+        params = _sampling({**{f: getattr(req, f) for f in fields}, "logprobs": top_n,
+                            "max_tokens": max_tokens or self._room(prompt)}, "openai_input")
+        chat = not isinstance(shapes, oa.CompletionShapes)
+        gen = self.engine.generate(prompt, params)
+        if req.stream:
+            async for chunk in self._openai_stream(gen, shapes, req, chat, top_n):
+                yield chunk
+            return
+        n_in, n_out, choices = 0, 0, []
+        async for out in gen:
+            n_in = len(out.prompt_token_ids)
+            if out.finished:
+                for c in out.outputs:
+                    n_out += len(c.token_ids)
+                    lp = None
+                    if top_n is not None and c.logprobs:
+                        lp = (oa.chat_logprobs if chat else oa.completion_logprobs)(
+                            self.engine.tokenizer, c.token_ids, c.logprobs, top_n)
+                    choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                                    "logprobs": lp})
+        yield shapes.full(choices, oa.usage(n_in, n_out))
+
+    async def _openai_stream(self, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
+        s = self.settings
+        sizer = BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
+        events, batch, n_in, n_out = [], sizer.next(), 0, 0
+        if chat:
+            events += [oa.sse(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
+        async for out in gen:
+            n_in = len(out.prompt_token_ids)
+            for c in out.outputs:
+                n_out += len(c.delta_token_ids)
+                if not (c.delta_text or c.finish_reason or c.delta_token_ids):
+                    continue
+                lp = None
+                if top_n is not None and c.delta_token_ids and c.logprobs:
+                    k = len(c.delta_token_ids)
+                    lp = (oa.chat_logprobs if chat else oa.completion_logprobs)(
+                        self.engine.tokenizer, c.delta_token_ids, c.logprobs[-k:], top_n)
+                if c.delta_text or lp is not None:
+                    events.append(oa.sse(shapes.chunk(c.index, {"content": c.delta_text}, None, lp)))
+                if c.finish_reason:
+                    events.append(oa.sse(shapes.chunk(c.index, {}, c.finish_reason)))
+            if len(events) >= batch and not out.finished:
+                yield "".join(events)
+                events, batch = [], sizer.next()
+        if req.stream_options and req.stream_options.include_usage:
+            events.append(oa.sse(shapes.usage_chunk(oa.usage(n_in, n_out))))
+        events.append(oa.SSE_DONE)
+        yield "".join(events)
+
+    def _room(self, prompt) -> int:
+        """Default max_tokens for OpenAI routes (as vLLM): whatever the context leaves after the prompt."""
+        ids = self.engine.engine.tokenize(prompt)
+        return max(1, self.engine.max_model_len - len(ids))
+
+
+def _native_chunk(pending: list[list[str]], n_input: int, n_output: int, finish=None) -> dict:
+    choices = [{"tokens": p} for p in pending]
+    if finish is not None:
+        for c, f in zip(choices, finish):
+            c["finish_reason"] = f
+    return {"choices": choices, "usage": {"input": n_input, "output": n_output}}
+
+
+def _sampling(kw: dict, where: str) -> SamplingParams:
+    try:
+        return SamplingParams(**kw)
+    except InvalidRequestError as e:
+        raise JobError(str(e), param=f"{where}.{e.field}" if e.field else where) from None
+    except TypeError as e:
+        raise JobError(str(e), param=where) from None
+
+
+async def run_test_job(worker: Worker, job: dict, out) -> int:
+    """runpod's --test_input contract, which the SDK breaks for generator handlers: run the job through
+    our handler, print each chunk and the aggregate output; 0 on success, 1 on error."""
+    chunks, t0 = [], time.perf_counter()
+    async for chunk in worker.handle({"id": job.get("id", "local_test"), "input": job.get("input")}):
+        print(f"--- chunk {len(chunks)}: {json.dumps(chunk, ensure_ascii=False)}", file=out, flush=True)
+        chunks.append(chunk)
+        if isinstance(chunk, dict) and chunk.get("error"):
+            print(json.dumps({"status": "FAILED", "error": chunk["error"]}), file=out, flush=True)
+            return 1
+    print(json.dumps({"status": "COMPLETED", "output": chunks,
+                      "executionTime": int(1000 * (time.perf_counter() - t0))}, ensure_ascii=False), file=out,
+          flush=True)
+    return 0
+
