@@ -37,6 +37,10 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def tokenize(self, prompt: str | dict) -> list[int]:
+        """Validated prompt token ids (raises InvalidRequestError), as generate() would compute them."""
+        return self.engine.tokenize(prompt)
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len

@@ -89,7 +89,7 @@ class Worker:
             async for chunk in self._openai({"openai_route": "/v1/chat/completions", "openai_input": body}):
                 yield chunk
             return
-        prompt = self._native_prompt(job)
+        prompt, params = self._fit(self._native_prompt(job), params, "sampling_params.max_tokens")
         s = self.settings
         sizer = BatchSizer(job.min_batch_size or s.DEFAULT_MIN_BATCH_SIZE,
                            job.batch_size_growth_factor or s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR,
@@ -160,7 +160,8 @@ class Worker:
                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                   "skip_special_tokens", "include_stop_str_in_output")
         params = _sampling({**{f: getattr(req, f) for f in fields}, "logprobs": top_n,
-                            "max_tokens": max_tokens or self._room(prompt)}, "openai_input")
+                            "max_tokens": max_tokens or 1}, "openai_input")
+        prompt, params = self._fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens)
         chat = not isinstance(shapes, oa.CompletionShapes)
         gen = self.engine.generate(prompt, params)
         if req.stream:
@@ -210,10 +211,20 @@ class Worker:
         events.append(oa.SSE_DONE)
         yield "".join(events)
 
-    def _room(self, prompt) -> int:
-        """Default max_tokens for OpenAI routes (as vLLM): whatever the context leaves after the prompt."""
-        ids = self.engine.engine.tokenize(prompt)
-        return max(1, self.engine.max_model_len - len(ids))
+    def _fit(self, prompt, params: SamplingParams, param: str, default_room: bool = False):
+        """Tokenize once and check the context: a max_tokens the context cannot hold is an error (as in
+        vLLM's OpenAI server); with no max_tokens on OpenAI routes, use all the room left."""
+        try:
+            ids = self.engine.tokenize(prompt)
+        except InvalidRequestError as e:
+            raise JobError(str(e), param=e.field) from None
+        room = self.engine.max_model_len - len(ids)
+        if default_room:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise JobError(f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
+                           f"context is {self.engine.max_model_len}, leaving room for {room}", param=param)
+        return {"prompt_token_ids": ids}, params
 
 
 def _native_chunk(pending: list[list[str]], n_input: int, n_output: int, finish=None) -> dict:

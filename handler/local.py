@@ -1,0 +1,537 @@
+"""Local Runpod emulator: Runpod's public endpoint API in front, the SDK's real worker loop behind.
+
+    python -m handler.local --port 8000 [--host 127.0.0.1] [--worker-cmd "python -m handler"]
+
+Front, endpoint id ``local``. ``runpod.Endpoint("local")`` (with ``runpod.endpoint_url_base =
+"http://HOST:PORT/v2"``) and the ``openai`` client (``base_url=".../v2/local/openai/v1"``) work unmodified:
+  POST /v2/local/run | /runsync (runsync waits --runsync-wait s, then answers {"id", "status": IN_PROGRESS})
+  GET  /v2/local/status/{id} | /stream/{id} (the chunks since the last poll; long-polls --stream-wait s)
+  POST /v2/local/cancel/{id} | /purge-queue      GET /v2/local/health
+  POST /v2/local/openai/v1/chat/completions | /completions, GET .../openai/v1/models: each becomes a job
+       with input {"openai_route": "/v1/...", "openai_input": body ({} for /models)}. With "stream": true the
+       job's chunks (SSE text) pass through verbatim as text/event-stream; otherwise the single yielded
+       object is the response. Error objects come back in OpenAI's shape with an HTTP error status (their
+       "code" if it is one, else 400; handler crashes 500). A client that disconnects cancels its job.
+
+Back: the worker subprocess (default ``python -m handler``) runs runpod-python's JobScaler, pointed here by
+the RUNPOD_WEBHOOK_* templates in ``worker_env`` (the SDK fills in $ID / $RUNPOD_POD_ID and appends "&..."):
+  GET  .../job-take/{worker}?gpu=local&job_in_progress=0|1               -> 200 {"id", "input"} or 204
+  GET  .../job-take-batch/{worker}?gpu=local&batch_size=N&job_in_progress=0|1 -> 200 [{"id", "input"}] or 204
+  POST .../job-stream/{worker}/{id}?gpu=local&isStream=false     {"output": chunk}, one POST per yield
+  POST .../job-done/{worker}/{id}?gpu=local&isStream=true|false  {"output": ...} and/or {"error": ...}
+  GET  .../job-stop/{worker}?gpu=local                           -> 200 {"jobsToStop": [ids]} or 204
+  GET  .../ping/{worker}?job_id=a,b&runpod_version=V             heartbeat, from a separate process
+Job-take and job-stop are long-polled (--poll-hold s): on 204 the SDK re-polls at once, so answering 204
+immediately would make it spin. Result bodies are JSON sent as x-www-form-urlencoded: parsed from raw bytes.
+
+Cancel: runpod-python >= 1.10 long-polls job-stop (the job-take URL with /job-take/ -> /job-stop/) and
+cancels that job's asyncio task, so CancelledError is raised inside the handler; no job-done follows. Here
+a cancelled job turns CANCELLED at once, is sent on job-stop if it was running, and later output for it is
+ignored. Not emulated: TIMED_OUT/execution policies, webhooks, retries, several workers. The worker's
+stdout/stderr go to our stderr. If it exits, its running jobs fail (queued ones too unless
+--restart-worker). "ready" is logged at its first job-take; request counts every 30 s and at exit.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+EP, WORKER_ID = "local", "local-worker"
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
+log = logging.getLogger("handler.local")
+
+
+class Pulse:
+    """A broadcast wake-up: every pending ``wait`` returns True when ``fire`` is called."""
+
+    def __init__(self) -> None:
+        self._ev = asyncio.Event()
+
+    def fire(self) -> None:
+        self._ev.set()
+        self._ev = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ev.wait(), max(timeout, 0.0))
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+@dataclass
+class Job:
+    id: str
+    input: Any
+    status: str = "IN_QUEUE"
+    output: Any = None
+    error: Any = None
+    chunks: list = field(default_factory=list)
+    stream_pos: int = 0  # cursor of the public /stream endpoint
+    created: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    finished: float | None = None
+    changed: Pulse = field(default_factory=Pulse)
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    def public(self) -> dict:
+        now = time.monotonic()
+        out = {"id": self.id, "status": self.status, "delayTime": int(((self.started or now) - self.created) * 1e3)}
+        if self.started is not None:
+            out |= {"executionTime": int(((self.finished or now) - self.started) * 1e3), "workerId": WORKER_ID}
+        if self.output is not None:
+            out["output"] = self.output
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def worker_env(base: str) -> dict:
+    """The environment that points the SDK's JobScaler at the emulator at ``base`` (http://h:p/v2/local)."""
+    env = dict(os.environ)
+    env.update(RUNPOD_WEBHOOK_GET_JOB=f"{base}/job-take/$ID?gpu=local",
+               RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
+               RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
+               RUNPOD_WEBHOOK_PING=f"{base}/ping/$RUNPOD_POD_ID?gpu=local",
+               RUNPOD_POD_ID=WORKER_ID, RUNPOD_AI_API_KEY="local")
+    for key, value in (("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "true"), ("RUNPOD_SKIP_GPU_CHECK", "true"),
+                       ("RUNPOD_PING_INTERVAL", "5000"), ("RUNPOD_LOG_LEVEL", "INFO"), ("PYTHONUNBUFFERED", "1")):
+        env.setdefault(key, value)
+    return env
+
+
+def _pdeathsig() -> Any:
+    """A pre-exec hook (Linux) that SIGTERMs the worker if the emulator dies without stopping it."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _sse(chunk: Any) -> str:
+    if isinstance(chunk, str):
+        return chunk
+    if isinstance(chunk, list):
+        return "".join(map(_sse, chunk))
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _error_response(err: Any, default_code: int = 400) -> JSONResponse:
+    """OpenAI's {"error": {...}} from a job error: a dict, JSON text, or the SDK's str() of the dict a
+    generator yielded as {"error": {...}}. The HTTP status is its "code" when that is one."""
+    if isinstance(err, str):
+        for parse in (json.loads, ast.literal_eval):
+            with contextlib.suppress(Exception):
+                err = parse(err)
+                break
+    if isinstance(err, dict) and isinstance(err.get("error"), dict):
+        err = err["error"]
+    if not isinstance(err, dict) or "message" not in err:  # a handler crash, not an error object
+        text = err.get("error_message", json.dumps(err)) if isinstance(err, dict) else str(err)
+        err, default_code = {"message": text, "type": "InternalServerError", "param": None, "code": 500}, 500
+    code = err.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else default_code
+    return JSONResponse({"error": {k: v for k, v in err.items() if k != "object"}}, status)
+
+
+class Emulator:
+    def __init__(self, worker_cmd: list[str] | None, base_url: str, *, runsync_wait: float = 90.0,
+                 stream_wait: float = 1.0, poll_hold: float = 10.0, coalesce: float = 0.02,
+                 restart: bool = False, grace: float = 5.0, retention: float = 900.0) -> None:
+        self.worker_cmd, self.base, self.restart, self.grace = worker_cmd, base_url, restart, grace
+        self.runsync_wait, self.stream_wait, self.poll_hold = runsync_wait, stream_wait, poll_hold
+        self.coalesce, self.retention = coalesce, retention
+        self.jobs: dict[str, Job] = {}
+        self.queue: collections.deque[str] = collections.deque()
+        self.stops: list[str] = []
+        self.queue_pulse, self.stop_pulse = Pulse(), Pulse()
+        self.counts: collections.Counter = collections.Counter()  # requests by kind
+        self.totals: collections.Counter = collections.Counter()  # jobs by final status
+        self.proc: asyncio.subprocess.Process | None = None
+        self.state = "initializing" if worker_cmd else "external"  # -> ready -> exited
+        self.spawned = self.last_ping = None
+        self.shutting_down = False
+        self.tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ jobs
+    def submit(self, job_input: Any, prefix: str = "") -> Job:
+        now = time.monotonic()
+        for old in [j.id for j in self.jobs.values() if j.done and now - j.finished > self.retention]:
+            del self.jobs[old]
+        job = self.jobs.setdefault(jid := prefix + str(uuid.uuid4()), Job(jid, job_input))
+        if self.shutting_down or self.state == "exited":
+            self.finish(job, "FAILED", error=f"local worker is not running ({self.state})")
+        else:
+            self.queue.append(job.id)
+            self.queue_pulse.fire()
+        return job
+
+    def finish(self, job: Job, status: str, output: Any = None, error: Any = None) -> None:
+        if not job.done:
+            job.status, job.output, job.error, job.finished = status, output, error, time.monotonic()
+            self.totals[status] += 1
+            job.changed.fire()
+
+    def cancel(self, job: Job) -> None:
+        was = job.status
+        if was == "IN_QUEUE":
+            self.queue.remove(job.id)
+        self.finish(job, "CANCELLED")
+        if was == "IN_PROGRESS" and job.id not in self.stops:
+            self.stops.append(job.id)
+            self.stop_pulse.fire()
+
+    async def wait_done(self, job: Job, timeout: float | None, request: Request | None = None) -> None:
+        """Wait for a terminal state (or ``timeout``); with ``request``, cancel if its client goes away."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e12)
+        while not job.done and (left := deadline - time.monotonic()) > 0:
+            if not await job.changed.wait(min(1.0, left)) and request and await request.is_disconnected():
+                log.info("client went away: cancelling %s", job.id)
+                self.cancel(job)
+
+    # ---------------------------------------------------------------- worker
+    async def start(self) -> None:
+        self.tasks.append(asyncio.create_task(self._log_counts()))
+        if self.worker_cmd:
+            self.tasks.append(asyncio.create_task(self._run_worker()))
+        else:
+            log.info("no worker started; run yours with:\n%s", "\n".join(
+                f"  {k}={v}" for k, v in worker_env(self.base).items() if k.startswith("RUNPOD_WEBHOOK")))
+
+    async def _run_worker(self) -> None:
+        host, port = self.base.split("/")[2].rsplit(":", 1)
+        while True:  # spawn once we accept connections: the SDK retries a refused job-take in a tight loop
+            with contextlib.suppress(OSError):
+                (await asyncio.open_connection(host, int(port)))[1].close()
+                break
+            await asyncio.sleep(0.05)
+        while not self.shutting_down:
+            self.state, self.spawned = "initializing", time.monotonic()
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.worker_cmd, env=worker_env(self.base), stdin=asyncio.subprocess.DEVNULL,
+                stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(), start_new_session=True,
+                preexec_fn=_pdeathsig())
+            log.info("worker started (pid %d): %s", self.proc.pid, shlex.join(self.worker_cmd))
+            code = await self.proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its heartbeat process, if orphaned
+            self.state = "exited"
+            (log.info if self.shutting_down else log.error)("worker exited with code %s", code)
+            restart = self.restart and not self.shutting_down
+            for job in list(self.jobs.values()):
+                if job.status == "IN_PROGRESS" or (job.status == "IN_QUEUE" and not restart):
+                    if job.status == "IN_QUEUE":
+                        self.queue.remove(job.id)
+                    self.finish(job, "FAILED", error=f"local worker exited with code {code}")
+            if not restart:
+                return
+            await asyncio.sleep(1.0)
+
+    def begin_shutdown(self) -> None:
+        """Fail what is left, release the long-polls and SIGTERM the worker. Idempotent."""
+        if not self.shutting_down:
+            self.shutting_down = True
+            for job in list(self.jobs.values()):
+                self.finish(job, "FAILED", error="local emulator is shutting down")
+            self.queue.clear()
+            self.queue_pulse.fire()
+            self.stop_pulse.fire()
+            if self.proc and self.proc.returncode is None:
+                self.proc.send_signal(signal.SIGTERM)
+
+    async def stop(self) -> None:
+        self.begin_shutdown()
+        if self.proc and self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), self.grace)
+            except asyncio.TimeoutError:
+                log.warning("worker ignored SIGTERM for %.0f s: SIGKILL", self.grace)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        log.info("stopped. %s", self._summary())
+
+    def _summary(self) -> str:
+        reqs = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+        jobs = " ".join(f"{k.lower()}={v}" for k, v in sorted(self.totals.items()))
+        return f"requests: {reqs or '-'} | jobs: {jobs or '-'}"
+
+    async def _log_counts(self) -> None:
+        last = None
+        while True:
+            await asyncio.sleep(30)
+            if (line := self._summary()) != last:
+                log.info("%s", last := line)
+
+    # ----------------------------------------------------- worker-facing API
+    async def job_take(self, request: Request) -> Response:
+        self.counts["job-take"] += 1
+        if self.state in ("initializing", "external"):
+            self.state = "ready"
+            after = f" {time.monotonic() - self.spawned:.1f} s after spawn" if self.spawned else ""
+            log.info("ready: the worker made its first job-take%s; serving %s", after, self.base)
+        deadline, waited = time.monotonic() + self.poll_hold, False
+        while not self.queue and not self.shutting_down and time.monotonic() < deadline:
+            waited = await self.queue_pulse.wait(deadline - time.monotonic())
+        if waited and self.coalesce:  # let a burst arrive, so it goes out as one batch (see report)
+            await asyncio.sleep(self.coalesce)
+        if not self.queue or self.shutting_down or await request.is_disconnected():
+            return Response(status_code=204)
+        batch = "/job-take-batch/" in request.url.path
+        n = max(1, int(request.query_params.get("batch_size", 1))) if batch else 1
+        taken = []
+        while self.queue and len(taken) < n:
+            job = self.jobs[self.queue.popleft()]
+            job.status, job.started = "IN_PROGRESS", time.monotonic()
+            job.changed.fire()
+            taken.append({"id": job.id, "input": job.input})
+        return JSONResponse(taken if batch else taken[0])
+
+    async def job_stop(self, request: Request) -> Response:
+        self.counts["job-stop"] += 1
+        deadline = time.monotonic() + self.poll_hold
+        while not self.stops and not self.shutting_down and time.monotonic() < deadline:
+            await self.stop_pulse.wait(deadline - time.monotonic())
+        if not self.stops or await request.is_disconnected():
+            return Response(status_code=204)
+        ids, self.stops = self.stops, []
+        log.info("job-stop -> worker: %s", ", ".join(ids))
+        return JSONResponse({"jobsToStop": ids})
+
+    async def job_result(self, request: Request, job_id: str) -> dict:
+        final = "/job-done/" in request.url.path
+        self.counts["job-done" if final else "job-stream"] += 1
+        raw = await request.body()
+        try:
+            payload = json.loads(raw) if raw else {}
+        except ValueError:
+            log.error("unparseable result for %s: %.200r", job_id, raw)
+            payload = {"error": "the emulator could not parse the worker's result"}
+        job = self.jobs.get(job_id)
+        if job and job.status == "CANCELLED" and not final and job.id not in self.stops:
+            self.stops.append(job.id)  # it was taken but not started when cancelled: stop it again
+            self.stop_pulse.fire()
+        if job is None or job.done:  # unknown, or cancelled: ignored
+            return {}
+        if final:
+            if payload.get("error") is not None:
+                self.finish(job, "FAILED", payload.get("output"), payload["error"])
+            else:
+                self.finish(job, "COMPLETED", payload.get("output"))
+        elif "output" in payload:
+            job.chunks.append(payload["output"])
+            job.changed.fire()
+        return {}
+
+    async def ping(self, request: Request) -> dict:
+        self.counts["ping"] += 1
+        self.last_ping = time.monotonic()
+        if request.query_params.get("status") == "unhealthy":
+            log.error("worker unhealthy: %s: %s", request.query_params.get("check"),
+                      request.query_params.get("reason"))
+        return {}
+
+    # ------------------------------------------------------------ public API
+    async def _new_job(self, request: Request, prefix: str) -> Job | Response:
+        self.counts[prefix.rstrip("-") or "run"] += 1
+        with contextlib.suppress(ValueError):
+            body = await request.json()
+            if isinstance(body, dict) and "input" in body:
+                return self.submit(body["input"], prefix)
+        return JSONResponse({"error": "the request body must be JSON with an 'input' key"}, 400)
+
+    def _lookup(self, job_id: str, kind: str) -> Job | Response:
+        self.counts[kind] += 1
+        return self.jobs.get(job_id) or JSONResponse({"error": f"job {job_id} not found"}, 404)
+
+    async def run(self, request: Request):
+        job = await self._new_job(request, "")
+        return job if isinstance(job, Response) else {"id": job.id, "status": job.status}
+
+    async def runsync(self, request: Request):
+        job = await self._new_job(request, "sync-")
+        if isinstance(job, Response):
+            return job
+        await self.wait_done(job, self.runsync_wait)
+        return job.public() if job.done else {"id": job.id, "status": job.status}
+
+    async def status(self, job_id: str):
+        job = self._lookup(job_id, "status")
+        return job if isinstance(job, Response) else job.public()
+
+    async def stream(self, job_id: str):
+        job = self._lookup(job_id, "stream")
+        if isinstance(job, Response):
+            return job
+        deadline = time.monotonic() + self.stream_wait
+        while job.stream_pos >= len(job.chunks) and not job.done and time.monotonic() < deadline:
+            await job.changed.wait(deadline - time.monotonic())
+        new, job.stream_pos = job.chunks[job.stream_pos:], len(job.chunks)
+        out = {"id": job.id, "status": job.status, "stream": [{"output": c} for c in new]}
+        return out | ({"error": job.error} if job.error is not None else {})
+
+    async def cancel_route(self, job_id: str):
+        job = self._lookup(job_id, "cancel")
+        if isinstance(job, Response):
+            return job
+        self.cancel(job)
+        return {"id": job.id, "status": job.status}
+
+    async def purge_queue(self):
+        self.counts["purge-queue"] += 1
+        queued = [self.jobs[jid] for jid in self.queue]
+        for job in queued:
+            self.cancel(job)
+        return {"removed": len(queued), "status": "completed"}
+
+    async def health(self):
+        self.counts["health"] += 1
+        running = sum(j.status == "IN_PROGRESS" for j in self.jobs.values())
+        ready = self.state == "ready"
+        return {
+            "jobs": {"completed": self.totals["COMPLETED"], "failed": self.totals["FAILED"],
+                     "cancelled": self.totals["CANCELLED"], "inProgress": running, "inQueue": len(self.queue),
+                     "retried": 0},
+            "workers": {"idle": int(ready and not running), "running": int(ready and running > 0),
+                        "ready": int(ready), "initializing": int(self.state == "initializing"),
+                        "throttled": 0, "unhealthy": int(self.state == "exited")},
+            "localWorker": {"state": self.state, "pid": self.proc and self.proc.pid,
+                            "returncode": self.proc and self.proc.returncode, "requests": dict(self.counts),
+                            "lastPingAgoS": self.last_ping and round(time.monotonic() - self.last_ping, 1)}}
+
+    async def openai(self, request: Request) -> Response:
+        self.counts["openai"] += 1
+        route = request.url.path.split("/openai", 1)[1]
+        body: Any = {}
+        if request.method == "POST":
+            try:
+                body = await request.json()
+            except ValueError:
+                return _error_response({"message": "the body is not valid JSON", "type": "BadRequestError"})
+        job = self.submit({"openai_route": route, "openai_input": body})
+        if not (isinstance(body, dict) and body.get("stream")):
+            await self.wait_done(job, None, request)
+            return self._openai_result(job)
+        while not job.chunks and not job.done:  # hold the headers until we know it is not an error
+            if not await job.changed.wait(1.0) and await request.is_disconnected():
+                self.cancel(job)
+        if not job.chunks:
+            return self._openai_result(job)
+        return StreamingResponse(self._sse_stream(job), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _sse_stream(self, job: Job):
+        pos = 0
+        try:
+            while True:
+                while pos < len(job.chunks):
+                    pos += 1
+                    yield _sse(job.chunks[pos - 1])
+                if job.done:
+                    break
+                await job.changed.wait(5.0)
+            if job.status == "FAILED":  # failed mid-stream: an error event, then [DONE], as vLLM does
+                yield f"data: {_error_response(job.error).body.decode()}\n\ndata: [DONE]\n\n"
+        finally:
+            if not job.done:
+                log.info("stream client went away: cancelling %s", job.id)
+                self.cancel(job)
+
+    def _openai_result(self, job: Job) -> Response:
+        if job.status == "CANCELLED":
+            return _error_response({"message": "the request was cancelled", "type": "CancelledError", "code": 499})
+        if job.status != "COMPLETED":
+            return _error_response(job.error)
+        out = job.output[0] if isinstance(job.output, list) and len(job.output) == 1 else job.output
+        if isinstance(out, dict) and ("error" in out or out.get("object") == "error"):
+            return _error_response(out)
+        return JSONResponse(out)
+
+
+def create_app(worker_cmd: list[str] | str | None, *, host: str = "127.0.0.1", port: int = 8000,
+               **options: Any) -> FastAPI:
+    """The emulator app; the worker subprocess lives with its lifespan. ``worker_cmd`` None: start no
+    worker (run one yourself; the log shows its env). ``options`` go to ``Emulator``."""
+    if isinstance(worker_cmd, str):
+        worker_cmd = shlex.split(worker_cmd)
+    connect = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    emu = Emulator(worker_cmd, f"http://{connect}:{port}/v2/{EP}", **options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await emu.start()
+        try:
+            yield
+        finally:
+            await emu.stop()
+
+    app = FastAPI(title="Local Runpod emulator", lifespan=lifespan)
+    app.state.emulator = emu
+    routes = [("POST", "/run", emu.run), ("POST", "/runsync", emu.runsync),
+              ("GET", "/status/{job_id}", emu.status), ("GET", "/stream/{job_id}", emu.stream),
+              ("POST", "/cancel/{job_id}", emu.cancel_route), ("POST", "/purge-queue", emu.purge_queue),
+              ("GET", "/health", emu.health), ("POST", "/openai/v1/chat/completions", emu.openai),
+              ("POST", "/openai/v1/completions", emu.openai), ("GET", "/openai/v1/models", emu.openai),
+              ("GET", "/job-take/{worker_id}", emu.job_take), ("GET", "/job-take-batch/{worker_id}", emu.job_take),
+              ("GET", "/job-stop/{worker_id}", emu.job_stop), ("GET", "/ping/{worker_id}", emu.ping),
+              ("POST", "/job-stream/{worker_id}/{job_id}", emu.job_result),
+              ("POST", "/job-done/{worker_id}/{job_id}", emu.job_result)]
+    for method, path, endpoint in routes:
+        app.add_api_route(f"/v2/{EP}{path}", endpoint, methods=[method])
+    return app
+
+
+class _Server(uvicorn.Server):
+    """Begins the emulator's shutdown on the signal, so held long-polls don't delay uvicorn's exit."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_soon_threadsafe(self.config.app.state.emulator.begin_shutdown)
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m handler.local", description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--worker-cmd", default=f"{shlex.quote(sys.executable)} -m handler",
+                    help="the worker command line (default: %(default)s)")
+    ap.add_argument("--no-worker", action="store_true", help="start no worker; run one yourself")
+    ap.add_argument("--restart-worker", action="store_true", help="restart the worker when it exits")
+    ap.add_argument("--runsync-wait", type=float, default=90.0, help="seconds /runsync waits (90)")
+    ap.add_argument("--stream-wait", type=float, default=1.0, help="seconds /stream long-polls (1)")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s local-rp | %(message)s", datefmt="%H:%M:%S")
+    app = create_app(None if args.no_worker else args.worker_cmd, host=args.host, port=args.port,
+                     runsync_wait=args.runsync_wait, stream_wait=args.stream_wait, restart=args.restart_worker)
+    _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                           timeout_graceful_shutdown=3)).run()
+
+
+if __name__ == "__main__":
+    main()

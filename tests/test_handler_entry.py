@@ -1,0 +1,124 @@
+"""`python -m handler` as users run it: runpod's --test_input / test_input.json / --rp_serve_api modes, a
+failed start, and an engine fault injected into a step."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig
+from handler.settings import load_settings
+from handler.worker import Worker
+
+JOB = {"input": {"prompt": "hello there", "stream": True,
+                 "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}}
+
+
+def _env(model) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
+    return {**env, "MODEL_NAME": str(model), "DTYPE": "float32", "HF_HUB_OFFLINE": "1"}
+
+
+def _run(args, env, cwd, timeout=120):
+    return subprocess.run([sys.executable, "-m", "handler", *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
+    r = _run(["--test_input", json.dumps(JOB)], _env(tiny_llama), tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert sum(ln.startswith("--- chunk") for ln in lines) == 3  # 1, 3, then the rest of 6 tokens
+    final = json.loads(lines[-1])
+    assert final["status"] == "COMPLETED" and final["output"][-1]["usage"]["output"] == 6
+
+
+def test_test_input_json_file_and_bad_job_exit_code(tiny_llama, tmp_path):
+    (tmp_path / "test_input.json").write_text(json.dumps(JOB))
+    r = _run([], _env(tiny_llama), tmp_path)
+    assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["status"] == "COMPLETED"
+    r = _run(["--test_input", json.dumps({"input": {"prompt": "x", "sampling_params": {"top_p": 7}}})],
+             _env(tiny_llama), tmp_path)
+    assert r.returncode == 1
+    final = json.loads(r.stdout.strip().splitlines()[-1])
+    assert final["status"] == "FAILED" and "top_p" in final["error"]
+
+
+def test_failed_start_reports_on_every_job(tmp_path):
+    env = _env(tmp_path / "no-such-model")
+    r = _run(["--test_input", json.dumps(JOB)], env, tmp_path)
+    assert r.returncode == 1
+    err = json.loads(json.loads(r.stdout.strip().splitlines()[-1])["error"])
+    assert err["type"] == "server_error" and "no-such-model" in err["message"]
+    assert "engine start failed" in r.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rp_serve_api_runsync_returns_aggregate(tiny_llama, tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "handler", "--rp_serve_api", "--rp_api_port", str(port)],
+                            env=_env(tiny_llama), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/runsync", data=json.dumps(JOB).encode(),
+                                             headers={"Content-Type": "application/json"})
+                out = json.loads(urllib.request.urlopen(req, timeout=60).read())
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        assert out["status"] == "COMPLETED"
+        chunks = out["output"]
+        assert [c["usage"]["output"] for c in chunks] == [1, 4, 6]  # 1, 3, then the rest
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_engine_fault_fails_everything_and_asks_for_replacement(tiny_llama):
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", log_stats_interval=0))
+    worker = Worker(load_settings({}), eng)
+    worker.rp_config = {}
+    real_step, calls = eng.engine.step, [0]
+
+    def faulty_step():
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        return real_step()
+
+    eng.engine.step = faulty_step
+    job = {"prompt": "hi", "stream": True, "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
+
+    async def go():
+        async def one():
+            return [c async for c in worker.handle({"id": "j", "input": job})]
+        return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(4))), timeout=30)
+
+    results = asyncio.run(go())
+    for chunks in results:
+        err = json.loads(chunks[-1]["error"])
+        assert err["type"] == "server_error" and "illegal memory access" in err["message"]
+    assert worker.rp_config["refresh_worker"] is True and worker.fault
+    later = asyncio.run(asyncio.wait_for(_collect(worker, job), 5))
+    assert "illegal memory access" in json.loads(later[-1]["error"])["message"]
+    eng.shutdown()
+
+
+async def _collect(worker, job):
+    return [c async for c in worker.handle({"id": "k", "input": job})]

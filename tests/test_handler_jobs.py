@@ -1,0 +1,182 @@
+"""The handler's job logic, called as runpod calls it (an async generator per job), on real SmolLM2."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+from engine import AsyncEngine, EngineConfig
+from handler.settings import load_settings
+from handler.worker import BatchSizer, Worker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def worker(smollm2_path):
+    # fp32: greedy text must not depend on what else is in the batch (bf16 GEMMs round differently by M)
+    eng = AsyncEngine(EngineConfig(model=str(smollm2_path), dtype="float32", max_model_len=2048,
+                                   log_stats_interval=0))
+    yield Worker(load_settings({"MAX_CONCURRENCY": "8"}), eng)
+    eng.shutdown()
+
+
+def run_job(worker, inp) -> list:
+    async def go():
+        return [c async for c in worker.handle({"id": "t", "input": inp})]
+    return asyncio.run(go())
+
+
+def error_of(chunks) -> dict | None:
+    if len(chunks) == 1 and isinstance(chunks[0], dict) and "error" in chunks[0]:
+        return json.loads(chunks[0]["error"])
+    return None
+
+
+def test_batch_sizes_grow_like_worker_vllm():
+    s = BatchSizer(1, 3, 50)
+    assert [s.next() for _ in range(7)] == [1, 3, 9, 27, 50, 50, 50]
+
+
+def test_native_stream_batches_and_usage(worker):
+    chunks = run_job(worker, {"prompt": "The capital of France is", "stream": True,
+                              "sampling_params": {"temperature": 0, "max_tokens": 20, "ignore_eos": True}})
+    sizes = [len(c["choices"][0]["tokens"]) for c in chunks]
+    assert sizes[:3] == [1, 3, 9] and sum(sizes) <= 20 and len(chunks) == 4
+    assert chunks[-1]["usage"] == {"input": 5, "output": 20}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(t for c in chunks for t in c["choices"][0]["tokens"]).startswith(" Paris.")
+
+
+def test_native_default_max_tokens_is_stated(worker):
+    chunks = run_job(worker, {"prompt": "Count: 1, 2, 3,", "sampling_params": {"temperature": 0, "ignore_eos": True}})
+    assert len(chunks) == 1  # not streamed: one yield
+    assert chunks[0]["usage"]["output"] == 100 and chunks[0]["max_tokens"] == 100 and "default" in chunks[0]["note"]
+
+
+def test_native_messages_and_n(worker):
+    chunks = run_job(worker, {"messages": [{"role": "user", "content": "Say hi"}],
+                              "sampling_params": {"n": 2, "temperature": 0.8, "seed": 1, "max_tokens": 8}})
+    assert len(chunks[0]["choices"]) == 2
+
+
+def test_openai_chat_nonstream_and_stream_agree(worker):
+    body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "temperature": 0, "max_tokens": 24}
+    full = run_job(worker, {"openai_route": "/v1/chat/completions", "openai_input": body})[0]
+    assert full["object"] == "chat.completion" and full["choices"][0]["message"]["role"] == "assistant"
+    assert full["usage"]["completion_tokens"] > 0
+    streamed = run_job(worker, {"openai_route": "/v1/chat/completions",
+                                "openai_input": {**body, "stream": True, "stream_options": {"include_usage": True}}})
+    events = [e for s in streamed for e in s.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    objs = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    text = "".join(o["choices"][0]["delta"].get("content", "") for o in objs if o["choices"])
+    assert text == full["choices"][0]["message"]["content"]
+    assert objs[-1]["usage"] == full["usage"] and objs[-1]["choices"] == []
+    assert objs[-2]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+
+
+def test_openai_completions_logprobs_and_models(worker):
+    out = run_job(worker, {"openai_route": "/v1/completions",
+                           "openai_input": {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logprobs": 2,
+                                            "top_k": 5, "ignore_eos": True}})[0]
+    lp = out["choices"][0]["logprobs"]
+    assert out["object"] == "text_completion" and len(lp["tokens"]) == 5 and len(lp["top_logprobs"][0]) >= 2
+    assert "".join(lp["tokens"]) == out["choices"][0]["text"]
+    chat = run_job(worker, {"openai_route": "/v1/chat/completions",
+                            "openai_input": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                             "logprobs": True, "top_logprobs": 2}})[0]
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and len(content[0]["top_logprobs"]) == 2 and content[0]["logprob"] <= 0
+    models = run_job(worker, {"openai_route": "/v1/models"})[0]
+    assert models["data"][0]["id"] == worker.served_name
+
+
+BAD_JOBS = [
+    ({"prompt": "x", "bogus": 1}, "bogus"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),
+    ("not an object", "input"),
+    (None, "input"),
+    ({"prompt": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"prompt": "x", "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
+    ({"prompt": "x", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"prompt": "x", "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
+    ({"prompt": "x", "sampling_params": {"max_tokens": "many"}}, "sampling_params.max_tokens"),
+    ({"prompt": "x", "sampling_params": {"top_k": -5}}, "sampling_params.top_k"),
+    ({"prompt": "x", "sampling_params": {"logprobs": 99}}, "sampling_params.logprobs"),
+    ({"prompt": "x", "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
+    ({"prompt": "x", "sampling_params": {"frequency_penalty": 5}}, "sampling_params.frequency_penalty"),
+    ({"prompt": "x", "sampling_params": {"unknown_knob": 1}}, "sampling_params.unknown_knob"),
+    ({"prompt": "x", "sampling_params": []}, "sampling_params"),
+    ({"prompt": "x", "max_batch_size": 0}, "max_batch_size"),
+    ({"prompt": "x", "sampling_params": {"max_tokens": 10 ** 6}}, "sampling_params.max_tokens"),
+    ({"prompt": "x", "stream": "yes please"}, "stream"),
+    ({"prompt": "word " * 3000}, "prompt"),  # longer than max_model_len
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content"),
+    ({"openai_route": "/v1/embeddings", "openai_input": {}}, "openai_route"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": []}}, "openai_input.messages"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "model": "gpt-4"}}, "model"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "max_tokens": 10 ** 9}}, "max_tokens"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "wat": True}}, "openai_input.wat"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "tools": [{"type": "function"}]}}, "openai_input.tools"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "logit_bias": {"5": 1}}}, "openai_input.logit_bias"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "top_logprobs": 50}}, "openai_input.top_logprobs"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": ["a", "b"]}}, "openai_input.prompt"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 2, 10 ** 7]}}, "prompt_token_ids"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "temperature": "hot"}},
+     "openai_input.temperature"),
+    ({"openai_route": "/v1/completions", "openai_input": "x"}, "openai_input"),
+]
+
+
+def test_bad_jobs_get_clear_errors_while_good_jobs_run(worker):
+    good = {"prompt": "Once upon a time", "sampling_params": {"temperature": 0, "max_tokens": 40, "ignore_eos": True}}
+    solo = run_job(worker, good)
+
+    async def go():
+        async def one(inp):
+            return [c async for c in worker.handle({"id": "j", "input": inp})]
+        return await asyncio.gather(*(one(good) for _ in range(3)), *(one(inp) for inp, _ in BAD_JOBS))
+
+    results = asyncio.run(go())
+    for r in results[:3]:
+        assert r == solo  # good jobs unaffected
+    assert len(BAD_JOBS) >= 30
+    for (inp, param), chunks in zip(BAD_JOBS, results[3:]):
+        err = error_of(chunks)
+        assert err is not None, f"{inp!r} was accepted: {chunks}"
+        assert err["message"] and err["type"]
+        assert param in (err["param"] or "") or param in err["message"], (inp, err)
+    assert worker.fault is None
+
+
+@hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+                        st.sampled_from(["prompt", "messages", "sampling_params", "stream", "max_tokens", "n",
+                                         "openai_route", "openai_input", "temperature", "role", "content", "x"]),
+                        kids, max_size=4), max_leaves=8))
+def test_random_json_never_crashes_the_schema(worker, data):
+    from handler.schemas import ChatCompletionRequest, JobError, NativeJob, parse
+
+    for model in (NativeJob, ChatCompletionRequest):
+        try:
+            parse(model, data)
+        except JobError as e:
+            assert e.message
