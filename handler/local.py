@@ -2,34 +2,30 @@
 
     python -m handler.local --port 8000 [--host 127.0.0.1] [--worker-cmd "python -m handler"]
 
-Front, endpoint id ``local``. ``runpod.Endpoint("local")`` (with ``runpod.endpoint_url_base =
-"http://HOST:PORT/v2"``) and the ``openai`` client (``base_url=".../v2/local/openai/v1"``) work unmodified:
-  POST /v2/local/run | /runsync (runsync waits --runsync-wait s, then answers {"id", "status": IN_PROGRESS})
-  GET  /v2/local/status/{id} | /stream/{id} (the chunks since the last poll; long-polls --stream-wait s)
-  POST /v2/local/cancel/{id} | /purge-queue      GET /v2/local/health
-  POST /v2/local/openai/v1/chat/completions | /completions, GET .../openai/v1/models: each becomes a job
-       with input {"openai_route": "/v1/...", "openai_input": body ({} for /models)}. With "stream": true the
-       job's chunks (SSE text) pass through verbatim as text/event-stream; otherwise the single yielded
-       object is the response. Error objects come back in OpenAI's shape with an HTTP error status (their
-       "code" if it is one, else 400; handler crashes 500). A client that disconnects cancels its job.
+Front, endpoint id ``local``: ``runpod.Endpoint("local")`` (``runpod.endpoint_url_base = "http://H:P/v2"``)
+and the ``openai`` client (``base_url="http://H:P/v2/local/openai/v1"``) work unmodified.
+  POST /v2/local/run | /runsync (waits --runsync-wait s, then answers {"id", "status": "IN_PROGRESS"})
+  GET  /v2/local/status/{id} | /stream/{id} (chunks since the last poll, long-polled --stream-wait s)
+  POST /v2/local/cancel/{id} | /purge-queue    GET /v2/local/health
+  POST .../openai/v1/chat/completions | /completions, GET .../openai/v1/models become jobs with input
+  {"openai_route": "/v1/...", "openai_input": body ({} for models)}. With "stream": true the job's chunks
+  (SSE text) pass through verbatim; else the single yielded object is the body. Error objects come back in
+  OpenAI's shape with their "code" as HTTP status (else 400; crashes 500). A client that leaves cancels.
 
-Back: the worker subprocess (default ``python -m handler``) runs runpod-python's JobScaler, pointed here by
-the RUNPOD_WEBHOOK_* templates in ``worker_env`` (the SDK fills in $ID / $RUNPOD_POD_ID and appends "&..."):
-  GET  .../job-take/{worker}?gpu=local&job_in_progress=0|1               -> 200 {"id", "input"} or 204
-  GET  .../job-take-batch/{worker}?gpu=local&batch_size=N&job_in_progress=0|1 -> 200 [{"id", "input"}] or 204
-  POST .../job-stream/{worker}/{id}?gpu=local&isStream=false     {"output": chunk}, one POST per yield
-  POST .../job-done/{worker}/{id}?gpu=local&isStream=true|false  {"output": ...} and/or {"error": ...}
-  GET  .../job-stop/{worker}?gpu=local                           -> 200 {"jobsToStop": [ids]} or 204
-  GET  .../ping/{worker}?job_id=a,b&runpod_version=V             heartbeat, from a separate process
-Job-take and job-stop are long-polled (--poll-hold s): on 204 the SDK re-polls at once, so answering 204
-immediately would make it spin. Result bodies are JSON sent as x-www-form-urlencoded: parsed from raw bytes.
-
-Cancel: runpod-python >= 1.10 long-polls job-stop (the job-take URL with /job-take/ -> /job-stop/) and
-cancels that job's asyncio task, so CancelledError is raised inside the handler; no job-done follows. Here
-a cancelled job turns CANCELLED at once, is sent on job-stop if it was running, and later output for it is
-ignored. Not emulated: TIMED_OUT/execution policies, webhooks, retries, several workers. The worker's
-stdout/stderr go to our stderr. If it exits, its running jobs fail (queued ones too unless
---restart-worker). "ready" is logged at its first job-take; request counts every 30 s and at exit.
+Back: the worker subprocess runs runpod-python's JobScaler, pointed here by ``worker_env``'s
+RUNPOD_WEBHOOK_* templates (the SDK fills in $ID / $RUNPOD_POD_ID and appends "&k=v"):
+  GET  .../job-take/{w}?gpu=local&job_in_progress=0|1                    -> {"id", "input"} or 204
+  GET  .../job-take-batch/{w}?gpu=local&batch_size=N&job_in_progress=0|1 -> [{"id", "input"}] or 204
+  POST .../job-stream/{w}/{id}?gpu=local&isStream=false      {"output": chunk}, one POST per yield
+  POST .../job-done/{w}/{id}?gpu=local&isStream=true|false   {"output": ...} and/or {"error": ...}
+  GET  .../job-stop/{w}?gpu=local                            -> {"jobsToStop": [ids]} or 204
+  GET  .../ping/{w}?job_id=a,b&runpod_version=V              heartbeat, from a separate process
+Job-take and job-stop are long-polls (the SDK re-polls a 204 at once). Result bodies are JSON sent as
+x-www-form-urlencoded. Cancel: the SDK (>= 1.10) cancels the job's asyncio task when job-stop names it,
+so CancelledError is raised in the handler and no job-done follows; here the job turns CANCELLED at once
+and later output for it is ignored. Not emulated: TIMED_OUT, webhooks, retries, several workers.
+Worker output goes to our stderr. If it exits, its running jobs fail (queued ones too unless
+--restart-worker). "ready" is logged at its first job-take, request counts every 30 s and at exit.
 """
 from __future__ import annotations
 
@@ -156,12 +152,12 @@ def _error_response(err: Any, default_code: int = 400) -> JSONResponse:
 
 
 class Emulator:
-    def __init__(self, worker_cmd: list[str] | None, base_url: str, *, runsync_wait: float = 90.0,
-                 stream_wait: float = 1.0, poll_hold: float = 10.0, coalesce: float = 0.02,
+    def __init__(self, worker_cmd: list[str], base_url: str, *, runsync_wait: float = 90.0,
+                 stream_wait: float = 1.0, poll_hold: float = 10.0,
                  restart: bool = False, grace: float = 5.0, retention: float = 900.0) -> None:
         self.worker_cmd, self.base, self.restart, self.grace = worker_cmd, base_url, restart, grace
         self.runsync_wait, self.stream_wait, self.poll_hold = runsync_wait, stream_wait, poll_hold
-        self.coalesce, self.retention = coalesce, retention
+        self.retention = retention
         self.jobs: dict[str, Job] = {}
         self.queue: collections.deque[str] = collections.deque()
         self.stops: list[str] = []
@@ -169,7 +165,7 @@ class Emulator:
         self.counts: collections.Counter = collections.Counter()  # requests by kind
         self.totals: collections.Counter = collections.Counter()  # jobs by final status
         self.proc: asyncio.subprocess.Process | None = None
-        self.state = "initializing" if worker_cmd else "external"  # -> ready -> exited
+        self.state = "initializing"  # -> ready -> exited
         self.spawned = self.last_ping = None
         self.shutting_down = False
         self.tasks: list[asyncio.Task] = []
@@ -212,12 +208,7 @@ class Emulator:
 
     # ---------------------------------------------------------------- worker
     async def start(self) -> None:
-        self.tasks.append(asyncio.create_task(self._log_counts()))
-        if self.worker_cmd:
-            self.tasks.append(asyncio.create_task(self._run_worker()))
-        else:
-            log.info("no worker started; run yours with:\n%s", "\n".join(
-                f"  {k}={v}" for k, v in worker_env(self.base).items() if k.startswith("RUNPOD_WEBHOOK")))
+        self.tasks = [asyncio.create_task(self._log_counts()), asyncio.create_task(self._run_worker())]
 
     async def _run_worker(self) -> None:
         host, port = self.base.split("/")[2].rsplit(":", 1)
@@ -289,15 +280,13 @@ class Emulator:
     # ----------------------------------------------------- worker-facing API
     async def job_take(self, request: Request) -> Response:
         self.counts["job-take"] += 1
-        if self.state in ("initializing", "external"):
+        if self.state == "initializing":
             self.state = "ready"
-            after = f" {time.monotonic() - self.spawned:.1f} s after spawn" if self.spawned else ""
-            log.info("ready: the worker made its first job-take%s; serving %s", after, self.base)
-        deadline, waited = time.monotonic() + self.poll_hold, False
+            log.info("ready: the worker made its first job-take %.1f s after spawn; serving %s",
+                     time.monotonic() - self.spawned, self.base)
+        deadline = time.monotonic() + self.poll_hold
         while not self.queue and not self.shutting_down and time.monotonic() < deadline:
-            waited = await self.queue_pulse.wait(deadline - time.monotonic())
-        if waited and self.coalesce:  # let a burst arrive, so it goes out as one batch (see report)
-            await asyncio.sleep(self.coalesce)
+            await self.queue_pulse.wait(deadline - time.monotonic())
         if not self.queue or self.shutting_down or await request.is_disconnected():
             return Response(status_code=204)
         batch = "/job-take-batch/" in request.url.path
@@ -471,10 +460,10 @@ class Emulator:
         return JSONResponse(out)
 
 
-def create_app(worker_cmd: list[str] | str | None, *, host: str = "127.0.0.1", port: int = 8000,
+def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: int = 8000,
                **options: Any) -> FastAPI:
-    """The emulator app; the worker subprocess lives with its lifespan. ``worker_cmd`` None: start no
-    worker (run one yourself; the log shows its env). ``options`` go to ``Emulator``."""
+    """The emulator app; the worker subprocess lives with its lifespan. ``options`` go to ``Emulator``:
+    runsync_wait, stream_wait, poll_hold, restart, grace (SIGTERM -> SIGKILL), retention (of results)."""
     if isinstance(worker_cmd, str):
         worker_cmd = shlex.split(worker_cmd)
     connect = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
@@ -519,7 +508,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--worker-cmd", default=f"{shlex.quote(sys.executable)} -m handler",
                     help="the worker command line (default: %(default)s)")
-    ap.add_argument("--no-worker", action="store_true", help="start no worker; run one yourself")
     ap.add_argument("--restart-worker", action="store_true", help="restart the worker when it exits")
     ap.add_argument("--runsync-wait", type=float, default=90.0, help="seconds /runsync waits (90)")
     ap.add_argument("--stream-wait", type=float, default=1.0, help="seconds /stream long-polls (1)")
@@ -527,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
                         format="%(asctime)s local-rp | %(message)s", datefmt="%H:%M:%S")
-    app = create_app(None if args.no_worker else args.worker_cmd, host=args.host, port=args.port,
+    app = create_app(args.worker_cmd, host=args.host, port=args.port,
                      runsync_wait=args.runsync_wait, stream_wait=args.stream_wait, restart=args.restart_worker)
     _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                            timeout_graceful_shutdown=3)).run()

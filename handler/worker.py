@@ -4,6 +4,8 @@ Errors in a job end that job with one error object and never touch other jobs. A
 loop raised) ends every in-flight job with an error and asks Runpod to replace this worker."""
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import logging
 import time
@@ -39,6 +41,9 @@ class Worker:
         self.served_name = settings.OPENAI_SERVED_MODEL_NAME_OVERRIDE or settings.MODEL_NAME or "SmolLM2-135M-Instruct"
         self.rp_config: dict | None = None  # runpod's start() config; set refresh_worker on engine faults
         self.fault: str | None = None
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._ids = itertools.count()
 
     def concurrency(self, current: int) -> int:
         return self.settings.MAX_CONCURRENCY
@@ -46,23 +51,46 @@ class Worker:
     async def handle(self, job: dict) -> AsyncIterator[Any]:
         """runpod calls this per job; each yield is one streamed chunk."""
         inp = job.get("input")
+        job_id = job.get("id")
+        rid = f"{job_id}#{next(self._ids)}"  # engine request id: unique even if a job id repeats
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        log.info("job %s started (in flight: %d)", job_id, self.in_flight)
+        outcome = "cancelled"
         try:
             if self.engine is None or self.fault:
                 raise JobError(f"the worker could not serve: {self.fault or self.start_error}", type="server_error",
                                code=500)
             if isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
-                gen = self._openai(inp)
+                gen = self._openai(inp, rid)
             else:
-                gen = self._native(inp, str(job.get("id", "")))
+                gen = self._native(inp, rid)
             async for chunk in gen:
                 yield chunk
+            outcome = "done"
         except JobError as e:
+            outcome = f"rejected ({e.param})"
             yield {"error": json.dumps(e.to_dict()["error"])}
         except InvalidRequestError as e:
+            outcome = f"rejected ({e.field})"
             yield {"error": json.dumps(JobError(str(e), param=e.field).to_dict()["error"])}
+        except asyncio.CancelledError:
+            # Runpod cancelled the job or the client left: free its KV now, then let cancellation proceed.
+            await asyncio.shield(self.engine.abort(rid))
+            raise
         except EngineFault as e:
+            outcome = "engine fault"
             self._on_fault(e)
             yield {"error": json.dumps(JobError(str(e), type="server_error", code=500).to_dict()["error"])}
+        finally:
+            self.in_flight -= 1
+            self._log_end(job_id, outcome)
+
+    def _log_end(self, job_id, outcome: str) -> None:
+        st = self.engine.stats() if self.engine is not None else {}
+        log.info("job %s %s (in flight: %d, max so far: %d); KV blocks free %s/%s, running %s, waiting %s", job_id,
+                 outcome, self.in_flight, self.max_in_flight, st.get("num_free_blocks"), st.get("num_total_blocks"),
+                 st.get("running"), st.get("waiting"))
 
     def _on_fault(self, e: Exception) -> None:
         if self.fault is None:
@@ -72,7 +100,7 @@ class Worker:
             self.rp_config["refresh_worker"] = True  # the SDK stops the pod once in-flight jobs report
 
     # ---- native jobs ----------------------------------------------------------------------
-    async def _native(self, inp: Any, job_id: str) -> AsyncIterator[dict]:
+    async def _native(self, inp: Any, rid: str) -> AsyncIterator[dict]:
         job = parse(NativeJob, inp)
         sp = job.sampling_params.model_dump()
         default_max = sp["max_tokens"] is None
@@ -86,7 +114,7 @@ class Worker:
                     **{k: v for k, v in job.sampling_params.model_dump(exclude_unset=True).items()
                        if k != "logprobs"}}
             body.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-            async for chunk in self._openai({"openai_route": "/v1/chat/completions", "openai_input": body}):
+            async for chunk in self._openai({"openai_route": "/v1/chat/completions", "openai_input": body}, rid):
                 yield chunk
             return
         prompt, params = self._fit(self._native_prompt(job), params, "sampling_params.max_tokens")
@@ -98,7 +126,7 @@ class Worker:
         pending: list[list[str]] = [[] for _ in range(n)]
         n_pending, batch, out_tokens, finish = 0, sizer.next(), 0, [None] * n
         n_input = 0
-        async for out in self.engine.generate(prompt, params, request_id=job.request_id or None):
+        async for out in self.engine.generate(prompt, params, request_id=rid):
             n_input = len(out.prompt_token_ids)
             for c in out.outputs:
                 if c.delta_text:
@@ -133,7 +161,7 @@ class Worker:
             raise JobError(f"{param}: the chat template rejected these messages: {e}", param=param) from None
 
     # ---- OpenAI jobs ----------------------------------------------------------------------
-    async def _openai(self, inp: dict) -> AsyncIterator[Any]:
+    async def _openai(self, inp: dict, rid: str) -> AsyncIterator[Any]:
         route = inp.get("openai_route")
         body = inp.get("openai_input") or {}
         if route == "/v1/models":
@@ -163,7 +191,7 @@ class Worker:
                             "max_tokens": max_tokens or 1}, "openai_input")
         prompt, params = self._fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens)
         chat = not isinstance(shapes, oa.CompletionShapes)
-        gen = self.engine.generate(prompt, params)
+        gen = self.engine.generate(prompt, params, request_id=rid)
         if req.stream:
             async for chunk in self._openai_stream(gen, shapes, req, chat, top_n):
                 yield chunk

@@ -180,3 +180,26 @@ def test_random_json_never_crashes_the_schema(worker, data):
             parse(model, data)
         except JobError as e:
             assert e.message
+
+
+def test_cancelling_the_job_task_frees_kv(worker):
+    job = {"prompt": "Tell a long story", "stream": True,
+           "sampling_params": {"max_tokens": 500, "ignore_eos": True, "temperature": 0}}
+
+    async def go():
+        got = asyncio.Event()
+
+        async def consume():
+            async for _ in worker.handle({"id": "cancel-me", "input": job}):
+                got.set()
+
+        task = asyncio.create_task(consume())  # runpod runs each job as a task and cancels it
+        await asyncio.wait_for(got.wait(), 30)
+        assert worker.engine.stats()["running"] == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return worker.engine.stats()
+
+    st = asyncio.run(go())
+    assert st["num_free_blocks"] == st["num_total_blocks"] and st["running"] == 0
