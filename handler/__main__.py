@@ -39,6 +39,15 @@ def _cheap_cpuinfo() -> None:
     sys.modules["cpuinfo"] = shim
 
 
+def _fix_occupancy() -> None:
+    """runpod 1.12's JobScaler counts a taken job twice (in its queue and in progress) until its task
+    starts, so after taking 4 of 8 jobs it thinks it is full and sleeps 1 s. The in-progress set already
+    holds queued jobs: count it alone. Measured with 8 concurrent 1 s jobs: 2.1 s -> all started in 34 ms."""
+    from runpod.serverless.modules import rp_scale
+
+    rp_scale.JobScaler.current_occupancy = lambda self: self.job_progress.get_job_count()
+
+
 def _test_input(argv: list[str]) -> dict | None:
     if "--test_input" in argv:
         i = argv.index("--test_input")
@@ -88,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _cheap_cpuinfo()
     import runpod
+
+    _fix_occupancy()
 
     config = {"handler": worker.handle, "return_aggregate_stream": True,
               "concurrency_modifier": worker.concurrency}

@@ -49,6 +49,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from handler.settings import inherited_env
+
 EP, WORKER_ID = "local", "local-worker"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
 log = logging.getLogger("handler.local")
@@ -104,7 +106,7 @@ class Job:
 
 def worker_env(base: str) -> dict:
     """The environment that points the SDK's JobScaler at the emulator at ``base`` (http://h:p/v2/local)."""
-    env = dict(os.environ)
+    env = inherited_env()
     env.update(RUNPOD_WEBHOOK_GET_JOB=f"{base}/job-take/$ID?gpu=local",
                RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
                RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
@@ -176,7 +178,7 @@ class Emulator:
         for old in [j.id for j in self.jobs.values() if j.done and now - j.finished > self.retention]:
             del self.jobs[old]
         job = self.jobs.setdefault(jid := prefix + str(uuid.uuid4()), Job(jid, job_input))
-        if self.shutting_down or self.state == "exited":
+        if self.shutting_down or (self.state == "exited" and not self.restart):
             self.finish(job, "FAILED", error=f"local worker is not running ({self.state})")
         else:
             self.queue.append(job.id)
@@ -240,9 +242,11 @@ class Emulator:
             await asyncio.sleep(1.0)
 
     def begin_shutdown(self) -> None:
-        """Fail what is left, release the long-polls and SIGTERM the worker. Idempotent."""
+        """Stop the running jobs (so the SDK's graceful drain is quick), fail what is left, release the
+        long-polls and SIGTERM the worker. Idempotent."""
         if not self.shutting_down:
             self.shutting_down = True
+            self.stops += [j.id for j in self.jobs.values() if j.status == "IN_PROGRESS"]
             for job in list(self.jobs.values()):
                 self.finish(job, "FAILED", error="local emulator is shutting down")
             self.queue.clear()

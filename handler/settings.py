@@ -128,3 +128,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         name = err["loc"][0] if err["loc"] else "?"
         shown = name if name in env else next((a for a, n in ALIASES.items() if n == name and a in env), name)
         raise SettingsError(f"environment variable {shown}={env.get(shown)!r}: {err['msg']}") from None
+
+
+def inherited_env() -> dict[str, str]:
+    """A copy of this process's environment, for a child process (the emulator's worker)."""
+    return dict(os.environ)

@@ -1,0 +1,172 @@
+"""End to end over real HTTP: `python -m handler.local` runs the real worker (runpod's JobScaler) on SmolLM2,
+and the official `openai` client and `runpod.Endpoint` talk to it unmodified."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+PORT_WAIT = 180
+
+
+class Emulator:
+    def __init__(self, env: dict):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}/v2/local"
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "handler.local", "--port", str(self.port)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.wait_for(r"ready", PORT_WAIT)
+
+    def _pump(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.proc.poll() is not None:
+                raise AssertionError("emulator exited:\n" + "\n".join(self.lines[-40:]))
+            time.sleep(0.1)
+        raise AssertionError(f"no log line matching {pattern!r}:\n" + "\n".join(self.lines[-40:]))
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def emu(smollm2_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
+    env.update(MODEL_NAME=str(smollm2_path), DTYPE="float32", MAX_CONCURRENCY="8", MAX_MODEL_LEN="2048",
+               HF_HUB_OFFLINE="1", OPENAI_SERVED_MODEL_NAME_OVERRIDE="smol")
+    e = Emulator(env)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def oai(emu):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{emu.base}/openai/v1", api_key="local", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def endpoint(emu):
+    import runpod
+
+    runpod.api_key = "local"
+    runpod.endpoint_url_base = f"http://127.0.0.1:{emu.port}/v2"
+    return runpod.Endpoint("local")
+
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_openai_client(oai):
+    assert [m.id for m in oai.models.list().data] == ["smol"]
+    full = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    assert text and full.usage.completion_tokens > 0
+    stream = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces) == text and usage.completion_tokens == full.usage.completion_tokens
+    comp = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  extra_body={"top_k": 1, "ignore_eos": True})
+    assert comp.choices[0].text.startswith(" Paris")
+    from openai import NotFoundError
+    with pytest.raises(NotFoundError):
+        oai.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2)
+
+
+def test_runpod_endpoint(endpoint):
+    job = {"prompt": "The capital of France is", "stream": True,
+           "sampling_params": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+    out = endpoint.run_sync(job, timeout=120)
+    text = "".join(t for c in out for t in c["choices"][0]["tokens"])
+    assert text.startswith(" Paris") and out[-1]["usage"]["output"] == 12
+    run = endpoint.run(job)
+    streamed = "".join(t for c in run.stream() for t in c["choices"][0]["tokens"])
+    assert streamed == text and run.status() == "COMPLETED"
+
+
+def _native_text(chunks):
+    return "".join(t for c in chunks for t in c["choices"][0]["tokens"])
+
+
+def test_32_concurrent_mixed_jobs(emu, oai):
+    kinds = [("native", "Write one sentence about the sea."), ("native", "List two animals:"),
+             ("openai", "Say hello in French."), ("openai", "What is 3+3?")]
+
+    def native(prompt):
+        r = requests.post(f"{emu.base}/run", json={"input": {
+            "prompt": prompt, "stream": True, "sampling_params": {"temperature": 0, "max_tokens": 24}}}).json()
+        t0, first, chunks = time.time(), None, []
+        while True:
+            s = requests.get(f"{emu.base}/stream/{r['id']}", timeout=60).json()
+            if s.get("stream") and first is None:
+                first = time.time() - t0
+            chunks += [x["output"] for x in s.get("stream", [])]
+            if s["status"] in ("COMPLETED", "FAILED", "CANCELLED"):
+                assert s["status"] == "COMPLETED", s
+                return _native_text(chunks), first, time.time() - t0
+
+    def openai(prompt):
+        t0, first, text = time.time(), None, ""
+        for chunk in oai.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=24, temperature=0, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.time() - t0
+                text += chunk.choices[0].delta.content
+        return text, first, time.time() - t0
+
+    run = {"native": native, "openai": openai}
+    solo = {k: run[k[0]](k[1])[0] for k in kinds}
+
+    async def all32():
+        return await asyncio.gather(*(asyncio.to_thread(run[k[0]], k[1]) for k in kinds * 8))
+
+    results = asyncio.run(all32())
+    for k, (text, first, total) in zip(kinds * 8, results):
+        assert text == solo[k], k
+        assert first is not None and first < total  # the first chunk arrived before the job ended
+    peak = max(int(m) for m in re.findall(r"max so far: (\d+)", "\n".join(emu.lines)))
+    assert 1 < peak <= 8, peak
+
+
+def test_cancel_frees_kv_blocks(emu):
+    r = requests.post(f"{emu.base}/run", json={"input": {
+        "prompt": "Tell me a very long story.", "stream": True,
+        "sampling_params": {"max_tokens": 1500, "ignore_eos": True}}}).json()
+    while not requests.get(f"{emu.base}/stream/{r['id']}", timeout=60).json().get("stream"):
+        pass
+    assert requests.post(f"{emu.base}/cancel/{r['id']}").json()["status"] == "CANCELLED"
+    m = emu.wait_for(rf"job {r['id']} cancelled .*KV blocks free (\d+)/(\d+), running (\d+)", 30)
+    assert m.group(1) == m.group(2) and m.group(3) == "0"
+    assert requests.get(f"{emu.base}/status/{r['id']}").json()["status"] == "CANCELLED"
