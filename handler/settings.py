@@ -98,18 +98,22 @@ class Settings(BaseModel):
         return out
 
     def engine_config(self) -> EngineConfig:
-        kw = dict(model=self.MODEL_NAME, revision=self.MODEL_REVISION, tokenizer=self.TOKENIZER_NAME,
-                  max_model_len=self.MAX_MODEL_LEN, dtype=self.DTYPE, max_num_seqs=self.MAX_NUM_SEQS,
-                  max_num_batched_tokens=self.MAX_NUM_BATCHED_TOKENS, block_size=self.BLOCK_SIZE,
-                  gpu_memory_utilization=self.GPU_MEMORY_UTILIZATION, kv_cache_memory=self.KV_CACHE_MEMORY,
-                  hf_cache_dirs=self.hf_cache_dirs())
+        kw = {field: getattr(self, env) for env, field in ENGINE_FIELDS.items()}
+        kw["hf_cache_dirs"] = self.hf_cache_dirs()
         if self.cache_root():
             kw["cache_root"] = self.cache_root()
         try:
             return EngineConfig(**kw)
         except ValueError as e:
-            raise SettingsError(f"invalid engine setting from the environment: {e}") from e
+            env = next((env for env, field in ENGINE_FIELDS.items() if f"EngineConfig.{field}=" in str(e)), None)
+            raise SettingsError(f"environment variable {env}: {e}" if env else f"invalid engine setting: {e}") from e
 
+
+# environment variable -> EngineConfig field
+ENGINE_FIELDS = {"MODEL_NAME": "model", "MODEL_REVISION": "revision", "TOKENIZER_NAME": "tokenizer",
+                 "MAX_MODEL_LEN": "max_model_len", "DTYPE": "dtype", "MAX_NUM_SEQS": "max_num_seqs",
+                 "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens", "BLOCK_SIZE": "block_size",
+                 "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory"}
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
 ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}

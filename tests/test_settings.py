@@ -26,3 +26,51 @@ def test_defaults_locally_and_on_runpod():
 def test_invalid_values_name_the_variable(env, name):
     with pytest.raises(SettingsError, match=name):
         load_settings(env)
+
+
+def test_every_documented_variable_is_parsed():
+    """docs/configuration.md lists each variable; each one must reach the settings."""
+    import re
+    from pathlib import Path
+
+    from handler.settings import Settings
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", doc)) - {"RUNPOD_POD_ID", "RUNPOD_ENDPOINT_ID"}
+    known = set(Settings.model_fields) | {"MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR"}
+    assert documented <= known, documented - known
+    undocumented = set(Settings.model_fields) - documented - {"RUNPOD_POD_ID", "RUNPOD_ENDPOINT_ID",
+                                                               "RUNPOD_WEBHOOK_GET_JOB"}
+    assert not undocumented, undocumented
+
+
+def test_job_variables_and_worker_vllm_aliases():
+    s = load_settings({"MAX_CONCURRENCY": "8", "DEFAULT_BATCH_SIZE": "20", "MIN_BATCH_SIZE": "2",
+                       "BATCH_SIZE_GROWTH_FACTOR": "2.5", "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "my-model",
+                       "CUSTOM_CHAT_TEMPLATE": "{{ messages[0]['content'] }}", "ENABLE_PREFIX_CACHING": "false",
+                       "MAX_NUM_SEQS": "16", "MAX_NUM_BATCHED_TOKENS": "512", "KV_CACHE_MEMORY": "1000000",
+                       "BLOCK_SIZE": "32", "TOKENIZER_NAME": "/tok", "MODEL_REVISION": "v1"})
+    assert (s.MAX_CONCURRENCY, s.DEFAULT_BATCH_SIZE, s.DEFAULT_MIN_BATCH_SIZE) == (8, 20, 2)
+    assert s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR == 2.5 and s.ENABLE_PREFIX_CACHING is False
+    cfg = s.engine_config()
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_memory, cfg.block_size) == (16, 512, 10**6, 32)
+    assert (cfg.tokenizer, cfg.revision) == ("/tok", "v1")
+    # the documented DEFAULT_* name wins over worker-vllm's alias
+    assert load_settings({"MIN_BATCH_SIZE": "2", "DEFAULT_MIN_BATCH_SIZE": "4"}).DEFAULT_MIN_BATCH_SIZE == 4
+    assert load_settings({"MODEL_NAME": "  "}).MODEL_NAME is None
+    assert load_settings({"QUANTIZATION": "fp8"}).not_yet_supported() == ["QUANTIZATION=fp8"]
+
+
+@pytest.mark.parametrize("env,name", [
+    ({"MAX_CONCURRENCY": "0"}, "MAX_CONCURRENCY"), ({"MIN_BATCH_SIZE": "zero"}, "MIN_BATCH_SIZE"),
+    ({"BATCH_SIZE_GROWTH_FACTOR": "0.5"}, "BATCH_SIZE_GROWTH_FACTOR"), ({"ENABLE_LORA": "maybe"}, "ENABLE_LORA"),
+    ({"KV_CACHE_MEMORY": "-1"}, "KV_CACHE_MEMORY"), ({"MAX_LORA_RANK": "x"}, "MAX_LORA_RANK"),
+])
+def test_more_invalid_values(env, name):
+    with pytest.raises(SettingsError, match=name):
+        load_settings(env)
+
+
+def test_engine_level_error_names_the_variable():
+    with pytest.raises(SettingsError, match="BLOCK_SIZE"):
+        load_settings({"BLOCK_SIZE": "7"}).engine_config()
