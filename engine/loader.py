@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelNotFoundError, UnsupportedModelError

@@ -30,7 +30,6 @@ Worker output goes to our stderr. If it exits, its running jobs fail (queued one
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import collections
 import contextlib
@@ -42,115 +41,15 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from handler.settings import inherited_env
+from handler.local_jobs import EP, Job, Pulse, error_response, pdeathsig, sse, worker_env
 
-EP, WORKER_ID = "local", "local-worker"
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
 log = logging.getLogger("handler.local")
-
-
-class Pulse:
-    """A broadcast wake-up: every pending ``wait`` returns True when ``fire`` is called."""
-
-    def __init__(self) -> None:
-        self._ev = asyncio.Event()
-
-    def fire(self) -> None:
-        self._ev.set()
-        self._ev = asyncio.Event()
-
-    async def wait(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._ev.wait(), max(timeout, 0.0))
-            return True
-        except asyncio.TimeoutError:
-            return False
-
-
-@dataclass
-class Job:
-    id: str
-    input: Any
-    status: str = "IN_QUEUE"
-    output: Any = None
-    error: Any = None
-    chunks: list = field(default_factory=list)
-    stream_pos: int = 0  # cursor of the public /stream endpoint
-    created: float = field(default_factory=time.monotonic)
-    started: float | None = None
-    finished: float | None = None
-    changed: Pulse = field(default_factory=Pulse)
-
-    @property
-    def done(self) -> bool:
-        return self.status in TERMINAL
-
-    def public(self) -> dict:
-        now = time.monotonic()
-        out = {"id": self.id, "status": self.status, "delayTime": int(((self.started or now) - self.created) * 1e3)}
-        if self.started is not None:
-            out |= {"executionTime": int(((self.finished or now) - self.started) * 1e3), "workerId": WORKER_ID}
-        if self.output is not None:
-            out["output"] = self.output
-        if self.error is not None:
-            out["error"] = self.error
-        return out
-
-
-def worker_env(base: str) -> dict:
-    """The environment that points the SDK's JobScaler at the emulator at ``base`` (http://h:p/v2/local)."""
-    env = inherited_env()
-    env.update(RUNPOD_WEBHOOK_GET_JOB=f"{base}/job-take/$ID?gpu=local",
-               RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
-               RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
-               RUNPOD_WEBHOOK_PING=f"{base}/ping/$RUNPOD_POD_ID?gpu=local",
-               RUNPOD_POD_ID=WORKER_ID, RUNPOD_AI_API_KEY="local")
-    for key, value in (("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "true"), ("RUNPOD_SKIP_GPU_CHECK", "true"),
-                       ("RUNPOD_PING_INTERVAL", "5000"), ("RUNPOD_LOG_LEVEL", "INFO"), ("PYTHONUNBUFFERED", "1")):
-        env.setdefault(key, value)
-    return env
-
-
-def _pdeathsig() -> Any:
-    """A pre-exec hook (Linux) that SIGTERMs the worker if the emulator dies without stopping it."""
-    if sys.platform != "linux":
-        return None
-    import ctypes
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _sse(chunk: Any) -> str:
-    if isinstance(chunk, str):
-        return chunk
-    if isinstance(chunk, list):
-        return "".join(map(_sse, chunk))
-    return f"data: {json.dumps(chunk)}\n\n"
-
-
-def _error_response(err: Any, default_code: int = 400) -> JSONResponse:
-    """OpenAI's {"error": {...}} from a job error: a dict, JSON text, or the SDK's str() of the dict a
-    generator yielded as {"error": {...}}. The HTTP status is its "code" when that is one."""
-    if isinstance(err, str):
-        for parse in (json.loads, ast.literal_eval):
-            with contextlib.suppress(Exception):
-                err = parse(err)
-                break
-    if isinstance(err, dict) and isinstance(err.get("error"), dict):
-        err = err["error"]
-    if not isinstance(err, dict) or "message" not in err:  # a handler crash, not an error object
-        text = err.get("error_message", json.dumps(err)) if isinstance(err, dict) else str(err)
-        err, default_code = {"message": text, "type": "InternalServerError", "param": None, "code": 500}, 500
-    code = err.get("code")
-    status = code if isinstance(code, int) and 400 <= code < 600 else default_code
-    return JSONResponse({"error": {k: v for k, v in err.items() if k != "object"}}, status)
 
 
 class Emulator:
@@ -224,7 +123,7 @@ class Emulator:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.worker_cmd, env=worker_env(self.base), stdin=asyncio.subprocess.DEVNULL,
                 stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(), start_new_session=True,
-                preexec_fn=_pdeathsig())
+                preexec_fn=pdeathsig())
             log.info("worker started (pid %d): %s", self.proc.pid, shlex.join(self.worker_cmd))
             code = await self.proc.wait()
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -423,7 +322,7 @@ class Emulator:
             try:
                 body = await request.json()
             except ValueError:
-                return _error_response({"message": "the body is not valid JSON", "type": "BadRequestError"})
+                return error_response({"message": "the body is not valid JSON", "type": "BadRequestError"})
         job = self.submit({"openai_route": route, "openai_input": body})
         if not (isinstance(body, dict) and body.get("stream")):
             await self.wait_done(job, None, request)
@@ -442,12 +341,12 @@ class Emulator:
             while True:
                 while pos < len(job.chunks):
                     pos += 1
-                    yield _sse(job.chunks[pos - 1])
+                    yield sse(job.chunks[pos - 1])
                 if job.done:
                     break
                 await job.changed.wait(5.0)
             if job.status == "FAILED":  # failed mid-stream: an error event, then [DONE], as vLLM does
-                yield f"data: {_error_response(job.error).body.decode()}\n\ndata: [DONE]\n\n"
+                yield f"data: {error_response(job.error).body.decode()}\n\ndata: [DONE]\n\n"
         finally:
             if not job.done:
                 log.info("stream client went away: cancelling %s", job.id)
@@ -455,12 +354,12 @@ class Emulator:
 
     def _openai_result(self, job: Job) -> Response:
         if job.status == "CANCELLED":
-            return _error_response({"message": "the request was cancelled", "type": "CancelledError", "code": 499})
+            return error_response({"message": "the request was cancelled", "type": "CancelledError", "code": 499})
         if job.status != "COMPLETED":
-            return _error_response(job.error)
+            return error_response(job.error)
         out = job.output[0] if isinstance(job.output, list) and len(job.output) == 1 else job.output
         if isinstance(out, dict) and ("error" in out or out.get("object") == "error"):
-            return _error_response(out)
+            return error_response(out)
         return JSONResponse(out)
 
 

@@ -121,6 +121,10 @@ class _OpenAIBase(_Strict):
     include_stop_str_in_output: bool = False
     # OpenAI fields we cannot honour: accepted only when absent/null, so a client never gets a silent no-op
     logit_bias: dict[str, float] | None = None
+    # OpenAI bookkeeping fields that do not change generation
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -161,6 +165,7 @@ class CompletionRequest(_OpenAIBase):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -171,9 +176,9 @@ class CompletionRequest(_OpenAIBase):
             return v[0]
         return v
 
-    @field_validator("echo", "suffix")
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
-        if v:
+        if v and not (info.field_name == "best_of" and v == 1):
             raise ValueError(f"{info.field_name} is not supported")
         return v

@@ -3,7 +3,6 @@ and the official `openai` client and `runpod.Endpoint` talk to it unmodified."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import socket

@@ -11,8 +11,6 @@ import sys
 import time
 import urllib.request
 
-import pytest
-
 from engine import AsyncEngine, EngineConfig
 from handler.settings import load_settings
 from handler.worker import Worker

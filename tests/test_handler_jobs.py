@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
@@ -14,7 +11,6 @@ from engine import AsyncEngine, EngineConfig
 from handler.settings import load_settings
 from handler.worker import BatchSizer, Worker
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,117 @@
+"""The emulator's job records and the pieces it shares with its routes: job state, wake-ups, the
+worker's environment, SSE framing, and OpenAI error responses."""
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from handler.settings import inherited_env
+
+EP, WORKER_ID = "local", "local-worker"
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
+
+
+class Pulse:
+    """A broadcast wake-up: every pending ``wait`` returns True when ``fire`` is called."""
+
+    def __init__(self) -> None:
+        self._ev = asyncio.Event()
+
+    def fire(self) -> None:
+        self._ev.set()
+        self._ev = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ev.wait(), max(timeout, 0.0))
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+@dataclass
+class Job:
+    id: str
+    input: Any
+    status: str = "IN_QUEUE"
+    output: Any = None
+    error: Any = None
+    chunks: list = field(default_factory=list)
+    stream_pos: int = 0  # cursor of the public /stream endpoint
+    created: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    finished: float | None = None
+    changed: Pulse = field(default_factory=Pulse)
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    def public(self) -> dict:
+        now = time.monotonic()
+        out = {"id": self.id, "status": self.status, "delayTime": int(((self.started or now) - self.created) * 1e3)}
+        if self.started is not None:
+            out |= {"executionTime": int(((self.finished or now) - self.started) * 1e3), "workerId": WORKER_ID}
+        if self.output is not None:
+            out["output"] = self.output
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def worker_env(base: str) -> dict:
+    """The environment that points the SDK's JobScaler at the emulator at ``base`` (http://h:p/v2/local)."""
+    env = inherited_env()
+    env.update(RUNPOD_WEBHOOK_GET_JOB=f"{base}/job-take/$ID?gpu=local",
+               RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
+               RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
+               RUNPOD_WEBHOOK_PING=f"{base}/ping/$RUNPOD_POD_ID?gpu=local",
+               RUNPOD_POD_ID=WORKER_ID, RUNPOD_AI_API_KEY="local")
+    for key, value in (("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "true"), ("RUNPOD_SKIP_GPU_CHECK", "true"),
+                       ("RUNPOD_PING_INTERVAL", "5000"), ("RUNPOD_LOG_LEVEL", "INFO"), ("PYTHONUNBUFFERED", "1")):
+        env.setdefault(key, value)
+    return env
+
+
+def pdeathsig() -> Any:
+    """A pre-exec hook (Linux) that SIGTERMs the worker if the emulator dies without stopping it."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def sse(chunk: Any) -> str:
+    if isinstance(chunk, str):
+        return chunk
+    if isinstance(chunk, list):
+        return "".join(map(sse, chunk))
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def error_response(err: Any, default_code: int = 400) -> JSONResponse:
+    """OpenAI's {"error": {...}} from a job error: a dict, JSON text, or the SDK's str() of the dict a
+    generator yielded as {"error": {...}}. The HTTP status is its "code" when that is one."""
+    if isinstance(err, str):
+        for parse in (json.loads, ast.literal_eval):
+            with contextlib.suppress(Exception):
+                err = parse(err)
+                break
+    if isinstance(err, dict) and isinstance(err.get("error"), dict):
+        err = err["error"]
+    if not isinstance(err, dict) or "message" not in err:  # a handler crash, not an error object
+        text = err.get("error_message", json.dumps(err)) if isinstance(err, dict) else str(err)
+        err, default_code = {"message": text, "type": "InternalServerError", "param": None, "code": 500}, 500
+    code = err.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else default_code
+    return JSONResponse({"error": {k: v for k, v in err.items() if k != "object"}}, status)
