@@ -35,7 +35,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed pool size; overrides both budgets (tests, planner)
     cache_root: str = dataclasses.field(default_factory=default_cache_root)
     hf_cache_dirs: tuple[str, ...] = dataclasses.field(default_factory=default_hf_cache_dirs)
-    attention_backend: str = "auto"  # auto | torch
+    kernel_backend: str = "auto"  # auto: Triton kernels on CUDA, torch references on CPU | torch | triton
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     log_stats_interval: float = 5.0  # seconds between status lines while busy; 0 disables
 
@@ -54,7 +54,7 @@ class EngineConfig:
         need(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
-        need(self.attention_backend in ("auto", "torch"), "attention_backend", "must be auto or torch")
+        need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend", "must be auto, torch or triton")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         if isinstance(self.hf_cache_dirs, (list, str)):
             dirs = (self.hf_cache_dirs,) if isinstance(self.hf_cache_dirs, str) else tuple(self.hf_cache_dirs)

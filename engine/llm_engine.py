@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCapacity, allocate, plan_capacity
-from engine.layers.attention import TorchAttention
+from engine.layers.attention import TorchAttention, TritonAttention
 from engine.loader import iter_weights, read_json, resolve_model_path, safetensors_files
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
@@ -67,8 +67,12 @@ class LLMEngine:
         self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len)
         self.model.load_weights(iter_weights(self.model_path))
         kv = allocate(self.spec, self.capacity, self.dtype, self.device)
-        attn = TorchAttention(cfg.block_size, self.spec.head_dim ** -0.5)
-        self.runner = ModelRunner(self.model, kv, attn, cfg.block_size, self.device)
+        # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
+        self.kernel_backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else \
+            ("triton" if self.device.type == "cuda" else "torch")
+        attn_cls = TritonAttention if self.kernel_backend == "triton" else TorchAttention
+        attn = attn_cls(cfg.block_size, self.spec.head_dim ** -0.5)
+        self.runner = ModelRunner(self.model, kv, attn, cfg.block_size, self.device, self.kernel_backend)
         self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.max_model_len)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import torch
 
+import kernels
+
 from engine.layers.attention import StepLayout
 from engine.sampler import Sampler
 from engine.types import Request, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: torch.Tensor, attn, block_size: int, device: torch.device):
+    def __init__(self, model, kv_caches: torch.Tensor, attn, block_size: int, device: torch.device,
+                 kernel_backend: str = "torch"):
         self.model = model
+        self.kernel_backend = kernel_backend
         self.kv_caches = kv_caches
         self.attn = attn
         self.block_size = block_size
@@ -49,10 +53,11 @@ class ModelRunner:
                             query_start_loc=qsl, seq_lens=seq_lens,
                             block_tables=[r.block_ids for r in out.requests])
         meta = self.attn.build(layout, dev)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, self.attn, meta)  # [T, hidden]
-        if not sample_reqs:
-            return {}, {}
-        logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab] fp32
+        with kernels.backend(self.kernel_backend):
+            hidden = self.model(ids_t, pos_t, self.kv_caches, self.attn, meta)  # [T, hidden]
+            if not sample_reqs:
+                return {}, {}
+            logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab] fp32
         tokens, logprobs = self.sampler(logits, sample_reqs)
         sampled = dict(zip(sample_reqs, tokens))
         lps = {r: lp for r, lp in zip(sample_reqs, logprobs) if lp is not None}

@@ -35,6 +35,7 @@ class Settings(BaseModel):
     GPU_MEMORY_UTILIZATION: float = Field(default=0.90, gt=0, le=1)
     KV_CACHE_MEMORY: int = Field(default=1 << 30, gt=0)  # bytes of KV pool on CPU
     BLOCK_SIZE: int = 16
+    KERNEL_BACKEND: str = "auto"  # auto: Triton on CUDA, torch on CPU | torch | triton
     # job handling (worker-vllm names)
     MAX_CONCURRENCY: int = Field(default=30, ge=1)
     DEFAULT_BATCH_SIZE: int = Field(default=50, ge=1)
@@ -113,7 +114,8 @@ class Settings(BaseModel):
 ENGINE_FIELDS = {"MODEL_NAME": "model", "MODEL_REVISION": "revision", "TOKENIZER_NAME": "tokenizer",
                  "MAX_MODEL_LEN": "max_model_len", "DTYPE": "dtype", "MAX_NUM_SEQS": "max_num_seqs",
                  "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens", "BLOCK_SIZE": "block_size",
-                 "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory"}
+                 "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory",
+                 "KERNEL_BACKEND": "kernel_backend"}
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
 ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}

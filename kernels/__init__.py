@@ -1,0 +1,43 @@
+"""Triton kernels for the hot path, each in its own file beside its torch reference (`<op>_ref`).
+
+Dispatch: each public op runs the Triton launcher on CUDA tensors and the torch reference elsewhere.
+`set_backend("triton")` forces the Triton path on CPU too (only meaningful under TRITON_INTERPRET=1, which
+the tests set before importing this package); `set_backend("torch")` forces the references. The engine
+uses `backend(name)`, a per-thread override, so two engines in one process cannot change each other."""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+_BACKEND = "auto"  # auto | torch | triton
+_local = threading.local()
+
+
+def set_backend(name: str) -> None:
+    global _BACKEND
+    _BACKEND = _check(name)
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Use `name` for ops called from this thread inside the block."""
+    prev = getattr(_local, "mode", None)
+    _local.mode = _check(name)
+    try:
+        yield
+    finally:
+        _local.mode = prev
+
+
+def _check(name: str) -> str:
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"kernel backend must be auto, torch or triton, not {name!r}")
+    return name
+
+
+def use_triton(t) -> bool:
+    """True when `t`'s op should run the Triton kernel."""
+    mode = getattr(_local, "mode", None) or _BACKEND
+    if mode == "torch":
+        return False
+    return mode == "triton" or t.is_cuda

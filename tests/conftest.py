@@ -3,7 +3,12 @@ models of each supported architecture, saved as real HF checkpoints."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+# Triton kernels run on CPU through the interpreter; this must be set before any @triton.jit decorator runs,
+# i.e. before engine or kernels is imported. (bench/gpu_check.sh sets TRITON_INTERPRET=0 on a GPU.)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cache_write import reshape_and_cache
+from kernels.paged_attention import paged_attention
+
 
 @dataclass
 class StepLayout:
@@ -47,6 +50,41 @@ class TorchAttnMetadata:
     slot_mapping: torch.Tensor
     decodes: list[_Decodes]
     prefills: list[_Prefill]
+
+
+@dataclass
+class TritonAttnMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (never read past seq_len)
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    max_query_len: int
+
+
+class TritonAttention:
+    """The kernels path: one cache-write launch and one unified paged-attention launch per layer, for
+    prefill chunks and decodes alike (kernels/paged_attention.py). Used on CUDA, and on CPU under the
+    Triton interpreter when the config forces it (tests)."""
+
+    def __init__(self, block_size: int, scale: float):
+        self.block_size = block_size
+        self.scale = scale
+
+    def build(self, layout: StepLayout, device) -> TritonAttnMetadata:
+        qsl, tables = layout.query_start_loc, layout.block_tables
+        nblk = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int32)
+        return TritonAttnMetadata(
+            slot_mapping=layout.slot_mapping, block_tables=bt.to(device),
+            seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32).to(device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttnMetadata) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                               self.scale, max_query_len=meta.max_query_len)
 
 
 class TorchAttention:
@@ -87,9 +125,8 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttnMetadata) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
-        kvh, d = k.shape[1], k.shape[2]
-        k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        kvh = k.shape[1]
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         for g in meta.decodes:
             out[g.rows] = self._decode(q[g.rows], *self._gather(k_cache, v_cache, g.blocks, g.rows.numel()),

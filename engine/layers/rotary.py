@@ -6,6 +6,7 @@ import math
 import torch
 
 from engine.errors import UnsupportedModelError
+from kernels.rotary import rotary_embedding
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -41,11 +42,4 @@ class RotaryCache:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return rotary_embedding(q, k, self.cos, self.sin, positions)

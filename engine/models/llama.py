@@ -11,8 +11,9 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.errors import UnsupportedModelError
-from engine.layers.norm import add_rms_norm, rms_norm
 from engine.layers.rotary import RotaryCache
+from kernels.activation import silu_and_mul
+from kernels.rmsnorm import add_rms_norm, rms_norm
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -133,8 +134,7 @@ class LlamaForCausalLM(nn.Module):
             o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta)  # [T, H, D]
             h = F.linear(o.reshape(-1, layer.q_size), layer.o_proj)
             x, residual = add_rms_norm(h, residual, layer.post_norm, s.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, layer.down)
+            h = F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

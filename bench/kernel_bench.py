@@ -1,0 +1,96 @@
+"""GPU kernel timings at serving shapes (Llama-3-8B geometry), against a device-to-device copy.
+
+Run on a CUDA machine (bench/gpu_check.sh does): each kernel is timed with triton.testing.do_bench (median),
+its bytes moved are counted, and achieved bandwidth is compared with a plain D2D copy of a large buffer
+measured in the same run. Targets: decode attention >= 70 % of copy bandwidth; RMSNorm and SiLU-mul >= 80 %.
+Writes the table to docs/kernels.md (between markers) and prints it last."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import write_section  # noqa: E402
+
+H, KVH, D, B, BS = 32, 8, 128, 64, 16  # Llama-3-8B attention geometry, batch 64, block 16
+HIDDEN, INTER = 4096, 14336
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / bench(lambda: dst.copy_(src))  # read + write bytes / s
+
+
+def rows(dtype=torch.bfloat16):
+    from kernels.activation import silu_and_mul
+    from kernels.cache_write import reshape_and_cache
+    from kernels.paged_attention import paged_attention
+    from kernels.rmsnorm import add_rms_norm, rms_norm
+    from kernels.rotary import rotary_embedding
+
+    out = []
+    el = torch.tensor([], dtype=dtype).element_size()
+    for ctx in (1024, 4096):
+        for kv_dtype in (dtype, torch.float8_e4m3fn):
+            nblk = ctx // BS
+            num_blocks = B * nblk + 8
+            kc = torch.randn(KVH, num_blocks, BS, D, device="cuda").to(kv_dtype)
+            vc = torch.randn(KVH, num_blocks, BS, D, device="cuda").to(kv_dtype)
+            tables = torch.randperm(B * nblk, device="cuda", dtype=torch.int32).view(B, nblk)
+            q = torch.randn(B, H, D, device="cuda", dtype=dtype)
+            lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+            qsl = torch.arange(B + 1, device="cuda", dtype=torch.int32)
+            scale = torch.tensor(1.0, device="cuda")
+            fn = lambda: paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, k_scale=scale, v_scale=scale,  # noqa
+                                         max_query_len=1)
+            kv_bytes = 2 * B * ctx * KVH * D * kc.element_size()
+            out.append((f"decode attention ctx {ctx}, KV {str(kv_dtype).split('.')[-1]}", fn,
+                        kv_bytes + 2 * q.numel() * el, 0.70))
+    x = torch.randn(B, HIDDEN, device="cuda", dtype=dtype)
+    w = torch.randn(HIDDEN, device="cuda", dtype=dtype)
+    out.append(("rms_norm [64, 4096]", lambda: rms_norm(x, w, 1e-5), 2 * x.numel() * el, 0.80))
+    out.append(("add_rms_norm [64, 4096]", lambda: add_rms_norm(x, x, w, 1e-5), 4 * x.numel() * el, 0.80))
+    xg = torch.randn(B * 16, 2 * INTER, device="cuda", dtype=dtype)  # 1024 tokens
+    out.append(("silu_and_mul [1024, 2x14336]", lambda: silu_and_mul(xg), 1.5 * xg.numel() * el, 0.80))
+    T = 1024
+    qr = torch.randn(T, H, D, device="cuda", dtype=dtype)
+    kr = torch.randn(T, KVH, D, device="cuda", dtype=dtype)
+    cos = torch.randn(8192, D, device="cuda")
+    pos = torch.randint(0, 8192, (T,), device="cuda")
+    out.append(("rotary q+k [1024 tokens]", lambda: rotary_embedding(qr, kr, cos, cos, pos),
+                2 * (qr.numel() + kr.numel()) * el, None))
+    kc = torch.zeros(KVH, 4096, BS, D, device="cuda", dtype=dtype)
+    slots = torch.randperm(4096 * BS, device="cuda")[:T]
+    out.append(("reshape_and_cache [1024 tokens]", lambda: reshape_and_cache(kr, kr, kc, kc, slots),
+                4 * kr.numel() * el, None))
+    return out
+
+
+def main() -> None:
+    assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA device"
+    copy = copy_bandwidth()
+    lines = ["## Kernel bandwidth on GPU", "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}. "
+             f"Device-to-device copy: **{copy / 1e9:,.0f} GB/s** (read + write). Median of triton.testing.do_bench.",
+             "", "| kernel | µs | GB/s | % of copy | target |", "|---|---:|---:|---:|---:|"]
+    for name, fn, nbytes, target in rows():
+        s = bench(fn)
+        frac = nbytes / s / copy
+        ok = "" if target is None else (f"≥ {target:.0%} " + ("✅" if frac >= target else "❌"))
+        lines.append(f"| {name} | {s * 1e6:,.1f} | {nbytes / s / 1e9:,.0f} | {frac:.0%} | {ok} |")
+    md = "\n".join(lines)
+    write_section(Path(__file__).resolve().parents[1] / "docs" / "kernels.md", "gpu", md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

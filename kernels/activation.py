@@ -1,0 +1,51 @@
+"""SiLU-and-mul (the SwiGLU gate of Llama MLPs): Triton kernel, launcher and torch reference.
+
+Math (F.silu(gate) * up in x.dtype): silu is computed in fp32 and rounded to x.dtype, then the product with
+`up` is rounded to x.dtype again. The kernel does the same two roundings
+(with rmsnorm.round_to, which rounds bf16 to nearest even under the interpreter too).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import kernels
+from kernels.rmsnorm import round_to
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+    # grid (T, cdiv(I, BLOCK)); x row: [2*I] = [gate | up], out row: [I]
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
+    dt = out_ptr.dtype.element_ty
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dt)  # F.silu in x.dtype
+    tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dt).to(dt), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2*I], got {tuple(x.shape)}"
+    assert x.stride(1) == 1, "last dim must be contiguous"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
+    t, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, inter), dtype=x.dtype, device=x.device)  # [T, I]
+    if t > 0 and inter > 0:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2*I] -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
+    return silu_and_mul_triton(x) if kernels.use_triton(x) else silu_and_mul_ref(x)

@@ -1,0 +1,208 @@
+"""FP8 (e4m3) quantization and the W8A8 linear: Triton kernels, launchers and torch references.
+
+- `quant_per_token(x)`: dynamic per-row activation quant, scale = max|row| / 448 (>= 1e-12 so zero rows work),
+  xq = (x / scale).clamp(-448, 448) in float8_e4m3fn. One program per row.
+- `quant_per_channel(w)`: the same rule per output channel of a weight [N, K] (done once, at load).
+- `fp8_linear(x, wq, w_scale, bias)`: quantize x per token, then on CUDA sm89+ `torch._scaled_mm` with rowwise
+  scales; elsewhere a Triton GEMM that reads fp8 tiles, widens them to fp32 and applies both scales after the
+  K loop (fp8 values are exact in fp32 and in tf32, so tl.dot's products are exact even with tf32).
+
+Rounding: every kernel that writes fp8 first rounds the fp32 value onto the e4m3 grid itself (round to nearest
+even, `fp8e4m3_rne`), so the final cast has nothing left to round. The cast then gives torch's bits on a GPU and
+in the Triton interpreter alike; the interpreter's own fp32->fp8 cast rounds ties up and, when the mantissa carry
+crosses a binade with an odd exponent, returns half the value (127.8 -> 64 instead of 128).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+MIN_SCALE = 1e-12  # floor of dynamic scales: an all-zero row quantizes to zeros instead of NaN
+
+
+@triton.jit
+def fp8e4m3_rne(v):
+    """fp32 -> fp32 value on the e4m3 grid, round to nearest even; |v| must already be <= 448."""
+    # Normal range (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, RNE on the integer pattern; a carry out of
+    # the mantissa correctly bumps the exponent.
+    bits = v.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormal range (|v| < 2^-6): a fixed grid of 2^-9. fp32's ulp at 2^14 is 2^-9, so adding 2^14 rounds
+    # |v| to that grid in one RNE step, and subtracting it back is exact.
+    # The sign bit is copied back so that -0 and tiny negatives give -0, as torch's cast does.
+    a = tl.abs(v)
+    sub = ((a + 16384.0) - 16384.0).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+    return tl.where(a < 0.015625, sub.to(tl.float32, bitcast=True), normal)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quant_per_token / quant_per_channel: one program per row
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # pass 1: max |x| of the row
+        m = k0 + cols < K
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):  # pass 2: scale, clamp, round, store
+        m = k0 + cols < K
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=m, other=0.0).to(tl.float32)
+        q = fp8e4m3_rne(tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0))
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=m)
+
+
+def quant_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp32/fp16/bf16, last dim contiguous) -> (q [M, K] fp8, scale [M, 1] fp32)."""
+    assert x.dim() == 2, f"expected [M, K], got {tuple(x.shape)}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
+    assert x.stride(-1) == 1, "last dim must be contiguous"
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m > 0 and k > 0:
+        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), k,
+                                 BLOCK_K=min(triton.next_power_of_2(k), 1024))
+    return q, s
+
+
+def quant_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()  # [M, K]
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, 1]
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+quant_per_token_ref = quant_rows_ref
+quant_per_channel_ref = quant_rows_ref
+
+
+def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quant. x [T, K] -> (xq [T, K] float8_e4m3fn, scale [T, 1] fp32); x ~= xq * scale."""
+    return quant_rows_triton(x) if kernels.use_triton(x) else quant_rows_ref(x)
+
+
+def quant_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight quant per output channel, once at load. w [N, K] -> (wq [N, K] fp8, scale [N, 1] fp32)."""
+    return quant_rows_triton(w) if kernels.use_triton(w) else quant_rows_ref(w)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fp8_linear
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # c[M, N] = (a[M, K] @ b[N, K].T) * sa[M] * sb[N] + bias[N]; a, b fp8 with contiguous K.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am  # [BLOCK_M, 1]
+    b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn  # [1, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_cols + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        # fp8 -> fp32 is exact; fp32 operands also dodge the interpreter's broken low-precision tl.dot
+        acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+    sa = tl.load(sa_ptr + rm, mask=rm < M, other=0.0)  # [BLOCK_M]
+    sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)  # [BLOCK_N]
+    acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] fp8, x_scale [M, 1] fp32, wq [N, K] fp8, w_scale [N, 1] fp32, bias [N] -> [M, N]."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    _check_operands(xq, x_scale, wq, w_scale, bias)
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+    bm = min(64, max(16, triton.next_power_of_2(m)))  # tl.dot wants every block dim >= 16
+    bn = min(64, max(16, triton.next_power_of_2(n)))
+    bk = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_gemm_kernel[grid](
+        xq, wq, x_scale, w_scale, bias if bias is not None else x_scale, out,
+        m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )
+    return out
+
+
+def _check_operands(xq, x_scale, wq, w_scale, bias) -> None:
+    m, k = xq.shape
+    n = wq.shape[0]
+    assert xq.dtype == FP8 and wq.dtype == FP8, (xq.dtype, wq.dtype)
+    assert wq.shape == (n, k), f"wq {tuple(wq.shape)} vs x [.., {k}]"
+    assert xq.stride(-1) == 1 and wq.stride(-1) == 1, "K must be contiguous"
+    assert x_scale.shape == (m, 1) and x_scale.dtype == torch.float32 and x_scale.is_contiguous()
+    assert w_scale.shape == (n, 1) and w_scale.dtype == torch.float32 and w_scale.is_contiguous(), \
+        f"w_scale must be [N, 1] fp32, got {tuple(w_scale.shape)} {w_scale.dtype}"
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be [N] contiguous"
+
+
+def scaled_mm_supported(x: torch.Tensor, n: int, k: int) -> bool:
+    """torch._scaled_mm with rowwise scales: CUDA sm89+, and K and N multiples of 16."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and k % 16 == 0 and n % 16 == 0)
+
+
+def fp8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm, rowwise: mat1 [M, K] row-major, mat2 [K, N] column-major (wq.t() of a row-major
+    [N, K]), scale_a [M, 1] and scale_b [1, N] fp32. The CUTLASS rowwise kernel (sm89, and sm90 with older
+    cuBLAS) only writes bf16, so the GEMM always outputs bf16 and fuses the bias only when out_dtype is bf16."""
+    _check_operands(xq, x_scale, wq, w_scale, bias)
+    fuse_bias = bias is not None and out_dtype == torch.bfloat16
+    out = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(),
+                           bias=bias.to(torch.bfloat16) if fuse_bias else None, out_dtype=torch.bfloat16)
+    if bias is not None and not fuse_bias:
+        return (out.float() + bias.float()).to(out_dtype)
+    return out.to(out_dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dequantize both operands, then a float matmul. x [..., K], wq [N, K], w_scale [N, 1] -> [..., N]."""
+    xq, x_scale = quant_rows_ref(x.reshape(-1, x.shape[-1]))  # [T, K], [T, 1]
+    y = (xq.float() * x_scale) @ (wq.float() * w_scale).t()  # [T, N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], wq.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W8A8 linear: x [..., K] (quantized here, per token), wq [N, K] fp8, w_scale [N, 1] fp32 -> [..., N]."""
+    if not kernels.use_triton(x):
+        return fp8_linear_ref(x, wq, w_scale, bias, out_dtype)
+    k = x.shape[-1]
+    n = wq.shape[0]
+    xq, x_scale = quant_rows_triton(x.reshape(-1, k))  # [T, K] fp8, [T, 1] fp32
+    gemm = fp8_gemm_scaled_mm if scaled_mm_supported(x, n, k) else fp8_gemm_triton
+    return gemm(xq, x_scale, wq, w_scale, bias, out_dtype or x.dtype).reshape(*x.shape[:-1], n)

@@ -1,0 +1,30 @@
+"""Kernel tests run Triton on CPU through its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
+before anything imports kernels), or for real on a GPU with KERNEL_TEST_DEVICE=cuda (bench/gpu_check.sh)."""
+import pytest
+import torch
+
+import kernels
+
+# vLLM's tolerances (DESIGN.md §6)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1.3e-6), torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2),
+       torch.float16: dict(atol=1e-3, rtol=1e-3)}
+
+
+@pytest.fixture(autouse=True)
+def triton_backend():
+    kernels.set_backend("triton")
+    yield
+    kernels.set_backend("auto")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str = "", **tol) -> None:
+    """torch.testing.assert_close, plus the first mismatching indices and values on failure."""
+    tol = tol or TOL[expected.dtype]
+    try:
+        torch.testing.assert_close(actual, expected, **tol)
+    except AssertionError as e:
+        a, b = actual.float(), expected.float()
+        bad = ~torch.isclose(a, b, atol=tol["atol"], rtol=tol["rtol"], equal_nan=False)
+        idx = bad.nonzero()[:8].tolist()
+        detail = ", ".join(f"{tuple(i)}: {a[tuple(i)].item():.6g} vs {b[tuple(i)].item():.6g}" for i in idx)
+        raise AssertionError(f"{name}: {int(bad.sum())} mismatches, first {detail}\n{e}") from None

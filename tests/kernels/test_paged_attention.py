@@ -1,0 +1,166 @@
+"""Paged attention (kernels/paged_attention.py): the Triton kernel (interpreter) against the torch reference
+and against the engine's TorchAttention backend, on tiny mixed batches whose unused KV slots are NaN."""
+import pytest
+import torch
+
+from engine.layers.attention import StepLayout, TorchAttention
+from kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
+from tests.kernels.conftest import TOL, assert_close
+
+FP8 = torch.float8_e4m3fn
+FP8_TOL = dict(atol=1e-2, rtol=1.6e-2)  # vLLM's fp8 KV atol
+
+# (query tokens, context length incl. them): a decode whose context is not a multiple of the block size, a
+# chunk starting mid-block with context before it, a full prefill from position 0, a 1-token sequence,
+# a longer decode.
+MIXED = [(1, 7), (5, 14), (9, 9), (1, 1), (1, 23)]
+
+
+def make_batch(spec, h=4, kvh=2, d=32, bs=4, dtype=torch.float32, kv_dtype=None, poison=True, seed=0):
+    """Random q and caches for `spec`; blocks come from a shuffled pool, unused slots and blocks are NaN,
+    padded block-table entries point far outside the pool (they must never be read)."""
+    g = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    nblk = [-(-ctx // bs) for _, ctx in spec]
+    num_blocks = sum(nblk) + 3  # a few blocks nobody owns
+    fill = float("nan") if poison else 0.0
+    k = torch.full((kvh, num_blocks, bs, d), fill)  # [KVH, NB, BS, D] fp32 master copy
+    v = torch.full((kvh, num_blocks, bs, d), fill)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(spec), max(nblk) + 2), 10**6, dtype=torch.int32)  # padding: out of range
+    for i, (_, ctx) in enumerate(spec):
+        for j in range(nblk[i]):
+            blk = perm.pop()
+            tables[i, j] = blk
+            m = min(bs, ctx - j * bs)
+            k[:, blk, :m] = torch.randn(kvh, m, d, generator=g)
+            v[:, blk, :m] = torch.randn(kvh, m, d, generator=g)
+    k_scale = v_scale = None
+    if kv_dtype == FP8:
+        k_scale, v_scale = torch.tensor(0.05), torch.tensor(0.03)
+        k, v = (k / k_scale).to(FP8), (v / v_scale).to(FP8)
+    else:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+    nq = [n for n, _ in spec]
+    qsl = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(nq), h, d, generator=g).to(dtype)
+    seq_lens = torch.tensor([ctx for _, ctx in spec], dtype=torch.int32)
+    return dict(q=q, k_cache=k, v_cache=v, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
+                scale=d ** -0.5, k_scale=k_scale, v_scale=v_scale)
+
+
+def check(args, tol=None, **kw):
+    ref = paged_attention_ref(**args)
+    out = paged_attention(**args, **kw)
+    assert out.dtype == args["q"].dtype and out.shape == args["q"].shape
+    assert torch.isfinite(ref).all()
+    assert torch.isfinite(out).all(), "NaN/inf leaked from unused KV slots"
+    assert_close(out, ref, "paged_attention", **(tol or {}))
+    return out, ref
+
+
+@pytest.mark.parametrize("h,kvh", [(4, 2), (4, 1), (2, 2)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_mixed_batch(h, kvh, dtype):
+    check(make_batch(MIXED, h=h, kvh=kvh, dtype=dtype))
+
+
+@pytest.mark.parametrize("d,bs", [(16, 8), (48, 4), (64, 8)])
+def test_head_dims(d, bs):
+    # 48 is not a power of two: BLOCK_D = 64 with a mask. fp32 scores of |q.k| ~ sqrt(d) keep within 1e-5.
+    check(make_batch(MIXED, d=d, bs=bs, seed=d))
+
+
+def test_gqa_non_power_of_two_group():
+    # SmolLM2's 9 heads / 3 kv heads: REP = 3, so BLOCK_Q = 16 // 3 = 5 tokens per tile and padded rows.
+    check(make_batch(MIXED, h=6, kvh=2, seed=3))
+    check(make_batch(MIXED, h=6, kvh=2, seed=3), max_query_len=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_kv(dtype):
+    args = make_batch(MIXED, dtype=dtype, kv_dtype=FP8, seed=5)
+    assert torch.isnan(args["k_cache"].float()).any()  # the poison survives the fp8 cast
+    check(args, FP8_TOL)
+
+
+def test_pure_decode_hint():
+    # max_query_len=1: one token per tile, grid of exactly T tiles.
+    args = make_batch([(1, 7), (1, 1), (1, 16), (1, 30)], seed=7)
+    check(args, max_query_len=1)
+
+
+def test_flash_decoding_splits():
+    args = make_batch([(1, 40), (1, 3), (1, 17)], h=4, kvh=2, seed=11)
+    ref = paged_attention_ref(**args)
+    one = paged_attention_triton(**args, num_splits=1)
+    three = paged_attention_triton(**args, num_splits=3)  # 40 tokens: 14+14+12; 3 tokens: 1+1+1
+    five = paged_attention_triton(**args, num_splits=5)  # context 3 < 5 splits: empty splits
+    for name, out in [("splits=1", one), ("splits=3", three), ("splits=5", five)]:
+        assert torch.isfinite(out).all()
+        assert_close(out, ref, name)
+    assert_close(three, one, "splits 3 vs 1")
+
+
+def test_splits_on_mixed_batch_bf16():
+    # Splits also apply to prefill tiles; rows whose visible range misses a split get (-inf, 0, 0) there.
+    check(make_batch(MIXED, dtype=torch.bfloat16, seed=13), num_splits=2)
+    check(make_batch(MIXED, kv_dtype=FP8, seed=14), FP8_TOL, num_splits=4)
+
+
+def test_empty_sequence_and_native_dot_path():
+    # A sequence with no query tokens this step gets no tile. native_dot=True runs the 16-bit-operand
+    # branch; in fp32 it is the same math (the interpreter cannot check bf16 tl.dot, triton#11584).
+    spec = [(1, 9), (0, 5), (4, 6)]
+    args = make_batch(spec, seed=17)
+    check(args)
+    out = paged_attention_triton(**args, native_dot=True)
+    assert_close(out, paged_attention_ref(**args), "native_dot")
+
+
+def test_reference_backend_dispatch():
+    import kernels
+    args = make_batch(MIXED, seed=19)
+    kernels.set_backend("torch")
+    assert_close(paged_attention(**args), paged_attention_ref(**args), "dispatch torch")
+
+
+def test_check_can_fail():
+    args = make_batch(MIXED, seed=23)
+    ref = paged_attention_ref(**args)
+    with pytest.raises(AssertionError):  # wrong softmax scale
+        assert_close(paged_attention_triton(**{**args, "scale": args["scale"] * 1.1}), ref, "wrong scale")
+    # Swapped blocks in the full prefill: keys are permutation-invariant for a query that sees both blocks
+    # (swapping in the 14-token chunk, whose queries all see blocks 0-1, goes unnoticed), but the causal
+    # mask of queries 0-7 is not.
+    swapped = args["block_tables"].clone()
+    swapped[2, [0, 1]] = swapped[2, [1, 0]]
+    with pytest.raises(AssertionError):
+        assert_close(paged_attention_triton(**{**args, "block_tables": swapped}), ref, "swapped blocks")
+    fp8 = make_batch(MIXED, kv_dtype=FP8, seed=23)
+    with pytest.raises(AssertionError):  # v_scale ignored
+        assert_close(paged_attention_triton(**{**fp8, "v_scale": None}), paged_attention_ref(**fp8),
+                     "no v_scale", **FP8_TOL)
+
+
+def test_matches_engine_torch_backend():
+    """Same mixed batch through engine.layers.attention.TorchAttention (which also writes the cache: the new
+    tokens' k/v are the values already at their slots). No NaN poison here: the engine's decode path
+    multiplies masked probabilities by padded V rows, so it needs finite unused slots."""
+    bs, h, kvh, d = 4, 4, 2, 32
+    args = make_batch(MIXED, h=h, kvh=kvh, d=d, bs=bs, poison=False, seed=29)
+    qsl, lens, tables = args["query_start_loc"].tolist(), args["seq_lens"].tolist(), args["block_tables"]
+    slots = []
+    for i, ctx in enumerate(lens):
+        for pos in range(ctx - (qsl[i + 1] - qsl[i]), ctx):
+            slots.append(int(tables[i, pos // bs]) * bs + pos % bs)
+    slot_mapping = torch.tensor(slots)
+    k_cache, v_cache = args["k_cache"].clone(), args["v_cache"].clone()
+    k_new = k_cache.view(kvh, -1, d)[:, slot_mapping].transpose(0, 1).contiguous()  # [T, KVH, D]
+    v_new = v_cache.view(kvh, -1, d)[:, slot_mapping].transpose(0, 1).contiguous()
+    layout = StepLayout(slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=lens,
+                        block_tables=[tables[i, :-(-ctx // bs)].tolist() for i, ctx in enumerate(lens)])
+    attn = TorchAttention(bs, args["scale"])
+    expected = attn.forward(args["q"], k_new, v_new, k_cache, v_cache, attn.build(layout, "cpu"))
+    assert torch.equal(k_cache, args["k_cache"])  # the cache write was a no-op
+    assert_close(paged_attention(**args), expected, "vs engine TorchAttention", **TOL[torch.float32])
