@@ -51,8 +51,10 @@ def rows(dtype=torch.bfloat16):
             lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
             qsl = torch.arange(B + 1, device="cuda", dtype=torch.int32)
             scale = torch.tensor(1.0, device="cuda")
-            fn = lambda: paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, k_scale=scale, v_scale=scale,  # noqa
-                                         max_query_len=1)
+            # bind this iteration's tensors now: a closure would see the loop's last ones
+            fn = (lambda q=q, kc=kc, vc=vc, tables=tables, lens=lens, qsl=qsl, scale=scale:
+                  paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, k_scale=scale, v_scale=scale,
+                                  max_query_len=1))
             kv_bytes = 2 * B * ctx * KVH * D * kc.element_size()
             out.append((f"decode attention ctx {ctx}, KV {str(kv_dtype).split('.')[-1]}", fn,
                         kv_bytes + 2 * q.numel() * el, 0.70))
@@ -69,9 +71,9 @@ def rows(dtype=torch.bfloat16):
     pos = torch.randint(0, 8192, (T,), device="cuda")
     out.append(("rotary q+k [1024 tokens]", lambda: rotary_embedding(qr, kr, cos, cos, pos),
                 2 * (qr.numel() + kr.numel()) * el, None))
-    kc = torch.zeros(KVH, 4096, BS, D, device="cuda", dtype=dtype)
+    cache = torch.zeros(KVH, 4096, BS, D, device="cuda", dtype=dtype)
     slots = torch.randperm(4096 * BS, device="cuda")[:T]
-    out.append(("reshape_and_cache [1024 tokens]", lambda: reshape_and_cache(kr, kr, kc, kc, slots),
+    out.append(("reshape_and_cache [1024 tokens]", lambda: reshape_and_cache(kr, kr, cache, cache, slots),
                 4 * kr.numel() * el, None))
     return out
 

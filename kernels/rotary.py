@@ -80,6 +80,7 @@ def rotary_embedding_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             n_q, k.shape[1], d // 2,
             BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
             BLOCK_D=triton.next_power_of_2(d // 2),
+            enable_fp_fusion=False,  # torch rounds q*cos and rot*sin separately: no fma, bit-exact on GPU
         )
     return q, k
 

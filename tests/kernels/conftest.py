@@ -1,9 +1,27 @@
 """Kernel tests run Triton on CPU through its interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
-before anything imports kernels), or for real on a GPU with KERNEL_TEST_DEVICE=cuda (bench/gpu_check.sh)."""
+before anything imports kernels), or for real on a GPU with KERNEL_TEST_DEVICE=cuda (bench/gpu_check.sh).
+
+Tests draw their random inputs on CPU (seeded CPU generators: the same values on every device), then move what
+the op consumes to DEVICE with `to_device` before calling the op and its reference."""
+import os
+
 import pytest
 import torch
 
 import kernels
+
+# Where the ops under test run: cpu (Triton interpreter) or cuda (TRITON_INTERPRET=0). Tests may read the
+# environment; product code may not.
+DEVICE = torch.device(os.environ.get("KERNEL_TEST_DEVICE", "cpu"))
+
+__all__ = ["DEVICE", "TOL", "assert_close", "to_device"]
+
+
+def to_device(*tensors):
+    """Each tensor (None passes through) moved to DEVICE; one argument gives one result, several a tuple."""
+    out = tuple(t if t is None else t.to(DEVICE) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
 
 # vLLM's tolerances (DESIGN.md §6)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1.3e-6), torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2),

@@ -1,5 +1,6 @@
 """KV cache write (kernels/cache_write.py) and FP8 quant / W8A8 linear (kernels/fp8.py) against their torch
-references, run through the Triton interpreter (conftest forces the Triton backend).
+references, run through the Triton interpreter (conftest forces the Triton backend), or on DEVICE for real.
+Inputs are drawn on CPU, then moved to DEVICE.
 
 FP8 writes: the interpreter's own fp32->fp8 cast mis-rounds (ties go up, and a mantissa carry into an odd
 exponent halves the value: 127.8 -> 64). The kernels therefore round onto the e4m3 grid themselves before the
@@ -12,7 +13,7 @@ import torch
 from kernels.cache_write import reshape_and_cache, reshape_and_cache_ref
 from kernels.fp8 import (FP8, fp8_gemm_scaled_mm, fp8_linear, fp8_linear_ref, quant_per_channel,
                          quant_per_channel_ref, quant_per_token, quant_per_token_ref)
-from tests.kernels.conftest import assert_close
+from tests.kernels.conftest import DEVICE, assert_close, to_device
 
 FP8_NAN = 0x7F  # e4m3fn byte pattern of NaN
 
@@ -42,9 +43,10 @@ def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor, name: str) ->
 
 
 def _poisoned_cache(kvh, num_blocks, block_size, d, dtype):
+    """[KVH, num_blocks, block_size, D] of NaN, on DEVICE."""
     if dtype == FP8:
-        return torch.full((kvh, num_blocks, block_size, d), FP8_NAN, dtype=torch.uint8).view(FP8)
-    return torch.full((kvh, num_blocks, block_size, d), float("nan"), dtype=dtype)
+        return torch.full((kvh, num_blocks, block_size, d), FP8_NAN, dtype=torch.uint8, device=DEVICE).view(FP8)
+    return torch.full((kvh, num_blocks, block_size, d), float("nan"), dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("kvh,d", [(1, 64), (2, 128), (3, 48)])
@@ -63,14 +65,15 @@ def test_reshape_and_cache(kvh, d, cache_dtype):
     scales = {}
     if cache_dtype == FP8:
         k[0, 0, :4] = torch.tensor([100.0, -100.0, 1e-3, -3e-4])  # saturates at ±448 / lands among subnormals
-        scales = dict(k_scale=torch.tensor(0.05), v_scale=torch.tensor([0.02]))
+        scales = dict(k_scale=torch.tensor(0.05, device=DEVICE), v_scale=torch.tensor([0.02], device=DEVICE))
+    k, v, slots = to_device(k, v, slots)
 
     kc, vc = (_poisoned_cache(kvh, num_blocks, block_size, d, cache_dtype) for _ in range(2))
     kc_ref, vc_ref = kc.clone(), vc.clone()
     reshape_and_cache(k, v, kc, vc, slots, **scales)
     reshape_and_cache_ref(k, v, kc_ref, vc_ref, slots, **scales)
 
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)  # [num_blocks * block_size]
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)  # [num_blocks * block_size]
     written[slots[slots >= 0]] = True
     for name, got, ref in (("k_cache", kc, kc_ref), ("v_cache", vc, vc_ref)):
         changed = ~got.float().isnan().view(kvh, -1, d)  # [KVH, slots, D]
@@ -88,10 +91,10 @@ def test_reshape_and_cache(kvh, d, cache_dtype):
 
 
 def test_reshape_and_cache_rejects_fp8_without_scale():
-    k = torch.randn(2, 1, 16)
-    kc = torch.zeros(1, 2, 4, 16, dtype=FP8)
+    k = to_device(torch.randn(2, 1, 16))
+    kc = to_device(torch.zeros(1, 2, 4, 16, dtype=FP8))
     with pytest.raises(AssertionError, match="k_scale"):
-        reshape_and_cache(k, k, kc, kc.clone(), torch.tensor([0, 1]))
+        reshape_and_cache(k, k, kc, kc.clone(), torch.tensor([0, 1], device=DEVICE))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ def test_fp8_rounding_grid():
     mid = (grid[:-1] + grid[1:]) / 2
     vals = torch.cat([torch.tensor([448.0]), grid, mid, mid.nextafter(torch.tensor(0.0)),
                       mid.nextafter(torch.tensor(1e4)), torch.linspace(-0.02, 0.02, 81)])
-    x = torch.cat([vals, -vals])[None]  # [1, K]
+    x = to_device(torch.cat([vals, -vals])[None])  # [1, K]
     xq, scale = quant_per_token(x)
     xq_ref, scale_ref = quant_per_token_ref(x)
     assert scale.item() == scale_ref.item() == 1.0
@@ -124,6 +127,7 @@ def test_quant_per_token(dtype):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(5, 96, generator=g) * torch.tensor([1.0, 1e-3, 30.0, 1.0, 5.0])[:, None]).to(dtype)
     x[3] = 0  # an all-zero row: scale floors at 1e-12, xq stays 0
+    x = to_device(x)
     xq, scale = quant_per_token(x)
     xq_ref, scale_ref = quant_per_token_ref(x)
     assert xq.dtype == FP8 and xq.shape == x.shape and scale.dtype == torch.float32 and scale.shape == (5, 1)
@@ -137,7 +141,7 @@ def test_quant_per_token(dtype):
 
 def test_quant_per_channel():
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(24, 40, generator=g, dtype=torch.float32) * 0.02
+    w = to_device(torch.randn(24, 40, generator=g, dtype=torch.float32) * 0.02)
     wq, scale = quant_per_channel(w)
     wq_ref, scale_ref = quant_per_channel_ref(w)
     assert wq.shape == (24, 40) and scale.shape == (24, 1)
@@ -157,12 +161,22 @@ def _w8a8_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.T
 
 
 def _linear_case(seed, t=7, k=64, n=48):
+    """x [T, K], w [N, K], bias [N]: drawn on CPU, on DEVICE."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(t, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    return to_device(torch.randn(t, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g))
+
+
+@pytest.fixture
+def triton_gemm(monkeypatch):
+    """fp8_linear through the Triton GEMM even where torch._scaled_mm would take over (CUDA sm89+, K and N
+    multiples of 16): the tests using this check that kernel, whose fp32 output is tighter than _scaled_mm's
+    bf16 one. On CPU this changes nothing; test_scaled_mm_path and test_fp8_linear_uses_scaled_mm_on_sm89
+    cover the other path."""
+    monkeypatch.setattr("kernels.fp8.scaled_mm_supported", lambda x, n, k: False)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fp8_linear_fp32(seed):
+def test_fp8_linear_fp32(seed, triton_gemm):
     x, w, bias = _linear_case(seed)
     wq, w_scale = quant_per_channel(w)
     y = fp8_linear(x, wq, w_scale, bias)  # [T, N]
@@ -173,26 +187,27 @@ def test_fp8_linear_fp32(seed):
     assert _w8a8_error(y, x, w, bias) < 0.05
 
 
-def test_fp8_linear_bf16_odd_shapes():
+def test_fp8_linear_bf16_odd_shapes(triton_gemm):
     """Odd T, K and N (masked tiles, K loop with a tail), bf16 in and out, no bias, leading dims."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 5, 72, generator=g).to(torch.bfloat16)  # [B, S, K]
     w = torch.randn(33, 72, generator=g).to(torch.bfloat16)
+    x, w = to_device(x, w)
     wq, w_scale = quant_per_channel(w)
     y = fp8_linear(x, wq, w_scale)
     assert y.shape == (2, 5, 33) and y.dtype == torch.bfloat16
     assert_close(y, fp8_linear_ref(x, wq, w_scale), "vs fp8_linear_ref")
-    assert _w8a8_error(y, x, w, torch.zeros(33)) < 0.05
+    assert _w8a8_error(y, x, w, torch.zeros(33, device=DEVICE)) < 0.05
     y32 = fp8_linear(x, wq, w_scale, out_dtype=torch.float32)
     assert y32.dtype == torch.float32
     assert_close(y32, fp8_linear_ref(x, wq, w_scale, out_dtype=torch.float32), "fp32 out", atol=1e-4, rtol=1e-5)
 
 
-def test_fp8_linear_detects_perturbed_weight():
+def test_fp8_linear_detects_perturbed_weight(triton_gemm):
     """The W8A8 check must be able to fail: one perturbed output channel pushes the error past the bound."""
     x, w, bias = _linear_case(2)
     w_bad = w.clone()
-    w_bad[5] += torch.randn(64, generator=torch.Generator().manual_seed(9))
+    w_bad[5] += to_device(torch.randn(64, generator=torch.Generator().manual_seed(9)))
     wq_bad, s_bad = quant_per_channel(w_bad)
     y_bad = fp8_linear(x, wq_bad, s_bad, bias)
     assert _w8a8_error(y_bad, x, w, bias) > 0.05
@@ -201,10 +216,17 @@ def test_fp8_linear_detects_perturbed_weight():
         assert_close(y_bad, fp8_linear_ref(x, wq, w_scale, bias), "perturbed", atol=1e-4, rtol=1e-5)
 
 
+def _sm89_or_newer() -> bool:
+    return DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) >= (8, 9)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda" and not _sm89_or_newer(),
+                    reason="torch._scaled_mm with fp8 needs CUDA sm89+ (the CPU build has it too)")
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_scaled_mm_path(out_dtype):
-    """The CUDA sm89+ path's torch._scaled_mm call (rowwise scales), run on CPU where _scaled_mm also exists:
-    checks argument layout and the bf16 GEMM output. Its bf16 rounding dominates the tolerance."""
+    """The CUDA sm89+ path's torch._scaled_mm call (rowwise scales): the real GPU path on DEVICE=cuda, and on
+    CPU, where _scaled_mm also exists. Checks argument layout and the bf16 GEMM output. Its bf16 rounding
+    dominates the tolerance."""
     x, w, bias = _linear_case(3, t=5, k=32, n=48)
     wq, w_scale = quant_per_channel(w)
     xq, x_scale = quant_per_token(x)
@@ -216,3 +238,14 @@ def test_scaled_mm_path(out_dtype):
         acc = fp8_linear_ref(x, wq, w_scale, None, out_dtype=torch.float32)  # [T, N], before the bias
         err = (y - (acc + bias)).abs()
         assert torch.all(err <= 2.0 ** -7 * acc.abs() + 1e-5), f"max excess {(err - 2.0 ** -7 * acc.abs()).max():.3g}"
+
+
+@pytest.mark.skipif(not _sm89_or_newer(), reason="fp8_linear takes torch._scaled_mm only on CUDA sm89+")
+def test_fp8_linear_uses_scaled_mm_on_sm89():
+    """Where it is supported (K, N multiples of 16), fp8_linear is quant_per_token then the _scaled_mm GEMM."""
+    x, w, bias = _linear_case(3, t=5, k=32, n=48)
+    wq, w_scale = quant_per_channel(w)
+    xq, x_scale = quant_per_token(x)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        y = fp8_linear(x, wq, w_scale, bias, out_dtype=out_dtype)
+        assert torch.equal(y, fp8_gemm_scaled_mm(xq, x_scale, wq, w_scale, bias, out_dtype)), out_dtype

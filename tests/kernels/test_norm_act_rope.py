@@ -1,4 +1,5 @@
-"""RMSNorm, SiLU-and-mul and rotary kernels (Triton, interpreted on CPU) against their torch references."""
+"""RMSNorm, SiLU-and-mul and rotary kernels (Triton: interpreted on CPU, or on DEVICE) against their torch
+references. Inputs are drawn on CPU, then moved to DEVICE."""
 import zlib
 
 import pytest
@@ -8,7 +9,7 @@ import kernels
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
-from tests.kernels.conftest import assert_close
+from tests.kernels.conftest import DEVICE, assert_close, to_device
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-5
@@ -34,6 +35,7 @@ def test_rms_norm(shape, dtype):
     g = _gen("rms", shape, dtype)
     x = _randn(shape, dtype, g, scale=2.0)  # [..., hidden]
     w = _randn(shape[-1:], dtype, g).add_(1.0)  # [hidden]
+    x, w = to_device(x, w)
     x0 = x.clone()
     out = rms_norm(x, w, EPS)
     assert out.shape == x.shape and out.dtype == dtype
@@ -47,6 +49,7 @@ def test_add_rms_norm(shape, dtype):
     g = _gen("add_rms", shape, dtype)
     x, res = _randn(shape, dtype, g), _randn(shape, dtype, g, scale=3.0)
     w = _randn(shape[-1:], dtype, g).add_(1.0)
+    x, res, w = to_device(x, res, w)
     x0, res0 = x.clone(), res.clone()
     normed, new_res = add_rms_norm(x, res, w, EPS)
     ref_normed, ref_res = add_rms_norm_ref(x, res, w, EPS)
@@ -62,8 +65,9 @@ TOL_BF16_IN_FP32 = dict(atol=1e-3, rtol=1.6e-2)
 def test_rms_norm_strided_rows_and_fp32_weight():
     g = _gen("rms_strided")
     wide = _randn((5, 200), torch.bfloat16, g)
-    x = wide[:, 7:130]  # [5, 123], row stride 200
     w = _randn((123,), torch.float32, g).add_(1.0)  # fp32 weight promotes the output, as in torch
+    wide, w = to_device(wide, w)
+    x = wide[:, 7:130]  # [5, 123], row stride 200
     out = rms_norm(x, w, EPS)
     ref = rms_norm_ref(x, w, EPS)
     assert out.dtype == ref.dtype == torch.float32
@@ -75,6 +79,7 @@ def test_rms_norm_detects_wrong_weight():
     g = _gen("rms_wrong")
     x = _randn((5, 123), torch.float32, g)
     w = _randn((123,), torch.float32, g).add_(1.0)
+    x, w = to_device(x, w)
     out = rms_norm(x, w, EPS)
     w_bad = w.clone()
     w_bad[17] += 1e-3
@@ -86,6 +91,7 @@ def test_add_rms_norm_detects_missing_residual():
     g = _gen("add_rms_wrong")
     x, res = _randn((3, 96), torch.bfloat16, g), _randn((3, 96), torch.bfloat16, g)
     w = _randn((96,), torch.bfloat16, g).add_(1.0)
+    x, res, w = to_device(x, res, w)
     normed, _ = add_rms_norm(x, res, w, EPS)
     with pytest.raises(AssertionError, match="mismatches"):
         assert_close(normed, rms_norm_ref(x, w, EPS), "normed")
@@ -97,7 +103,7 @@ def test_add_rms_norm_detects_missing_residual():
 @pytest.mark.parametrize("t,inter", [(1, 96), (5, 123), (3, 1500)])
 def test_silu_and_mul(t, inter, dtype):
     g = _gen("silu", t, inter, dtype)
-    x = _randn((t, 2 * inter), dtype, g, scale=3.0)  # [T, 2*I]
+    x = to_device(_randn((t, 2 * inter), dtype, g, scale=3.0))  # [T, 2*I]
     out = silu_and_mul(x)
     assert out.shape == (t, inter) and out.dtype == dtype
     assert_close(out, silu_and_mul_ref(x), "silu_and_mul")
@@ -105,7 +111,7 @@ def test_silu_and_mul(t, inter, dtype):
 
 def test_silu_and_mul_strided_rows_and_detects_swapped_halves():
     g = _gen("silu_strided")
-    wide = _randn((5, 300), torch.bfloat16, g, scale=3.0)
+    wide = to_device(_randn((5, 300), torch.bfloat16, g, scale=3.0))
     x = wide[:, :246]  # [5, 246], row stride 300
     out = silu_and_mul(x)
     assert_close(out, silu_and_mul_ref(x), "silu_and_mul strided")
@@ -121,12 +127,13 @@ MAX_POS = 64
 
 def _tables(head_dim, max_pos=MAX_POS, theta=10000.0, scaling=None):
     from engine.layers.rotary import RotaryCache
-    rc = RotaryCache(head_dim, max_pos, theta, scaling, "cpu")
+    rc = RotaryCache(head_dim, max_pos, theta, scaling, DEVICE)  # built on CPU, then moved
     return rc.cos, rc.sin  # [max_pos, head_dim] fp32
 
 
 def _qk(t, h, kvh, d, dtype, g):
-    return _randn((t, h, d), dtype, g), _randn((t, kvh, d), dtype, g)
+    """q [T, H, D], k [T, KVH, D] drawn on CPU, on DEVICE."""
+    return to_device(_randn((t, h, d), dtype, g), _randn((t, kvh, d), dtype, g))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,7 +142,7 @@ def test_rotary(t, h, kvh, d, dtype):
     g = _gen("rope", t, h, kvh, d, dtype)
     q, k = _qk(t, h, kvh, d, dtype, g)
     cos, sin = _tables(d)
-    positions = torch.randperm(MAX_POS, generator=g)[:t]  # [T], out of order
+    positions = to_device(torch.randperm(MAX_POS, generator=g)[:t])  # [T], out of order
     ref_q, ref_k = rotary_embedding_ref(q, k, cos, sin, positions)
     out_q, out_k = rotary_embedding(q.clone(), k.clone(), cos, sin, positions)
     # Same roundings in the same order as the reference: bit-exact in every dtype (this is what catches the
@@ -148,12 +155,12 @@ def test_rotary_matches_engine_and_works_in_place_on_qkv_views():
     from engine.layers.rotary import RotaryCache
     g = _gen("rope_views")
     t, h, kvh, d = 5, 4, 2, 64
-    rc = RotaryCache(d, MAX_POS, 10000.0, None, "cpu")
-    qkv = _randn((t, (h + 2 * kvh) * d), torch.bfloat16, g)  # [T, (H + 2*KVH) * D], as a fused projection
+    rc = RotaryCache(d, MAX_POS, 10000.0, None, DEVICE)
+    qkv = to_device(_randn((t, (h + 2 * kvh) * d), torch.bfloat16, g))  # [T, (H + 2*KVH) * D], as a fused projection
     q = qkv[:, : h * d].view(t, h, d)  # [T, H, D], token stride (H+2*KVH)*D
     k = qkv[:, h * d: (h + kvh) * d].view(t, kvh, d)  # [T, KVH, D]
     v_before = qkv[:, (h + kvh) * d:].clone()
-    positions = torch.tensor([7, 3, 63, 0, 3])
+    positions = torch.tensor([7, 3, 63, 0, 3], device=DEVICE)
     eng_q, eng_k = rc.apply(q.clone(), k.clone(), positions)
     out_q, out_k = rotary_embedding(q, k, rc.cos, rc.sin, positions)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "Triton path is in place"
@@ -171,7 +178,7 @@ def test_rotary_llama3_scaling():
     assert not torch.allclose(cos[1000], plain_cos[1000]), "llama3 scaling must change the tables"
     g = _gen("rope_llama3")
     q, k = _qk(5, 4, 2, d, torch.bfloat16, g)
-    positions = torch.tensor([16383, 5, 9000, 0, 8191])
+    positions = torch.tensor([16383, 5, 9000, 0, 8191], device=DEVICE)
     ref_q, ref_k = rotary_embedding_ref(q, k, cos, sin, positions)
     out_q, out_k = rotary_embedding(q.clone(), k.clone(), cos, sin, positions)
     assert_close(out_q, ref_q, "q")
@@ -185,7 +192,7 @@ def test_rotary_detects_wrong_positions():
     g = _gen("rope_wrong")
     q, k = _qk(5, 3, 1, 48, torch.float32, g)
     cos, sin = _tables(48)
-    positions = torch.tensor([4, 1, 30, 2, 9])
+    positions = torch.tensor([4, 1, 30, 2, 9], device=DEVICE)
     out_q, _ = rotary_embedding(q.clone(), k.clone(), cos, sin, positions)
     with pytest.raises(AssertionError, match="mismatches"):
         assert_close(out_q, rotary_embedding_ref(q, k, cos, sin, positions + 1)[0], "q")
@@ -196,10 +203,11 @@ def test_torch_backend_is_the_reference():
     g = _gen("backend")
     x = _randn((3, 96), torch.bfloat16, g)
     w = _randn((96,), torch.bfloat16, g)
+    x, w = to_device(x, w)
     assert torch.equal(rms_norm(x, w, EPS), rms_norm_ref(x, w, EPS))
     assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
     q, k = _qk(2, 2, 1, 64, torch.bfloat16, g)
     cos, sin = _tables(64)
-    pos = torch.tensor([5, 1])
+    pos = torch.tensor([5, 1], device=DEVICE)
     out_q, _ = rotary_embedding(q, k, cos, sin, pos)
     assert out_q.data_ptr() != q.data_ptr() and torch.equal(out_q, rotary_embedding_ref(q, k, cos, sin, pos)[0])

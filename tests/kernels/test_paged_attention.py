@@ -1,11 +1,12 @@
-"""Paged attention (kernels/paged_attention.py): the Triton kernel (interpreter) against the torch reference
-and against the engine's TorchAttention backend, on tiny mixed batches whose unused KV slots are NaN."""
+"""Paged attention (kernels/paged_attention.py): the Triton kernel (interpreter on CPU, or on DEVICE) against the
+torch reference and against the engine's TorchAttention backend, on tiny mixed batches whose unused KV slots are
+NaN. Batches are drawn on CPU, then moved to DEVICE."""
 import pytest
 import torch
 
 from engine.layers.attention import StepLayout, TorchAttention
 from kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
-from tests.kernels.conftest import TOL, assert_close
+from tests.kernels.conftest import DEVICE, TOL, assert_close, to_device
 
 FP8 = torch.float8_e4m3fn
 FP8_TOL = dict(atol=1e-2, rtol=1.6e-2)  # vLLM's fp8 KV atol
@@ -18,7 +19,8 @@ MIXED = [(1, 7), (5, 14), (9, 9), (1, 1), (1, 23)]
 
 def make_batch(spec, h=4, kvh=2, d=32, bs=4, dtype=torch.float32, kv_dtype=None, poison=True, seed=0):
     """Random q and caches for `spec`; blocks come from a shuffled pool, unused slots and blocks are NaN,
-    padded block-table entries point far outside the pool (they must never be read)."""
+    padded block-table entries point far outside the pool (they must never be read). Drawn on CPU; every
+    tensor of the result is on DEVICE."""
     g = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     nblk = [-(-ctx // bs) for _, ctx in spec]
@@ -45,6 +47,7 @@ def make_batch(spec, h=4, kvh=2, d=32, bs=4, dtype=torch.float32, kv_dtype=None,
     qsl = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(nq), h, d, generator=g).to(dtype)
     seq_lens = torch.tensor([ctx for _, ctx in spec], dtype=torch.int32)
+    q, k, v, tables, seq_lens, qsl, k_scale, v_scale = to_device(q, k, v, tables, seq_lens, qsl, k_scale, v_scale)
     return dict(q=q, k_cache=k, v_cache=v, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
                 scale=d ** -0.5, k_scale=k_scale, v_scale=v_scale)
 
@@ -110,10 +113,14 @@ def test_splits_on_mixed_batch_bf16():
 
 def test_empty_sequence_and_native_dot_path():
     # A sequence with no query tokens this step gets no tile. native_dot=True runs the 16-bit-operand
-    # branch; in fp32 it is the same math (the interpreter cannot check bf16 tl.dot, triton#11584).
+    # branch; under the interpreter, in fp32, it is the same math (the interpreter cannot check bf16 tl.dot,
+    # triton#11584). On a GPU fp32 operands there would go through tf32, so the branch is checked where it
+    # is meant to run: bf16 operands, against the reference at bf16 tolerance.
     spec = [(1, 9), (0, 5), (4, 6)]
     args = make_batch(spec, seed=17)
     check(args)
+    if DEVICE.type == "cuda":
+        args = make_batch(spec, dtype=torch.bfloat16, seed=17)
     out = paged_attention_triton(**args, native_dot=True)
     assert_close(out, paged_attention_ref(**args), "native_dot")
 
@@ -154,13 +161,13 @@ def test_matches_engine_torch_backend():
     for i, ctx in enumerate(lens):
         for pos in range(ctx - (qsl[i + 1] - qsl[i]), ctx):
             slots.append(int(tables[i, pos // bs]) * bs + pos % bs)
-    slot_mapping = torch.tensor(slots)
+    slot_mapping = torch.tensor(slots, device=DEVICE)  # [T] int64
     k_cache, v_cache = args["k_cache"].clone(), args["v_cache"].clone()
     k_new = k_cache.view(kvh, -1, d)[:, slot_mapping].transpose(0, 1).contiguous()  # [T, KVH, D]
     v_new = v_cache.view(kvh, -1, d)[:, slot_mapping].transpose(0, 1).contiguous()
     layout = StepLayout(slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=lens,
                         block_tables=[tables[i, :-(-ctx // bs)].tolist() for i, ctx in enumerate(lens)])
     attn = TorchAttention(bs, args["scale"])
-    expected = attn.forward(args["q"], k_new, v_new, k_cache, v_cache, attn.build(layout, "cpu"))
+    expected = attn.forward(args["q"], k_new, v_new, k_cache, v_cache, attn.build(layout, DEVICE))
     assert torch.equal(k_cache, args["k_cache"])  # the cache write was a no-op
     assert_close(paged_attention(**args), expected, "vs engine TorchAttention", **TOL[torch.float32])
