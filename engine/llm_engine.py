@@ -11,7 +11,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.kv_cache import KVCapacity, allocate, plan_capacity
+from engine.kv_cache import CALIBRATION_TEXT, KVCapacity, allocate, calibrate_kv_scales, plan_capacity
 from engine.layers.attention import TorchAttention, TritonAttention
 from engine.loader import iter_weights, read_json, resolve_model_path, safetensors_files
 from engine.model_runner import ModelRunner
@@ -62,16 +62,19 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
 
         weight_bytes = self.spec.num_params() * torch.tensor([], dtype=self.dtype).element_size()
-        self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.dtype, self.device, weight_bytes)
+        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
+        self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.kv_dtype, self.device, weight_bytes)
         self.max_model_len = self.capacity.max_model_len
         self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len)
         self.model.load_weights(iter_weights(self.model_path))
-        kv = allocate(self.spec, self.capacity, self.dtype, self.device)
+        kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
         # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
         self.kernel_backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else \
             ("triton" if self.device.type == "cuda" else "torch")
         attn_cls = TritonAttention if self.kernel_backend == "triton" else TorchAttention
         attn = attn_cls(cfg.block_size, self.spec.head_dim ** -0.5)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            attn.set_kv_scales(*self._kv_scales())
         self.runner = ModelRunner(self.model, kv, attn, cfg.block_size, self.device, self.kernel_backend)
         self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -79,9 +82,25 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[Request, _Group] = {}
         self.num_generated_tokens = 0
-        log.info("model %s (%s, %s) on %s in %.1fs; %s", self.model_path, self.spec.architecture,
+        other = plan_capacity(cfg.replace(num_kv_blocks=None), self.spec,
+                              self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn, self.device,
+                              weight_bytes) if cfg.num_kv_blocks is None else None
+        log.info("model %s (%s, %s) on %s in %.1fs; %s [KV %s]%s", self.model_path, self.spec.architecture,
                  str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0,
-                 self.capacity.describe())
+                 self.capacity.describe(), str(self.kv_dtype).removeprefix("torch."),
+                 f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other.num_tokens} "
+                 f"tokens, {other.max_concurrent_seqs:.1f} sequences" if other else "")
+
+    def _kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 KV scales: from the checkpoint when every layer has them, else calibrated now."""
+        ck = self.model.checkpoint_kv_scales
+        if len(ck) == self.spec.num_layers and all(set(v) == {"k", "v"} for v in ck.values()):
+            log.info("fp8 KV scales from the checkpoint")
+            k = torch.tensor([ck[i]["k"] for i in range(self.spec.num_layers)], device=self.device)
+            v = torch.tensor([ck[i]["v"] for i in range(self.spec.num_layers)], device=self.device)
+            return k, v
+        ids = self.tokenizer(CALIBRATION_TEXT).input_ids[: self.max_model_len]
+        return calibrate_kv_scales(self.model, ids, self.device)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict | list[int]) -> list[int]:

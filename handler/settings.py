@@ -92,8 +92,6 @@ class Settings(BaseModel):
         out = []
         if self.QUANTIZATION:
             out.append(f"QUANTIZATION={self.QUANTIZATION}")
-        if self.KV_CACHE_DTYPE != "auto":
-            out.append(f"KV_CACHE_DTYPE={self.KV_CACHE_DTYPE}")
         if self.ENABLE_LORA or self.LORA_MODULES:
             out.append("ENABLE_LORA/LORA_MODULES")
         return out
@@ -115,7 +113,7 @@ ENGINE_FIELDS = {"MODEL_NAME": "model", "MODEL_REVISION": "revision", "TOKENIZER
                  "MAX_MODEL_LEN": "max_model_len", "DTYPE": "dtype", "MAX_NUM_SEQS": "max_num_seqs",
                  "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens", "BLOCK_SIZE": "block_size",
                  "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory",
-                 "KERNEL_BACKEND": "kernel_backend"}
+                 "KERNEL_BACKEND": "kernel_backend", "KV_CACHE_DTYPE": "kv_cache_dtype"}
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
 ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}

@@ -61,7 +61,26 @@ class TritonAttnMetadata:
     max_query_len: int
 
 
-class TritonAttention:
+FP8 = torch.float8_e4m3fn
+
+
+class _KVScales:
+    """Per-layer fp8 KV scales (fp32 [layers] tensors), set by the engine once it knows them; None for a
+    16/32-bit cache."""
+
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+
+    def set_kv_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
+        self.k_scales, self.v_scales = k_scales, v_scales
+
+    def _scales(self, layer: int):
+        if self.k_scales is None:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
+
+
+class TritonAttention(_KVScales):
     """The kernels path: one cache-write launch and one unified paged-attention launch per layer, for
     prefill chunks and decodes alike (kernels/paged_attention.py). Used on CUDA, and on CPU under the
     Triton interpreter when the config forces it (tests)."""
@@ -80,14 +99,15 @@ class TritonAttention:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttnMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttnMetadata, layer: int = 0) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ks, vs = self._scales(layer)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                               self.scale, max_query_len=meta.max_query_len)
+                               self.scale, k_scale=ks, v_scale=vs, max_query_len=meta.max_query_len)
 
 
-class TorchAttention:
+class TorchAttention(_KVScales):
     """Reference backend. KV layout per layer: [kv_heads, num_blocks, block_size, head_dim]."""
 
     def __init__(self, block_size: int, scale: float):
@@ -123,19 +143,20 @@ class TorchAttention:
 
     # ---- per layer -------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchAttnMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TorchAttnMetadata, layer: int = 0) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
         kvh = k.shape[1]
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ks, vs = self._scales(layer)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         for g in meta.decodes:
-            out[g.rows] = self._decode(q[g.rows], *self._gather(k_cache, v_cache, g.blocks, g.rows.numel()),
-                                       g.mask)
+            kg, vg = self._gather(k_cache, v_cache, g.blocks, g.rows.numel(), q.dtype, ks, vs)
+            out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask)
         for p in meta.prefills:
-            kg, vg = self._gather(k_cache, v_cache, p.blocks, 1)  # [KVH, 1, nblk * bs, D]
+            kg, vg = self._gather(k_cache, v_cache, p.blocks, 1, q.dtype, ks, vs)  # [KVH, 1, nblk * bs, D]
             qp = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
             o = F.scaled_dot_product_attention(
-                qp, kg[:, :, :p.ctx].transpose(0, 1).to(q.dtype), vg[:, :, :p.ctx].transpose(0, 1).to(q.dtype),
+                qp, kg[:, :, :p.ctx].transpose(0, 1), vg[:, :, :p.ctx].transpose(0, 1),
                 attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=kvh != q.shape[1])
             out[p.start:p.start + p.num_q] = o[0].transpose(0, 1)
         return out
@@ -152,11 +173,15 @@ class TorchAttention:
         probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(n, h, d).to(q.dtype)
 
-    def _gather(self, k_cache, v_cache, blocks, n):
-        """Copy the listed blocks of both caches into the workspace: ([KVH, n, L, D], same for V).
+    def _gather(self, k_cache, v_cache, blocks, n, dtype, k_scale=None, v_scale=None):
+        """Copy the listed blocks of both caches into the workspace: ([KVH, n, L, D], same for V), in
+        `dtype`; an fp8 cache is dequantized as x.float() * scale (the kernels' arithmetic).
 
         One index_select per kv head along its leading dim: the contiguous fast path, ~8x faster on
         CPU than index_select along dim 1 of the whole cache, 5x faster than slot by slot."""
+        if k_cache.dtype == FP8:  # CPU index_select has no fp8 kernel: move the bytes, then dequantize
+            kb, vb = self._gather(k_cache.view(torch.uint8), v_cache.view(torch.uint8), blocks, n, None)
+            return ((kb.view(FP8).float() * k_scale).to(dtype), (vb.view(FP8).float() * v_scale).to(dtype))
         kvh, _, bs, d = k_cache.shape
         need = 2 * kvh * blocks.numel() * bs * d
         ws = self._workspace
@@ -166,7 +191,8 @@ class TorchAttention:
         for i, cache in enumerate((k_cache, v_cache)):
             for h in range(kvh):
                 torch.index_select(cache[h], 0, blocks, out=buf[i, h])
-        return buf[0].view(kvh, n, -1, d), buf[1].view(kvh, n, -1, d)
+        k, v = buf[0].view(kvh, n, -1, d), buf[1].view(kvh, n, -1, d)
+        return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
 
 def _length_buckets(nblks: list[int], max_buckets: int = 4, overhead: int = 64) -> list[range]:

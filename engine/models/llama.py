@@ -109,6 +109,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed if s.tie_word_embeddings else \
             nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
         self.rotary = RotaryCache(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
+        # fp8 KV scales found in the checkpoint (self_attn.k_scale / v_scale): {layer: {"k": s, "v": s}}
+        self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 attn, meta) -> torch.Tensor:
@@ -131,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
                 q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = self.rotary.apply(q, k, positions)
-            o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta)  # [T, H, D]
+            o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i)  # [T, H, D]
             h = F.linear(o.reshape(-1, layer.q_size), layer.o_proj)
             x, residual = add_rms_norm(h, residual, layer.post_norm, s.rms_norm_eps)
             h = F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
@@ -166,6 +168,10 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) < 5 or parts[:2] != ["model", "layers"]:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
             layer, proj, kind = self.layers[int(parts[2])], parts[-2], parts[-1]
+            if proj == "self_attn" and kind in ("k_scale", "v_scale"):
+                self.checkpoint_kv_scales.setdefault(int(parts[2]), {})[kind[0]] = float(t.float().reshape(-1)[0])
+                seen.add(name)
+                continue
             if proj in fused:
                 attr, off, size = fused[proj]
                 if kind == "bias":
