@@ -1,0 +1,38 @@
+"""warmup.plan reproduces the seed's worked example from a config alone."""
+from __future__ import annotations
+
+import json
+
+from warmup.plan import main, make_plan, parse_bytes
+from engine.models.llama import ModelSpec
+
+LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "tie_word_embeddings": False,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+
+
+def test_seed_worked_example(tmp_path, capsys):
+    spec = ModelSpec.from_hf(LLAMA3_70B)
+    p = make_plan(spec, parse_bytes("80GiB"), 4096, "fp8", "fp8")
+    assert p.kv_bytes_per_token == 160 * 1024  # 2 x 80 layers x 8 kv heads x 128 x 1 byte
+    total_kib = 100 * 4096 * p.kv_bytes_per_token / 1024
+    assert total_kib == 65_536_000  # "about 65.5 GB": 65.5 million KiB
+    assert 70e9 < p.weight_bytes < 75e9  # 70.6 B params, linear layers at 1 byte, embeddings in bf16
+    assert p.tensor_parallel == 1  # ~71 GB of fp8 weights fit an 80 GiB card, with room for a 4k sequence
+    bf16 = make_plan(spec, parse_bytes("80GiB"), 4096, None, "auto")
+    assert bf16.kv_bytes_per_token == 2 * p.kv_bytes_per_token and bf16.tensor_parallel == 2
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
+    assert main(["--model", str(tmp_path), "--gpu-mem", "80GiB", "--max-model-len", "4096", "--quantization", "fp8",
+                 "--kv-cache-dtype", "fp8", "--requests", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "163,840 B (160 KiB)" in out and "65,536,000 KiB" in out and "fits on one GPU" in out
+
+
+def test_bad_inputs(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "missing")]) == 1
+    assert "error" in capsys.readouterr().err
+    assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("80 GiB") == 80 * 2**30
