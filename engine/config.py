@@ -35,6 +35,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed pool size; overrides both budgets (tests, planner)
     cache_root: str = dataclasses.field(default_factory=default_cache_root)
     hf_cache_dirs: tuple[str, ...] = dataclasses.field(default_factory=default_hf_cache_dirs)
+    quantization: str | None = None  # None | fp8: W8A8 linear layers, quantized per channel at load
     kv_cache_dtype: str = "auto"  # auto: the model dtype | fp8 (e4m3, per-layer scales; half the bytes)
     kernel_backend: str = "auto"  # auto: Triton kernels on CUDA, torch references on CPU | torch | triton
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
@@ -55,6 +56,7 @@ class EngineConfig:
         need(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        need(self.quantization in (None, "fp8"), "quantization", "must be None or fp8")
         need(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype", "must be auto, fp8 or fp8_e4m3")
         need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend", "must be auto, torch or triton")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")

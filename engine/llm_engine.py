@@ -61,11 +61,12 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
-        weight_bytes = self.spec.num_params() * torch.tensor([], dtype=self.dtype).element_size()
+        weight_bytes = self.spec.num_params() * (1 if cfg.quantization == "fp8" else
+                                                 torch.tensor([], dtype=self.dtype).element_size())
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
         self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.kv_dtype, self.device, weight_bytes)
         self.max_model_len = self.capacity.max_model_len
-        self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len)
+        self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, cfg.quantization)
         self.model.load_weights(iter_weights(self.model_path))
         kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
         # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)

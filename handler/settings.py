@@ -90,8 +90,6 @@ class Settings(BaseModel):
     def not_yet_supported(self) -> list[str]:
         """worker-vllm variables set to values this build cannot honour yet (logged at start)."""
         out = []
-        if self.QUANTIZATION:
-            out.append(f"QUANTIZATION={self.QUANTIZATION}")
         if self.ENABLE_LORA or self.LORA_MODULES:
             out.append("ENABLE_LORA/LORA_MODULES")
         return out
@@ -113,7 +111,8 @@ ENGINE_FIELDS = {"MODEL_NAME": "model", "MODEL_REVISION": "revision", "TOKENIZER
                  "MAX_MODEL_LEN": "max_model_len", "DTYPE": "dtype", "MAX_NUM_SEQS": "max_num_seqs",
                  "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens", "BLOCK_SIZE": "block_size",
                  "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory",
-                 "KERNEL_BACKEND": "kernel_backend", "KV_CACHE_DTYPE": "kv_cache_dtype"}
+                 "KERNEL_BACKEND": "kernel_backend", "KV_CACHE_DTYPE": "kv_cache_dtype",
+                 "QUANTIZATION": "quantization"}
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
 ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}

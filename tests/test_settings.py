@@ -58,7 +58,12 @@ def test_job_variables_and_worker_vllm_aliases():
     # the documented DEFAULT_* name wins over worker-vllm's alias
     assert load_settings({"MIN_BATCH_SIZE": "2", "DEFAULT_MIN_BATCH_SIZE": "4"}).DEFAULT_MIN_BATCH_SIZE == 4
     assert load_settings({"MODEL_NAME": "  "}).MODEL_NAME is None
-    assert load_settings({"QUANTIZATION": "fp8"}).not_yet_supported() == ["QUANTIZATION=fp8"]
+    assert load_settings({"QUANTIZATION": "fp8", "KV_CACHE_DTYPE": "fp8"}).not_yet_supported() == []
+    fp8 = load_settings({"QUANTIZATION": "fp8", "KV_CACHE_DTYPE": "fp8"}).engine_config()
+    assert (fp8.quantization, fp8.kv_cache_dtype) == ("fp8", "fp8")
+    assert load_settings({"ENABLE_LORA": "true"}).not_yet_supported() == ["ENABLE_LORA/LORA_MODULES"]
+    with pytest.raises(SettingsError, match="QUANTIZATION"):
+        load_settings({"QUANTIZATION": "awq"}).engine_config()
 
 
 @pytest.mark.parametrize("env,name", [

@@ -13,7 +13,6 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine import EngineConfig, EngineError
 from engine.loader import read_json, resolve_model_path

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.errors import UnsupportedModelError
 from engine.layers.rotary import RotaryCache
 from kernels.activation import silu_and_mul
+from kernels.fp8 import fp8_linear, quant_per_channel
 from kernels.rmsnorm import add_rms_norm, rms_norm
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -96,12 +97,32 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
+        self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32, once quantized
+
+    LINEARS = ("qkv", "o_proj", "gate_up", "down")
+
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        scale = self.fp8_scales.get(name)
+        if scale is None:
+            return F.linear(x, getattr(self, name), bias)
+        # W8A8: per-token activation scales; _scaled_mm on sm89+, dequantize on CPU (correct, slow)
+        return fp8_linear(x, getattr(self, name), scale, bias, out_dtype=x.dtype)
+
+    def quantize_fp8(self) -> None:
+        """Replace the 16-bit linear weights by e4m3 + per-output-channel scales (their memory is freed)."""
+        for name in self.LINEARS:
+            wq, scale = quant_per_channel(getattr(self, name).data)
+            setattr(self, name, nn.Parameter(wq, False))
+            self.fp8_scales[name] = scale
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int,
+                 quantization: str | None = None):
         super().__init__()
         s = self.spec = spec
+        self.quantization = quantization
+        self.max_unquantized_layers = 0  # peak count of 16-bit layers alive while loading (fp8)
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
         self.layers = nn.ModuleList(DecoderLayer(s, dtype, device) for _ in range(s.num_layers))
@@ -114,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 attn, meta) -> torch.Tensor:
-        """input_ids, positions: [T]. kv_caches: [layers, 2, blocks, block_size, kv_heads, head_dim].
+        """input_ids, positions: [T]. kv_caches: [layers, 2, kv_heads, blocks, block_size, head_dim].
         Returns the final hidden states before the last norm: [T, hidden]."""
         s = self.spec
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
@@ -124,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
                 residual, x = h, rms_norm(h, layer.input_norm, s.rms_norm_eps)
             else:
                 x, residual = add_rms_norm(h, residual, layer.input_norm, s.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            qkv = layer.linear("qkv", x, layer.qkv_bias)  # [T, q + 2 kv]
             q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
             q = q.view(-1, s.num_heads, s.head_dim)
             k = k.view(-1, s.num_kv_heads, s.head_dim)
@@ -134,9 +155,9 @@ class LlamaForCausalLM(nn.Module):
                 k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = self.rotary.apply(q, k, positions)
             o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i)  # [T, H, D]
-            h = F.linear(o.reshape(-1, layer.q_size), layer.o_proj)
+            h = layer.linear("o_proj", o.reshape(-1, layer.q_size))
             x, residual = add_rms_norm(h, residual, layer.post_norm, s.rms_norm_eps)
-            h = F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            h = layer.linear("down", silu_and_mul(layer.linear("gate_up", x)))
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -153,6 +174,9 @@ class LlamaForCausalLM(nn.Module):
         plain = {"o_proj": "o_proj", "down_proj": "down", "input_layernorm": "input_norm",
                  "post_attention_layernorm": "post_norm", "q_norm": "q_norm", "k_norm": "k_norm"}
         seen: set[str] = set()
+        linear_names = {f"self_attn.{n}_proj.weight" for n in "qkvo"} | {f"mlp.{n}_proj.weight"
+                                                                           for n in ("gate", "up", "down")}
+        pending: dict[int, set[str]] = {}  # layer -> linear weights still to come (fp8 quantizes when empty)
         for name, t in weights:
             if "rotary_emb" in name:
                 continue
@@ -182,6 +206,16 @@ class LlamaForCausalLM(nn.Module):
             else:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
             seen.add(name)
+            if self.quantization == "fp8" and ".".join(parts[3:]) in linear_names:
+                # Quantize each layer as soon as its linear weights are in: the full 16-bit model never
+                # sits next to the fp8 one (safetensors stream tensor by tensor, layer after layer).
+                i = int(parts[2])
+                todo = pending.setdefault(i, set(linear_names))
+                todo.discard(".".join(parts[3:]))
+                self.max_unquantized_layers = max(self.max_unquantized_layers, len(pending))
+                if not todo:
+                    layer.quantize_fp8()
+                    del pending[i]
         need = {"model.embed_tokens.weight", "model.norm.weight"}
         if not s.tie_word_embeddings:
             need.add("lm_head.weight")
