@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -67,7 +68,7 @@ class LLMEngine:
         self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.kv_dtype, self.device, weight_bytes)
         self.max_model_len = self.capacity.max_model_len
         self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, cfg.quantization)
-        self.model.load_weights(iter_weights(self.model_path))
+        self.weights_source = self._load_weights()
         kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
         # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
         self.kernel_backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else \
@@ -91,6 +92,29 @@ class LLMEngine:
                  self.capacity.describe(), str(self.kv_dtype).removeprefix("torch."),
                  f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other.num_tokens} "
                  f"tokens, {other.max_concurrent_seqs:.1f} sequences" if other else "")
+
+    def _load_weights(self) -> str:
+        """Stream the checkpoint in; with fp8, prefer (or else write) the quantized snapshot on the volume."""
+        cfg = self.cfg
+        if cfg.quantization != "fp8":
+            self.model.load_weights(iter_weights(self.model_path))
+            return "checkpoint"
+        from warmup import fp8_snapshot  # snapshots are worker preparation, kept with warmup/
+
+        snap = fp8_snapshot.snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision,
+                                         self.model_path, safetensors_files(self.model_path))
+        if fp8_snapshot.valid(snap):
+            self.model.load_snapshot(fp8_snapshot.load(snap))
+            log.info("fp8 weights from snapshot %s", snap)
+            return "fp8 snapshot"
+        if snap.exists():
+            log.warning("fp8 snapshot %s is corrupt or partial: ignoring it and rebuilding", snap)
+        self.model.load_weights(iter_weights(self.model_path))
+        try:
+            fp8_snapshot.write(snap, self.model.snapshot_state(), str(self.model_path))
+        except OSError as e:  # a read-only or full volume costs the next cold start, not this one
+            log.warning("could not write the fp8 snapshot %s: %s", snap, e)
+        return "checkpoint, quantized online"
 
     def _kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 KV scales: from the checkpoint when every layer has them, else calibrated now."""

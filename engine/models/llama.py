@@ -165,6 +165,38 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
 
     # ---- weights ---------------------------------------------------------------------------
+    def snapshot_state(self) -> dict[str, torch.Tensor]:
+        """Our own (fused, quantized) parameters by name, for an fp8 snapshot."""
+        out = {"embed": self.embed, "norm": self.norm}
+        if not self.spec.tie_word_embeddings:
+            out["lm_head"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            for name, p in layer.named_parameters():
+                out[f"layers.{i}.{name}"] = p
+            for name, s in layer.fp8_scales.items():
+                out[f"layers.{i}.{name}.fp8_scale"] = s
+        for i, kv in self.checkpoint_kv_scales.items():
+            for which, v in kv.items():
+                out[f"layers.{i}.{which}_scale"] = torch.tensor(v)
+        return {k: v.detach().cpu() for k, v in out.items()}
+
+    def load_snapshot(self, weights) -> None:
+        """The inverse of snapshot_state: no conversion, no quantization."""
+        for name, t in weights:
+            parts = name.split(".")
+            if parts[0] != "layers":
+                _copy(getattr(self, name), t, name)
+                continue
+            layer = self.layers[int(parts[1])]
+            if parts[-1] == "fp8_scale":
+                layer.fp8_scales[parts[2]] = t.to(self.embed.device)
+            elif parts[2] in ("k_scale", "v_scale"):
+                self.checkpoint_kv_scales.setdefault(int(parts[1]), {})[parts[2][0]] = float(t)
+            elif t.dtype == torch.float8_e4m3fn:
+                setattr(layer, parts[2], nn.Parameter(t.to(self.embed.device), False))
+            else:
+                _copy(getattr(layer, parts[2]), t, name)
+
     def load_weights(self, weights) -> None:
         """Copy HF-named tensors into the fused parameters as they stream in."""
         s = self.spec
