@@ -96,9 +96,9 @@ class LLMEngine:
     def _load_weights(self) -> str:
         """Stream the checkpoint in; with fp8, prefer (or else write) the quantized snapshot on the volume."""
         cfg = self.cfg
-        if cfg.quantization != "fp8":
+        if self.spec.prequantized or cfg.quantization != "fp8":
             self.model.load_weights(iter_weights(self.model_path))
-            return "checkpoint"
+            return "fp8 checkpoint" if self.spec.prequantized else "checkpoint"
         from warmup import fp8_snapshot  # snapshots are worker preparation, kept with warmup/
 
         snap = fp8_snapshot.snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision,

@@ -58,3 +58,76 @@ def test_snapshot_is_half_the_bytes(tiny_models, tmp_path):
     with safe_open(str(snap), framework="pt") as f:
         assert f.get_tensor("layers.0.qkv").dtype == torch.float8_e4m3fn
         assert f.get_tensor("embed").dtype == torch.float32  # embeddings stay in the model dtype
+
+
+def _compressed_tensors_copy(src, dst, strategy: str):
+    """Write `src` as a compressed-tensors FP8-Dynamic checkpoint (what llm-compressor produces and vLLM
+    serves): fp8 linear weights + weight_scale, lm_head and embeddings untouched."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kernels.fp8 import quant_per_channel
+
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            if strategy == "channel":
+                wq, scale = quant_per_channel(t.float())  # [N, K] fp8, [N, 1]
+            else:
+                scale = t.float().abs().max() / 448
+                wq = (t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name] = wq
+            out[name + "_scale"] = scale.float()
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                  "dynamic": False, "symmetric": True},
+                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                            "dynamic": True, "symmetric": True}}}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_prequantized_checkpoint_matches_online_quantization(tiny_models, tmp_path):
+    src = tiny_models["qwen2"]
+    ckpt = _compressed_tensors_copy(src, tmp_path / "fp8-dynamic", "channel")
+    pre = LLM(model=str(ckpt), dtype="float32", log_stats_interval=0)
+    assert pre.engine.weights_source == "fp8 checkpoint"
+    assert pre.engine.model.layers[0].qkv.dtype == torch.float8_e4m3fn
+    online = LLM(model=str(src), dtype="float32", quantization="fp8", cache_root=str(tmp_path / "c"),
+                 log_stats_interval=0)
+    a = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in pre.generate(PROMPTS, PARAMS)]
+    b = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in online.generate(PROMPTS, PARAMS)]
+    assert a == b  # same per-channel quantization, same W8A8 arithmetic
+    # per-tensor scales load too, and the fp32 model's greedy tokens mostly survive
+    per_tensor = LLM(model=str(_compressed_tensors_copy(src, tmp_path / "pt", "tensor")), dtype="float32",
+                     log_stats_interval=0)
+    outs = per_tensor.generate(PROMPTS, PARAMS)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def test_unsupported_quantization_config_is_refused(tiny_llama, tmp_path):
+    import shutil
+
+    import pytest
+
+    from engine import UnsupportedModelError
+
+    dst = tmp_path / "awq"
+    shutil.copytree(tiny_llama, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="awq"):
+        LLM(model=str(dst))

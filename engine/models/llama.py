@@ -39,6 +39,7 @@ class ModelSpec:
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    prequantized: bool = False  # linear weights stored as fp8 + scales (compressed-tensors float-quantized)
 
     def num_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -79,6 +80,7 @@ class ModelSpec:
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=tuple(dict.fromkeys(eos)),
+            prequantized=_check_quantization(cfg.get("quantization_config")),
         )
 
 
@@ -87,17 +89,20 @@ class DecoderLayer(nn.Module):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, s.hidden_size, **kw), False)
+        lin = dict(dtype=torch.float8_e4m3fn, device=device) if s.prequantized else kw
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, s.hidden_size, **lin), False)
         self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) \
             if s.attention_bias else None
-        self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **kw), False)
-        self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.hidden_size, **kw), False)
-        self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **kw), False)
+        self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **lin), False)
+        self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.hidden_size, **lin), False)
+        self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **lin), False)
         self.input_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
         self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32, once quantized
+        if s.prequantized:  # filled from the checkpoint's weight_scale tensors
+            self.fp8_scales = {n: torch.ones(getattr(self, n).shape[0], 1, device=device) for n in self.LINEARS}
 
     LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
@@ -121,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
                  quantization: str | None = None):
         super().__init__()
         s = self.spec = spec
-        self.quantization = quantization
+        self.quantization = None if spec.prequantized else quantization  # a fp8 checkpoint is already quantized
         self.max_unquantized_layers = 0  # peak count of 16-bit layers alive while loading (fp8)
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
@@ -228,7 +233,15 @@ class LlamaForCausalLM(nn.Module):
                 self.checkpoint_kv_scales.setdefault(int(parts[2]), {})[kind[0]] = float(t.float().reshape(-1)[0])
                 seen.add(name)
                 continue
-            if proj in fused:
+            if kind == "weight_scale" and s.prequantized and (proj in fused or proj in ("o_proj", "down_proj")):
+                # per-channel [N, 1], or per-tensor (a scalar) broadcast to the channels of that projection
+                attr, off, size = fused[proj] if proj in fused else (plain[proj], 0, None)
+                dst = layer.fp8_scales[attr]
+                dst = dst if size is None else dst.narrow(0, off, size)
+                dst.copy_(t.float().reshape(-1, 1).expand_as(dst) if t.numel() == 1 else t.float().reshape(dst.shape))
+            elif kind == "input_scale":
+                raise UnsupportedModelError(f"{name}: static activation scales are not supported (dynamic only)")
+            elif proj in fused:
                 attr, off, size = fused[proj]
                 if kind == "bias":
                     attr = "qkv_bias"
@@ -258,6 +271,25 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(need - seen)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _check_quantization(qc: dict | None) -> bool:
+    """True for a compressed-tensors fp8 checkpoint we can load (float 8-bit weights per channel or per
+    tensor, dynamic per-token or no activation quant); an unsupported scheme is a clear error."""
+    if not qc:
+        return False
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise UnsupportedModelError(f"quantization_config.quant_method={method!r} is not supported; fp8 "
+                                    "checkpoints in the compressed-tensors format are (or QUANTIZATION=fp8 online)")
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        ok_w = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor")
+        ok_a = a is None or (a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True)
+        if not (ok_w and ok_a):
+            raise UnsupportedModelError(f"compressed-tensors group {name!r}: only fp8 weights (per channel or per "
+                                        "tensor) with dynamic fp8 activations are supported")
+    return True
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
