@@ -78,6 +78,25 @@ def rows(dtype=torch.bfloat16):
     return out
 
 
+def fp8_linear_rows(dtype=torch.bfloat16):
+    """FP8 W8A8 vs bf16 linear at Llama-3-8B shapes: TFLOP/s and the share of the bf16 matmul rate."""
+    from kernels.fp8 import fp8_linear, quant_per_channel
+
+    shapes = {"qkv 6144x4096": (6144, 4096), "o 4096x4096": (4096, 4096), "gate_up 28672x4096": (28672, 4096),
+              "down 4096x14336": (4096, 14336)}
+    out = []
+    for m in (1, 16, 256, 4096):
+        for name, (n, k) in shapes.items():
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            w = torch.randn(n, k, device="cuda", dtype=dtype)
+            wq, ws = quant_per_channel(w)
+            t16 = bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            t8 = bench(lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws))
+            flops = 2 * m * n * k
+            out.append((m, name, flops / t16 / 1e12, flops / t8 / 1e12, t16 / t8))
+    return out
+
+
 def main() -> None:
     assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA device"
     copy = copy_bandwidth()
@@ -89,6 +108,10 @@ def main() -> None:
         frac = nbytes / s / copy
         ok = "" if target is None else (f"≥ {target:.0%} " + ("✅" if frac >= target else "❌"))
         lines.append(f"| {name} | {s * 1e6:,.1f} | {nbytes / s / 1e9:,.0f} | {frac:.0%} | {ok} |")
+    lines += ["", "FP8 W8A8 linear (per-token activation quant included) vs bf16 `F.linear`, Llama-3-8B shapes:", "",
+              "| M | layer | bf16 TFLOP/s | fp8 TFLOP/s | fp8 speed-up |", "|---:|---|---:|---:|---:|"]
+    for m, name, bf16, fp8, speedup in fp8_linear_rows():
+        lines.append(f"| {m} | {name} | {bf16:,.1f} | {fp8:,.1f} | {speedup:.2f}x |")
     md = "\n".join(lines)
     write_section(Path(__file__).resolve().parents[1] / "docs" / "kernels.md", "gpu", md)
     print(md)
