@@ -32,7 +32,7 @@ def gguf_path() -> Path:
     return path
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 22):
@@ -42,7 +42,7 @@ def _sha256(path: Path) -> str:
 
 def default_model_dir(cache_root: Path) -> Path:
     src = gguf_path()
-    return cache_root / "default-model" / f"smollm2-135m-instruct-{_sha256(src)[:16]}"
+    return cache_root / "default-model" / f"smollm2-135m-instruct-{sha256_file(src)[:16]}"
 
 
 def ensure_default_model(cache_root: Path) -> Path:

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from warmup.default_model import sha256_file
+
 log = logging.getLogger(__name__)
 
 SCHEME = "fp8-e4m3-w8a8-per-channel-v1"
@@ -32,14 +34,6 @@ def snapshot_dir(cache_root: Path, model_id: str, revision: str, model_path: Pat
     return cache_root / "fp8-snapshots" / h.hexdigest()[:24]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def valid(snap: Path) -> bool:
     """True only for a complete snapshot whose weights file matches its manifest."""
     try:
@@ -47,7 +41,7 @@ def valid(snap: Path) -> bool:
         weights = snap / _WEIGHTS
         if manifest.get("scheme") != SCHEME or weights.stat().st_size != manifest["size"]:
             return False
-        return _sha256(weights) == manifest["sha256"]
+        return sha256_file(weights) == manifest["sha256"]
     except (OSError, ValueError, KeyError):
         return False
 
@@ -71,7 +65,7 @@ def write(snap: Path, tensors: dict, source: str) -> None:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / _WEIGHTS))
         weights = tmp / _WEIGHTS
         (tmp / _MANIFEST).write_text(json.dumps({"scheme": SCHEME, "source": source, "size": weights.stat().st_size,
-                                                 "sha256": _sha256(weights)}))
+                                                 "sha256": sha256_file(weights)}))
         if snap.exists() and not valid(snap):
             shutil.rmtree(snap, ignore_errors=True)  # a corrupt one: replace it
         try:
