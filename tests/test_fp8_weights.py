@@ -12,9 +12,11 @@ def _linear_bytes(llm) -> int:
                for layer in llm.engine.model.layers for n in layer.LINEARS)
 
 
-def test_fp8_weights_half_the_bytes_and_close_outputs(smollm2_path):
-    kw = dict(model=str(smollm2_path), dtype="bfloat16", log_stats_interval=0)
+def test_fp8_weights_half_the_bytes_and_close_outputs(smollm2_path, tmp_path):
+    # a fresh cache root: no fp8 snapshot from an earlier run, so this quantizes online
+    kw = dict(model=str(smollm2_path), dtype="bfloat16", log_stats_interval=0, cache_root=str(tmp_path))
     base, fp8 = LLM(**kw), LLM(quantization="fp8", **kw)
+    assert fp8.engine.weights_source == "checkpoint, quantized online"
     layer = fp8.engine.model.layers[0]
     assert layer.qkv.dtype == torch.float8_e4m3fn and layer.fp8_scales["qkv"].shape == (layer.qkv.shape[0], 1)
     assert fp8.engine.model.embed.dtype == torch.bfloat16  # embeddings, lm_head and norms stay 16-bit
