@@ -91,10 +91,13 @@ def reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None,
 def reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     _check(k, v, k_cache, v_cache, slot_mapping)
     kvh, _, _, d = k_cache.shape
+    # This is also the engine's CPU write path, which never pads: filter -1 slots only when present,
+    # rather than copying k and v through a boolean index on every layer of every step.
     keep = slot_mapping >= 0  # [T]
-    slots = slot_mapping[keep]  # [T'] (host sync: fine for a reference)
+    padded = not bool(keep.all())
+    slots = slot_mapping[keep] if padded else slot_mapping  # [T']
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        x = x[keep].transpose(0, 1)  # [KVH, T', D]
+        x = (x[keep] if padded else x).transpose(0, 1)  # [KVH, T', D]
         if cache.dtype == FP8:
             x = (x.float() / scale.float().reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8)
             # index_copy_ has no fp8 kernel on CPU: copy the bytes
