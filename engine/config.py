@@ -40,6 +40,17 @@ class EngineConfig:
     kernel_backend: str = "auto"  # auto: Triton kernels on CUDA, torch references on CPU | torch | triton
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     log_stats_interval: float = 5.0  # seconds between status lines while busy; 0 disables
+    enable_prefix_caching: bool = True  # full KV blocks keyed by hash(parent, tokens, adapter); reused across requests
+    # LoRA: adapters named per request, fetched from S3 (or a local dir) into a disk cache, MAX_LORAS device slots
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident at once (device slots)
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()  # static (name, local path or s3:// URI)
+    lora_s3_uri: str | None = None  # s3://bucket/prefix/: an unknown name resolves to <prefix><name>/
+    lora_allowed_buckets: tuple[str, ...] = ()  # buckets a request may name in an explicit s3_uri
+    s3_endpoint_url: str | None = None  # R2, MinIO, Backblaze or any S3-compatible store; None = AWS
+    lora_cache_bytes: int = 10 << 30  # disk cache of downloaded adapters (LRU), under cache_root/lora-cache
+    lora_load_timeout_s: float = 120.0  # a request whose adapter is not ready by then fails (only that request)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -60,9 +71,17 @@ class EngineConfig:
         need(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype", "must be auto, fp8 or fp8_e4m3")
         need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend", "must be auto, torch or triton")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        need(self.max_loras >= 1, "max_loras", "must be >= 1")
+        need(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        need(self.lora_cache_bytes > 0, "lora_cache_bytes", "must be > 0 bytes")
+        need(self.lora_load_timeout_s > 0, "lora_load_timeout_s", "must be > 0 seconds")
+        need(self.lora_s3_uri is None or self.lora_s3_uri.startswith("s3://"), "lora_s3_uri", "must start with s3://")
         if isinstance(self.hf_cache_dirs, (list, str)):
             dirs = (self.hf_cache_dirs,) if isinstance(self.hf_cache_dirs, str) else tuple(self.hf_cache_dirs)
             object.__setattr__(self, "hf_cache_dirs", dirs)
+        for name in ("lora_modules", "lora_allowed_buckets"):  # accept lists; store tuples (hashable, frozen)
+            v = getattr(self, name)
+            object.__setattr__(self, name, tuple(tuple(x) if isinstance(x, list) else x for x in v))
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

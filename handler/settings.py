@@ -2,6 +2,7 @@
 builds the frozen EngineConfig. An invalid value fails fast with a message naming the variable."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Mapping
@@ -44,20 +45,54 @@ class Settings(BaseModel):
     OPENAI_SERVED_MODEL_NAME_OVERRIDE: str | None = None
     CUSTOM_CHAT_TEMPLATE: str | None = None
     RUNPOD_WEBHOOK_GET_JOB: str | None = None  # set on Runpod (and by handler.local); unset = local test mode
-    # Accepted for worker-vllm compatibility; implemented by later issues ([fp8], [prefix], [lora]).
     QUANTIZATION: str | None = None
     KV_CACHE_DTYPE: str = "auto"
     ENABLE_PREFIX_CACHING: bool = True
+    # LoRA (worker-vllm's names, plus S3 sources, which worker-vllm lacks)
     ENABLE_LORA: bool = False
     MAX_LORAS: int = Field(default=1, ge=1)
     MAX_LORA_RANK: int = Field(default=16, ge=1)
-    LORA_MODULES: str | None = None
+    LORA_MODULES: tuple[tuple[str, str], ...] = ()  # JSON: {"name", "path"} or a list of them
+    LORA_S3_URI: str | None = None
+    LORA_ALLOWED_BUCKETS: tuple[str, ...] = ()  # comma-separated
+    S3_ENDPOINT_URL: str | None = None
+    LORA_CACHE_BYTES: int = Field(default=10 << 30, gt=0)
+    LORA_LOAD_TIMEOUT_S: float = Field(default=120.0, gt=0)
 
     @field_validator("MODEL_NAME", "TOKENIZER_NAME", "BASE_PATH", "HF_HOME", "HF_HUB_CACHE", "QUANTIZATION",
-                     "OPENAI_SERVED_MODEL_NAME_OVERRIDE", "CUSTOM_CHAT_TEMPLATE", "LORA_MODULES", mode="before")
+                     "OPENAI_SERVED_MODEL_NAME_OVERRIDE", "CUSTOM_CHAT_TEMPLATE", "LORA_S3_URI", "S3_ENDPOINT_URL",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("LORA_MODULES", mode="before")
+    @classmethod
+    def _lora_modules(cls, v):
+        # worker-vllm takes one JSON object {"name", "path"}; we also take a list of them
+        if isinstance(v, str):
+            if not v.strip():
+                return ()
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"must be JSON: {{\"name\": ..., \"path\": ...}} or a list of them ({e})") from None
+        items = [v] if isinstance(v, dict) else v
+        if not isinstance(items, (list, tuple)):
+            raise ValueError('must be {"name": ..., "path": ...} or a list of them')
+        out = []
+        for m in items:
+            if isinstance(m, dict):
+                if not isinstance(m.get("name"), str) or not isinstance(m.get("path"), str):
+                    raise ValueError('each module needs string "name" and "path"')
+                m = (m["name"], m["path"])
+            out.append(tuple(m))
+        return tuple(out)
+
+    @field_validator("LORA_ALLOWED_BUCKETS", mode="before")
+    @classmethod
+    def _buckets(cls, v):
+        return tuple(b.strip() for b in v.split(",") if b.strip()) if isinstance(v, str) else v
 
     @field_validator("DTYPE", mode="before")
     @classmethod
@@ -91,7 +126,7 @@ class Settings(BaseModel):
         """worker-vllm variables set to values this build cannot honour yet (logged at start)."""
         out = []
         if self.ENABLE_LORA or self.LORA_MODULES:
-            out.append("ENABLE_LORA/LORA_MODULES")
+            out.append("ENABLE_LORA/LORA_MODULES")  # until [lora] lands
         return out
 
     def engine_config(self) -> EngineConfig:
@@ -112,7 +147,11 @@ ENGINE_FIELDS = {"MODEL_NAME": "model", "MODEL_REVISION": "revision", "TOKENIZER
                  "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens", "BLOCK_SIZE": "block_size",
                  "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory",
                  "KERNEL_BACKEND": "kernel_backend", "KV_CACHE_DTYPE": "kv_cache_dtype",
-                 "QUANTIZATION": "quantization"}
+                 "QUANTIZATION": "quantization", "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
+                 "ENABLE_LORA": "enable_lora", "MAX_LORAS": "max_loras", "MAX_LORA_RANK": "max_lora_rank",
+                 "LORA_MODULES": "lora_modules", "LORA_S3_URI": "lora_s3_uri",
+                 "LORA_ALLOWED_BUCKETS": "lora_allowed_buckets", "S3_ENDPOINT_URL": "s3_endpoint_url",
+                 "LORA_CACHE_BYTES": "lora_cache_bytes", "LORA_LOAD_TIMEOUT_S": "lora_load_timeout_s"}
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
 ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}
