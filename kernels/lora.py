@@ -1,0 +1,216 @@
+"""Multi-LoRA deltas for a flat varlen batch (Punica's SGMV/BGMV): Triton kernels, launchers and torch references.
+
+Slot layout, one set of tensors per target projection (q_proj, k_proj, ..., down_proj):
+  lora_a [S, R, IN], lora_b [S, OUT, R]: adapters resident in S fixed device slots. R is the largest rank a slot
+    may hold; a smaller rank r is zero-padded (rows r: of A and columns r: of B are 0, so they add nothing).
+  token_slot [T] int32/int64: the slot of each token of the flat batch, -1 for no adapter (no delta, untouched).
+  Scaling: alpha / r (alpha / sqrt(r) for rsLoRA) is folded into B when an adapter is loaded into a slot, so
+  the ops take no scale: delta[t] = B[s] @ (A[s] @ x[t]).
+
+Ops:
+- lora_shrink(x [T, IN], lora_a, token_slot) -> y [T, R] fp32 (fp32 accumulation; rows of slot -1 are 0).
+- lora_expand(y [T, R], lora_b, token_slot, out, offset=0, add=True): out[t, offset:offset+OUT] += B[s] @ y[t]
+  (add=False overwrites instead), summed in fp32 with one rounding to out.dtype. Returns out.
+- add_lora(out, x, lora_a, lora_b, token_slot, offset=0): both.
+Fused projections: qkv's output is [T, q | k | v], so the q adapter is applied with offset=0, k with offset=q,
+v with offset=q+kv (each with its own A, B and OUT); gate_up likewise. When the three share R, one stacked
+lora_a [S, 3R, IN] does the three shrinks in one call and each expand reads its column slice y[:, iR:(i+1)R]
+(row-strided y and out are accepted; only the last dim must be contiguous).
+
+Design:
+- Reference (the CPU serving path): tokens grouped by slot with one stable sort and one host sync, then one
+  matmul per slot present. A slot whose tokens form one contiguous run (one request, or one adapter for the
+  whole batch: the usual cases) is addressed with a slice, so nothing is gathered or scattered.
+- Triton (SGMV): tokens sorted by slot on the device (no host sync, CUDA-graph friendly); grid (token tile,
+  column tile, slot). A program takes BLOCK_M of its slot's tokens through the sort order and runs a tiled GEMM
+  against that slot's weights; the token-tile axis is sized for one slot holding every token, and programs past
+  their slot's count exit at once, so the same grid serves prefill (few slots, many tokens) and decode. Each
+  (token, column) is written by exactly one program: in-place accumulation needs no atomics.
+- Precision: as paged_attention. Off CUDA (interpreter) tl.dot gets fp32 operands with ieee precision (bf16
+  tl.dot is wrong there, triton#11584; fp32 on a GPU would otherwise mean tf32). On CUDA with 16-bit weights the
+  shrink feeds tl.dot the 16-bit operands (exact products, fp32 sum), and the expand, whose y is fp32, runs in
+  tf32: bf16/fp16 weights are exact in tf32, so only y loses bits (2^-11 relative), 8x less than casting y to
+  bf16 as Punica does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+from kernels.rmsnorm import round_to
+
+
+@triton.jit
+def _sgmv_kernel(
+    x_ptr, w_ptr, out_ptr, order_ptr, start_ptr, count_ptr,
+    N, K, col_offset, stride_xt, stride_ws, stride_wn, stride_ot,
+    ADD: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # out[t, col_offset + n] (+)= sum_k x[t, k] * w[s, n, k] for the tokens t of slot s = program_id(2).
+    # Shrink: x [T, IN], w = lora_a [S, R, IN], out = y [T, R]. Expand: x = y, w = lora_b [S, OUT, R].
+    pid_m = tl.program_id(0)
+    slot = tl.program_id(2)
+    count = tl.load(count_ptr + slot)
+    if pid_m * BLOCK_M >= count:
+        return  # the grid is sized for one slot holding every token; this slot has fewer
+    start = tl.load(start_ptr + slot)
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] positions in the slot's sorted run
+    row_ok = i < count
+    tok = tl.load(order_ptr + start + i, mask=row_ok, other=0).to(tl.int64)  # [BLOCK_M] token indices
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
+    w_cols = w_ptr + slot.to(tl.int64) * stride_ws + rn.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if DOT == "native":  # 16-bit x and w on CUDA: tensor cores, exact products, fp32 sum
+            acc += tl.dot(x, w)
+        elif DOT == "tf32":  # fp32 y, 16-bit B on CUDA: B widens exactly, y rounds to tf32
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="tf32")
+        else:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    dt = out_ptr.dtype.element_ty
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + col_offset + rn[None, :]  # [BLOCK_M, BLOCK_N]
+    o_mask = row_ok[:, None] & n_ok[None, :]
+    if ADD:
+        acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, round_to(acc, dt).to(dt), mask=o_mask)  # round_to: the interpreter's bf16 cast truncates
+
+
+def _slot_runs(token_slot: torch.Tensor, num_slots: int):
+    """Device-side grouping, no host sync: (order [T] token indices sorted by slot, start [S], count [S]):
+    slot s owns order[start[s] : start[s] + count[s]]. Tokens of slot -1 sort first and belong to no run."""
+    sorted_slot, order = torch.sort(token_slot.long(), stable=True)  # [T], [T]
+    ids = torch.arange(num_slots, device=token_slot.device)  # [S]
+    start = torch.searchsorted(sorted_slot, ids)  # [S]
+    return order, start, torch.searchsorted(sorted_slot, ids, right=True) - start
+
+
+def _dot_mode(x: torch.Tensor, w: torch.Tensor, native_dot: bool | None) -> str:
+    if native_dot is None:
+        native_dot = x.is_cuda and w.dtype != torch.float32
+    if not native_dot:
+        return "ieee"
+    return "native" if x.dtype == w.dtype else "tf32"
+
+
+def _sgmv(x, w, out, runs, offset: int, add: bool, native_dot: bool | None) -> None:
+    """out[:, offset:offset+N] (+)= per-slot x @ w[s].T. x [T, K], w [S, N, K], out [T, >= offset+N]."""
+    t, k = x.shape
+    s, n, _ = w.shape
+    if t == 0 or s == 0 or n == 0:
+        return
+    block_m = min(64, max(16, triton.next_power_of_2(t)))  # tl.dot wants every block dim >= 16
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    order, start, count = runs
+    _sgmv_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n), s)](
+        x, w, out, order, start, count, n, k, offset, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ADD=add, DOT=_dot_mode(x, w, native_dot), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+
+
+def _check(x, w, token_slot, what: str) -> None:
+    assert x.dim() == 2 and w.dim() == 3, f"{what}: x [T, K] and weights [S, N, K], got {x.shape}, {w.shape}"
+    assert w.shape[2] == x.shape[1], f"{what}: weights {tuple(w.shape)} do not take x [.., {x.shape[1]}]"
+    assert token_slot.shape == (x.shape[0],) and token_slot.dtype in (torch.int32, torch.int64), \
+        f"{what}: token_slot must be [T] int32/int64, got {tuple(token_slot.shape)} {token_slot.dtype}"
+    assert x.stride(-1) == 1 and w.stride(-1) == 1, f"{what}: last dims must be contiguous"
+    assert w.dtype in (torch.float32, torch.float16, torch.bfloat16), w.dtype
+
+
+def _check_out(y, lora_b, out, offset: int) -> None:
+    assert out.dim() == 2 and out.shape[0] == y.shape[0] and out.stride(-1) == 1, \
+        f"out must be [T, N] with contiguous columns, got {tuple(out.shape)}"
+    assert 0 <= offset and offset + lora_b.shape[1] <= out.shape[1], \
+        f"columns {offset}:{offset + lora_b.shape[1]} outside out [.., {out.shape[1]}]"
+
+
+def lora_shrink_triton(x, lora_a, token_slot, native_dot: bool | None = None, runs=None) -> torch.Tensor:
+    _check(x, lora_a, token_slot, "lora_shrink")
+    y = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)  # [T, R]; -1 rows: 0
+    _sgmv(x, lora_a, y, runs or _slot_runs(token_slot, lora_a.shape[0]), 0, False, native_dot)
+    return y
+
+
+def lora_expand_triton(y, lora_b, token_slot, out, offset: int = 0, add: bool = True,
+                       native_dot: bool | None = None, runs=None) -> torch.Tensor:
+    _check(y, lora_b, token_slot, "lora_expand")
+    _check_out(y, lora_b, out, offset)
+    _sgmv(y, lora_b, out, runs or _slot_runs(token_slot, lora_b.shape[0]), offset, add, native_dot)
+    return out
+
+
+def _slot_groups(token_slot: torch.Tensor) -> list[tuple[int, slice | torch.Tensor]]:
+    """[(slot, rows)] for each slot >= 0 present: rows is a slice when the slot's tokens are one contiguous run
+    (the stable sort keeps them ascending, so first..last spanning count tokens means no gaps), else the indices."""
+    sorted_slot, order = torch.sort(token_slot.long(), stable=True)  # [T], [T]
+    slots, counts = torch.unique_consecutive(sorted_slot, return_counts=True)  # [G], [G]
+    ends = counts.cumsum(0)  # [G]
+    starts = ends - counts
+    groups = []
+    for s, a, b, first, last in zip(*(v.tolist() for v in (slots, starts, ends, order[starts], order[ends - 1]))):
+        if s >= 0:
+            groups.append((s, slice(first, last + 1) if last - first + 1 == b - a else order[a:b]))
+    return groups
+
+
+def lora_shrink_ref(x, lora_a, token_slot, groups=None) -> torch.Tensor:
+    y = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=torch.float32, device=x.device)  # [T, R]
+    for s, rows in groups if groups is not None else _slot_groups(token_slot):
+        y[rows] = x[rows].float() @ lora_a[s].float().t()  # [n, IN] @ [IN, R]
+    return y
+
+
+def lora_expand_ref(y, lora_b, token_slot, out, offset: int = 0, add: bool = True, groups=None) -> torch.Tensor:
+    dst = out[:, offset:offset + lora_b.shape[1]]  # [T, OUT], a view: writes land in out
+    for s, rows in groups if groups is not None else _slot_groups(token_slot):
+        b_t = lora_b[s].float().t()  # [R, OUT]
+        # [n, OUT] = dst + [n, R] @ [R, OUT] in fp32 (addmm saves a pass over dst), one rounding to out.dtype
+        dst[rows] = (torch.addmm(dst[rows].float(), y[rows].float(), b_t) if add else y[rows].float() @ b_t
+                     ).to(out.dtype)
+    return out
+
+
+def add_lora_ref(out, x, lora_a, lora_b, token_slot, offset: int = 0) -> torch.Tensor:
+    groups = _slot_groups(token_slot)
+    return lora_expand_ref(lora_shrink_ref(x, lora_a, token_slot, groups), lora_b, token_slot, out, offset,
+                           groups=groups)
+
+
+def add_lora_triton(out, x, lora_a, lora_b, token_slot, offset: int = 0, native_dot: bool | None = None):
+    assert lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == lora_b.shape[2], \
+        f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)} disagree on slots or rank"
+    runs = _slot_runs(token_slot, lora_a.shape[0])
+    y = lora_shrink_triton(x, lora_a, token_slot, native_dot, runs)
+    return lora_expand_triton(y, lora_b, token_slot, out, offset, True, native_dot, runs)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
+    """x [T, IN], lora_a [S, R, IN], token_slot [T] (-1: none) -> y [T, R] fp32, y[t] = A[slot[t]] @ x[t]."""
+    return lora_shrink_triton(x, lora_a, token_slot) if kernels.use_triton(x) else \
+        lora_shrink_ref(x, lora_a, token_slot)
+
+
+def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, token_slot: torch.Tensor, out: torch.Tensor,
+                offset: int = 0, add: bool = True) -> torch.Tensor:
+    """In place: out[t, offset:offset+OUT] += B[slot[t]] @ y[t] (add=False: =) for slot >= 0. lora_b [S, OUT, R],
+    y [T, R]. Rows of slot -1 and columns outside the slice are not touched. Returns out."""
+    if kernels.use_triton(y):
+        return lora_expand_triton(y, lora_b, token_slot, out, offset, add)
+    return lora_expand_ref(y, lora_b, token_slot, out, offset, add)
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             token_slot: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """In place: out[:, offset:offset+OUT] += the LoRA delta of x (shrink then expand). Returns out."""
+    if kernels.use_triton(x):
+        return add_lora_triton(out, x, lora_a, lora_b, token_slot, offset)
+    return add_lora_ref(out, x, lora_a, lora_b, token_slot, offset)
