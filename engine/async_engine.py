@@ -96,7 +96,7 @@ class AsyncEngine:
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
-        last_log = time.monotonic()
+        last_log, last_generated = time.monotonic(), 0
         while True:
             # Block for work when idle; otherwise just drain what arrived during the last step.
             try:
@@ -129,11 +129,12 @@ class AsyncEngine:
                 self._send(out.request_id, out)
             interval = eng.cfg.log_stats_interval
             if interval and time.monotonic() - last_log >= interval:
-                last_log = time.monotonic()
-                s = self._stats
-                log.info("running %d, waiting %d, KV %.0f%%, preemptions %d, generated %d tokens",
-                         s["running"], s["waiting"], 100 * s["kv_usage"], s["num_preemptions"],
-                         s["num_generated_tokens"])
+                now, s = time.monotonic(), self._stats
+                rate = (s["num_generated_tokens"] - last_generated) / (now - last_log)
+                last_log, last_generated = now, s["num_generated_tokens"]
+                log.info("running %d, waiting %d, KV %.0f%%, prefix cache hit rate %.1f%%, preemptions %d, "
+                         "%.1f tok/s", s["running"], s["waiting"], 100 * s["kv_usage"],
+                         100 * s["prefix_cache_hit_rate"], s["num_preemptions"], rate)
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":

@@ -1,7 +1,9 @@
-"""The KV block pool: which physical blocks each request holds. Pure Python, so tests can assert exact ids."""
+"""The KV block pool with automatic prefix caching. Pure Python, so tests can assert exact block ids."""
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from engine.types import Request
 
@@ -10,47 +12,135 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockManager:
-    """Fixed-size blocks handed out from a FIFO free list, with a ref count per block.
+def hash_block(parent: bytes, token_ids: list[int], extra: tuple) -> bytes:
+    """sha256 over (parent hash, the block's tokens, extra keys such as the adapter): a collision would
+    serve one prompt's KV to another, so no weak hash (vLLM uses sha256 for the same reason)."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    h.update(repr(extra).encode())
+    return h.digest()
 
-    A request holds exactly ceil(tokens / block_size) blocks, so the waste is at most one partly
-    filled block per request. Ref counts exist so blocks can later be shared (prefix caching, n > 1)."""
+
+class BlockManager:
+    """Fixed-size blocks with ref counts, and a hash index over full blocks.
+
+    - A full block of a caching request is registered under hash(parent, tokens, req.cache_key) when it
+      is allocated for the step that fills it (each layer writes the step's KV before any attention
+      reads it, so a request admitted in the same step may already share it).
+    - A block whose ref count drops to 0 goes to the free queue but keeps its hash: it stays findable
+      until it is handed out again (LRU: the least recently freed cached block goes first). Freed blocks
+      without a hash hold nothing reusable and are handed out before any cached block.
+    - The partial last block of a sequence is never registered, so never shared."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = next out
         self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.queried_tokens = 0  # prefix-cache stats: tokens looked up at admission, and found
+        self.hit_tokens = 0
+        self.evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_queue)
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
-        """Grow `req`'s block table to cover num_computed + num_new tokens.
+    def stats(self) -> dict:
+        q = self.queried_tokens
+        return {"prefix_cache_queried_tokens": q, "prefix_cache_hit_tokens": self.hit_tokens,
+                "prefix_cache_hit_rate": self.hit_tokens / q if q else 0.0,
+                "prefix_cache_blocks": len(self.cached), "prefix_cache_evictions": self.evictions}
+
+    # ---- prefix lookup --------------------------------------------------------------------
+    def _block_hashes(self, req: Request, num_full: int) -> list[bytes]:
+        """req's chained block hashes, extended to cover `num_full` full blocks (memoized on req:
+        tokens are only ever appended, so earlier hashes stay valid across preemption)."""
+        hs, bs = req.block_hashes, self.block_size
+        while len(hs) < num_full:
+            i = len(hs)
+            hs.append(hash_block(hs[-1] if hs else b"", req.token_slice(i * bs, (i + 1) * bs), req.cache_key))
+        return hs
+
+    def find_cached(self, req: Request) -> list[int]:
+        """The longest run of cached blocks at the start of req's tokens. At least one token is left to
+        compute, since the step that computes it produces the logits to sample from."""
+        if not req.cache_key:
+            return []
+        n = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._block_hashes(req, n)[:n]:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queried_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
+    # ---- allocation -----------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Grow req's block table to cover num_computed + len(cached_blocks) * block_size + num_new tokens,
+        taking `cached_blocks` (a hit from find_cached, for a request holding no blocks yet) first.
 
         Returns False, and changes nothing, when the pool cannot supply the blocks."""
-        need = blocks_needed(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if need > len(self.free_ids):
+        assert not cached_blocks or not req.block_ids, "cached blocks are only taken at admission"
+        total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        need = blocks_needed(total, self.block_size) - len(req.block_ids) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)  # these leave the free queue
+        if need > len(self.free_queue) - revived:
             return False
+        for block_id in cached_blocks:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+            req.block_ids.append(block_id)
         for _ in range(need):
-            block_id = self.free_ids.popleft()
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._forget(block_id)
             self.ref_counts[block_id] = 1
             req.block_ids.append(block_id)
+        if req.cache_key:
+            self._register(req, total // self.block_size)
         return True
 
+    def _register(self, req: Request, num_full: int) -> None:
+        """Make req's first num_full blocks findable (they are full once this step has run)."""
+        hashes = self._block_hashes(req, num_full)
+        for i in range(req.num_registered_blocks, num_full):
+            block_id, h = req.block_ids[i], hashes[i]
+            if self.block_hash[block_id] is None and h not in self.cached:
+                # (when h is cached already, an identical block exists elsewhere: keep that one)
+                self.cached[h] = block_id
+                self.block_hash[block_id] = h
+        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
+
+    def _forget(self, block_id: int) -> None:
+        """A free block is handed out for new data: drop its cached identity (an eviction)."""
+        h = self.block_hash[block_id]
+        if h is not None:
+            if self.cached.get(h) == block_id:
+                del self.cached[h]
+            self.block_hash[block_id] = None
+            self.evictions += 1
+
     def free(self, req: Request) -> None:
-        """Release every block of `req`. Freed blocks go to the back of the free list."""
+        """Release every block of `req`. Tail blocks are released first, so under LRU they are evicted
+        before the shared-prefix blocks that precede them."""
         for block_id in reversed(req.block_ids):
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
-                self.free_ids.append(block_id)
+                self.free_queue[block_id] = None  # back of the queue: evicted last
+                if self.block_hash[block_id] is None:
+                    self.free_queue.move_to_end(block_id, last=False)  # nothing to keep: reuse first
         req.block_ids = []
+        req.num_registered_blocks = 0

@@ -18,7 +18,7 @@ from engine.loader import iter_weights, read_json, resolve_model_path, safetenso
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.scheduler import Scheduler
-from engine.types import CompletionOutput, Request, RequestOutput, SamplingParams
+from engine.types import CompletionOutput, Request, RequestMetrics, RequestOutput, SamplingParams
 
 log = logging.getLogger("engine")
 
@@ -164,6 +164,10 @@ class LLMEngine:
                                 eos_token_ids=self.eos_token_ids, generator=gen))
             detoks.append(IncrementalDetokenizer(self._decoder, ids, params.stop,
                                                  params.include_stop_str_in_output, params.skip_special_tokens))
+        # Prefix caching keys blocks by this; with caching off, n > 1 siblings still share the prompt's blocks
+        key = ("base",) if self.cfg.enable_prefix_caching else (("n", request_id) if params.n > 1 else ())
+        for s in seqs:
+            s.cache_key = key
         group = _Group(request_id, ids, params, seqs, detoks, [0] * params.n)
         self._groups[request_id] = group
         for s in seqs:
@@ -193,6 +197,15 @@ class LLMEngine:
             req.logprobs.append(lp)
         self.scheduler.update(out, sampled)
         self.num_generated_tokens += len(sampled)
+        now = time.monotonic()
+        for req in sampled:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            else:
+                gap = now - req.last_token_time
+                req.itl_sum += gap
+                req.itl_max = max(req.itl_max, gap)
+            req.last_token_time = now
 
         touched: dict[_Group, None] = {}
         for req, token in sampled.items():
@@ -223,14 +236,15 @@ class LLMEngine:
             for s in group.seqs:
                 self._group_of.pop(s, None)
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
-                             sum(s.num_preemptions for s in group.seqs))
+                             sum(s.num_preemptions for s in group.seqs),
+                             RequestMetrics.of(group.seqs, time.monotonic()) if finished else None)
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
         return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "kv_usage": bm.usage(), "running": len(sch.running), "waiting": len(sch.waiting),
                 "num_preemptions": sch.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, **bm.stats()}
 
 
 class _FastDecoder:

@@ -1,6 +1,8 @@
-"""Token-budget scheduler: chunked prefill mixed with decodes, recompute preemption. Pure Python."""
+"""Token-budget scheduler: chunked prefill mixed with decodes, prefix-cache hits at admission, recompute
+preemption. Pure Python."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager
@@ -56,9 +58,18 @@ class Scheduler:
         # freed blocks would be handed straight to a newcomer and the victim would starve.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.bm.allocate_slots(req, n):
+            hits = self.bm.find_cached(req)  # a cached prefix counts as computed
+            num_cached = len(hits) * self.bm.block_size
+            n = min(req.num_tokens - num_cached, budget)  # prefill starts at the first uncached token
+            if not self.bm.allocate_slots(req, n, hits):
                 break
+            req.num_computed_tokens = num_cached
+            if req.cache_key:
+                self.bm.record_lookup(req.num_tokens, num_cached)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -102,6 +102,18 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Seeded requests carry their own RNG state (a torch.Generator), owned by the sampler.
     generator: Any = None
+    # Prefix caching (owned by BlockManager). cache_key: the extra keys hashed into every block (the
+    # adapter, ...); () = this request neither shares nor registers blocks.
+    cache_key: tuple = ()
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
+    num_registered_blocks: int = 0
+    # Latency metrics (monotonic seconds), filled by the scheduler and the engine.
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    itl_sum: float = 0.0
+    itl_max: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -164,9 +176,42 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Per-request latency and token counts, on the finished output (seconds; None = not reached)."""
+
+    queue_time: float | None  # arrival -> first scheduled
+    ttft: float | None  # arrival -> first output token
+    mean_itl: float | None  # mean gap between a sequence's consecutive output tokens
+    max_itl: float | None
+    e2e_time: float  # arrival -> the output that carries these metrics
+    prompt_tokens: int
+    cached_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
+    output_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, seqs: list[Request], now: float) -> "RequestMetrics":
+        """One request's metrics; n > 1 sequences pool their gaps and count every output token."""
+        first = seqs[0]
+        arrival = first.arrival_time
+        sched = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        gaps = sum(max(len(s.output_token_ids) - 1, 0) for s in seqs)
+        return cls(queue_time=min(sched) - arrival if sched else None,
+                   ttft=min(firsts) - arrival if firsts else None,
+                   mean_itl=sum(s.itl_sum for s in seqs) / gaps if gaps else None,
+                   max_itl=max(s.itl_max for s in seqs) if gaps else None,
+                   e2e_time=now - arrival, prompt_tokens=first.num_prompt_tokens,
+                   cached_prompt_tokens=first.num_cached_tokens or 0,
+                   output_tokens=sum(len(s.output_token_ids) for s in seqs),
+                   num_preemptions=sum(s.num_preemptions for s in seqs))
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
     num_preemptions: int = 0
+    metrics: RequestMetrics | None = None  # set on the finished output

@@ -5,6 +5,7 @@ loop raised) ends every in-flight job with an error and asks Runpod to replace t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -125,9 +126,9 @@ class Worker:
         n = params.n
         pending: list[list[str]] = [[] for _ in range(n)]
         n_pending, batch, out_tokens, finish = 0, sizer.next(), 0, [None] * n
-        n_input = 0
+        n_input, metrics = 0, None
         async for out in self.engine.generate(prompt, params, request_id=rid):
-            n_input = len(out.prompt_token_ids)
+            n_input, metrics = len(out.prompt_token_ids), out.metrics
             for c in out.outputs:
                 if c.delta_text:
                     pending[c.index].append(c.delta_text)
@@ -138,6 +139,10 @@ class Worker:
                 yield _native_chunk(pending, n_input, out_tokens)
                 pending, n_pending, batch = [[] for _ in range(n)], 0, sizer.next()
         final = _native_chunk(pending, n_input, out_tokens, finish)
+        if metrics is not None:  # worker-vllm's usage, extended
+            final["usage"]["cached_input"] = metrics.cached_prompt_tokens
+            final["metrics"] = {k: round(v, 6) if isinstance(v, float) else v
+                                for k, v in dataclasses.asdict(metrics).items()}
         final["max_tokens"] = params.max_tokens
         if default_max:
             final["note"] = f"sampling_params.max_tokens not given; used the default {DEFAULT_MAX_TOKENS}"
@@ -196,10 +201,11 @@ class Worker:
             async for chunk in self._openai_stream(gen, shapes, req, chat, top_n):
                 yield chunk
             return
-        n_in, n_out, choices = 0, 0, []
+        n_in, n_out, choices, cached = 0, 0, [], 0
         async for out in gen:
             n_in = len(out.prompt_token_ids)
             if out.finished:
+                cached = out.metrics.cached_prompt_tokens
                 for c in out.outputs:
                     n_out += len(c.token_ids)
                     lp = None
@@ -208,16 +214,18 @@ class Worker:
                             self.engine.tokenizer, c.token_ids, c.logprobs, top_n)
                     choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                                     "logprobs": lp})
-        yield shapes.full(choices, oa.usage(n_in, n_out))
+        yield shapes.full(choices, oa.usage(n_in, n_out, cached))
 
     async def _openai_stream(self, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
         s = self.settings
         sizer = BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
-        events, batch, n_in, n_out = [], sizer.next(), 0, 0
+        events, batch, n_in, n_out, cached = [], sizer.next(), 0, 0, 0
         if chat:
             events += [oa.sse(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
         async for out in gen:
             n_in = len(out.prompt_token_ids)
+            if out.finished:
+                cached = out.metrics.cached_prompt_tokens
             for c in out.outputs:
                 n_out += len(c.delta_token_ids)
                 if not (c.delta_text or c.finish_reason or c.delta_token_ids):
@@ -235,7 +243,7 @@ class Worker:
                 yield "".join(events)
                 events, batch = [], sizer.next()
         if req.stream_options and req.stream_options.include_usage:
-            events.append(oa.sse(shapes.usage_chunk(oa.usage(n_in, n_out))))
+            events.append(oa.sse(shapes.usage_chunk(oa.usage(n_in, n_out, cached))))
         events.append(oa.SSE_DONE)
         yield "".join(events)
 

@@ -96,6 +96,9 @@ def test_openai_client(oai):
         if chunk.usage:
             usage = chunk.usage
     assert "".join(pieces) == text and usage.completion_tokens == full.usage.completion_tokens
+    # the same prompt again: its full 16-token blocks come from the prefix cache
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached == (usage.prompt_tokens - 1) // 16 * 16 > 0
     comp = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=4, temperature=0,
                                   extra_body={"top_k": 1, "ignore_eos": True})
     assert comp.choices[0].text.startswith(" Paris")

@@ -30,7 +30,8 @@ def test_allocate_exact_ids_and_free_order():
     assert bm.allocate_slots(a, 4) and a.block_ids == [0, 1, 3]
     bm.free(a)
     assert a.block_ids == [] and bm.num_free_blocks == 7
-    assert list(bm.free_ids) == [4, 5, 6, 7, 3, 1, 0]  # freed blocks join the back, last block first
+    # freed blocks without a cached identity are reused first, in table order
+    assert list(bm.free_queue) == [0, 1, 3, 4, 5, 6, 7]
     assert bm.ref_counts == [0, 0, 1, 0, 0, 0, 0, 0]
 
 
@@ -83,8 +84,8 @@ def test_preempts_most_recent_and_requeues_at_front():
     # preempting b itself is not needed since c's two blocks cover a and b.
     assert [r.request_id for r in out.preempted] == ["c"]
     assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.block_ids == []
-    # c's blocks were freed tail first (5, then 4), so a gets 5 and b gets 4.
-    assert a.block_ids == [0, 1, 5] and b.block_ids == [2, 3, 4]
+    # c's blocks (4, 5) hold nothing cached, so they are reused first, in table order.
+    assert a.block_ids == [0, 1, 4] and b.block_ids == [2, 3, 5]
     assert list(s.waiting) == [c] and s.running == [a, b]
     assert c.num_preemptions == 1 and s.num_preemptions == 1
     # c's recompute covers its prompt and the token it already produced.
@@ -117,7 +118,7 @@ def test_last_request_preempts_itself():
     out = run_step(s)  # a still fits block 0; b needs a 3rd block and is itself the most recent
     assert [r.request_id for r in out.preempted] == ["b"]
     assert out.requests == [a] and a.block_ids == [0]
-    assert list(bm.free_ids) == [2, 1]
+    assert list(bm.free_queue) == [1, 2]
 
 
 def test_stop_rules():
