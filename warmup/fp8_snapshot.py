@@ -64,13 +64,14 @@ def write(snap: Path, tensors: dict, source: str) -> None:
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / _WEIGHTS))
         weights = tmp / _WEIGHTS
-        (tmp / _MANIFEST).write_text(json.dumps({"scheme": SCHEME, "source": source, "size": weights.stat().st_size,
+        size = weights.stat().st_size
+        (tmp / _MANIFEST).write_text(json.dumps({"scheme": SCHEME, "source": source, "size": size,
                                                  "sha256": sha256_file(weights)}))
         if snap.exists() and not valid(snap):
             shutil.rmtree(snap, ignore_errors=True)  # a corrupt one: replace it
         try:
             os.rename(tmp, snap)
-            log.info("fp8 snapshot written: %s (%.0f MiB)", snap, weights.stat().st_size / 2**20)
+            log.info("fp8 snapshot written: %s (%.0f MiB)", snap, size / 2**20)
         except OSError:
             log.info("fp8 snapshot %s was written by another worker first; keeping it", snap)
     finally:

@@ -1,0 +1,338 @@
+"""Online serving benchmark against any OpenAI-compatible URL, by `vllm bench serve`'s method (shared DESIGN.md §6).
+
+Per request rate: requests arrive as a Poisson process (exponential gaps, seeded; `inf` = all at t=0), each a
+streamed /completions (or /chat/completions) call with temperature 0, max_tokens = its output length and
+ignore_eos (vLLM's extra_body field), so that every request generates exactly that many tokens.
+- Prompt lengths are uniform in [--input-len-min, --input-len-max] tokens, outputs in [--output-len-min, max].
+  Prompts are random tokens of the model's tokenizer (vLLM's random dataset), decoded to text and trimmed so that
+  they re-encode to about the wanted length; or, with --approx-words, common English words (~1 token each).
+  Each rate gets fresh prompt texts (same lengths): reused ones would hit the server's prefix cache.
+- TTFT: request sent -> first chunk with content. ITL: every gap between content chunks, pooled over requests.
+  Latency: sent -> last content chunk. TPOT: (latency - TTFT) / (output tokens - 1), per request.
+  Output tokens: the usage chunk's completion_tokens (stream_options.include_usage), else the content chunks.
+- Report per rate: request/s and output tok/s over the rate's duration (first send -> last finish), and TTFT,
+  TPOT, ITL mean / median / p99 (numpy's linear percentile, as vLLM). A failure is any error or empty stream.
+One short warm-up request runs first, untimed.
+
+Usage:
+  python bench/serve.py --base-url https://api.runpod.ai/v2/ENDPOINT/openai/v1 --api-key $RUNPOD_API_KEY \\
+      --model MODEL --tokenizer /path/to/tokenizer_dir
+  python bench/serve.py --launch-emulator                 # the local emulator on SmolLM2 (2-core CPU: ~6 min)
+  python bench/serve.py --launch-emulator --write-docs    # ... and write docs/benchmarks.md + docs/serve.png
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+now = time.perf_counter
+# ~1 token each with a leading space in GPT-style BPE vocabularies; random order, so no shared prefixes
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night point "
+         "home water room mother area money story fact month lot right study book eye job word business issue "
+         "side kind head house service friend father power hour game line end member law car city name team").split()
+
+
+@dataclass
+class Result:
+    prompt_tokens: int
+    max_tokens: int
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def load_tokenizer(path: str | None):
+    from tokenizers import Tokenizer  # the fast tokenizer alone: no transformers import, no download
+
+    if path is None:  # the embedded default model (converted once, cached)
+        sys.path.insert(0, str(REPO / "bench"))
+        from _common import default_model_path
+        path = str(default_model_path())
+    p = Path(path)
+    return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+
+
+def make_prompts(tok, lens: list[tuple[int, int]], rng: random.Random) -> list[tuple[str, int, int]]:
+    """(text, prompt tokens, max_tokens) per (input len, output len); tok None = --approx-words."""
+    if tok is None:
+        return [(" ".join(rng.choice(WORDS) for _ in range(n)), n, o) for n, o in lens]
+    # printable ASCII tokens only: no specials, no half UTF-8 characters
+    specials = set(tok.get_added_tokens_decoder())
+    pool = [i for i in range(tok.get_vocab_size())
+            if i not in specials and (s := tok.decode([i])).isascii() and s.isprintable() and s.strip()]
+    out = []
+    for n, o in lens:
+        text = tok.decode([rng.choice(pool) for _ in range(n)])
+        for _ in range(4):  # decode -> encode merges across token boundaries: trim or top up, then recheck
+            ids = tok.encode(text, add_special_tokens=False).ids
+            if len(ids) == n:
+                break
+            text = tok.decode(ids[:n]) if len(ids) > n else text + tok.decode(
+                [rng.choice(pool) for _ in range(n - len(ids))])
+        out.append((text, len(tok.encode(text, add_special_tokens=False).ids), o))
+    return out
+
+
+async def one(client, args, model: str, prompt: str, n_prompt: int, max_tokens: int) -> Result:
+    r, last, chunks = Result(n_prompt, max_tokens), None, 0
+    kw = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+              extra_body={"ignore_eos": True} if args.ignore_eos else None)
+    t0 = now()
+    try:
+        if args.endpoint == "chat":
+            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+        else:
+            stream = await client.completions.create(prompt=prompt, **kw)
+        async for ch in stream:
+            c = ch.choices[0] if ch.choices else None
+            text = c and (c.delta.content if args.endpoint == "chat" else c.text)
+            if text:
+                t = now()
+                if last is None:
+                    r.ttft = t - t0
+                else:
+                    r.itl.append(t - last)
+                last, chunks = t, chunks + 1
+            if ch.usage:
+                r.output_tokens, r.prompt_tokens = ch.usage.completion_tokens, ch.usage.prompt_tokens or n_prompt
+        r.ok, r.error = last is not None, "" if last else "stream had no content"
+        r.latency, r.output_tokens = (last or t0) - t0, r.output_tokens or chunks
+    except Exception as e:  # noqa: BLE001 -- any failure is counted and reported, never fatal to the run
+        r.error = f"{type(e).__name__}: {e}"[:300]
+    return r
+
+
+async def run_rate(client, args, model, prompts, rate: float, rng: random.Random) -> tuple[list[Result], float]:
+    """Send on an absolute Poisson schedule (sleep until each send time, so event-loop lag does not accumulate)."""
+    tasks, t0, at = [], now(), 0.0
+    for text, n, o in prompts:
+        if at > 0:
+            await asyncio.sleep(max(0.0, t0 + at - now()))
+        tasks.append(asyncio.create_task(one(client, args, model, text, n, o)))
+        at += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+    results = await asyncio.gather(*tasks)
+    return results, now() - t0
+
+
+def stats(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    a = np.asarray(xs) * 1000  # ms
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+def summarize(rate: float, results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out = sum(r.output_tokens for r in ok)
+    return {"rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+            "short": sum(r.output_tokens < r.max_tokens for r in ok),  # server ignored ignore_eos?
+            "request_per_s": len(ok) / duration, "output_tok_per_s": out / duration,
+            "total_tok_per_s": (out + sum(r.prompt_tokens for r in ok)) / duration,
+            "ttft_ms": stats([r.ttft for r in ok]),
+            "tpot_ms": stats([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+            "itl_ms": stats([x for r in ok for x in r.itl]),
+            "errors": sorted({r.error for r in results if r.error})[:3]}
+
+
+def table(rows: list[dict]) -> str:
+    f = lambda s: f"{s['mean']:.0f} / {s['median']:.0f} / {s['p99']:.0f}"  # noqa: E731
+    lines = ["| request rate | done / failed | req/s | output tok/s | TTFT ms mean / med / p99 | "
+             "TPOT ms mean / med / p99 | ITL ms mean / med / p99 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['rate']:g} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
+              f"{r['output_tok_per_s']:.1f} | {f(r['ttft_ms'])} | {f(r['tpot_ms'])} | {f(r['itl_ms'])} |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], png: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x, labels = range(len(rows)), [f"{r['rate']:g}" for r in rows]  # categorical x: inf has a place too
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    # ITL's median is ~0 (chunks arrive in bursts), so only its p99 is drawn
+    series = {0: [("ttft_ms", "median"), ("ttft_ms", "p99")],
+              1: [("tpot_ms", "median"), ("tpot_ms", "p99"), ("itl_ms", "p99")]}
+    for i, name in ((0, "TTFT"), (1, "TPOT / ITL")):
+        ax = axes[i]
+        for key, q in series[i]:
+            ax.plot(x, [r[key][q] for r in rows], "-o" if q == "median" else "--^", label=f"{key[:-3].upper()} {q}",
+                    color={"ttft_ms": "tab:blue", "tpot_ms": "tab:green", "itl_ms": "tab:orange"}[key])
+        ax.set_xticks(list(x), labels)
+        ax.set_xlabel("request rate (req/s; inf = all at once)")
+        ax.set_ylabel(f"{name} ms (lower is better)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
+class Emulator:
+    """`python -m handler.local` on a free port with the embedded default model, bf16, offline (as
+    bench/serving.py runs it); ready once /health reports the worker's first job-take."""
+
+    def __enter__(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k != "MODEL_NAME"}
+        env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.log = tempfile.TemporaryFile("w+")  # its log, shown if it fails to start
+        self.proc = subprocess.Popen([sys.executable, "-m", "handler.local", "--port", str(self.port)], cwd=REPO,
+                                     env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/v2/local/health", timeout=5).json()["workers"]["ready"]:
+                    return self
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        self.log.seek(0)
+        tail = "".join(self.log.readlines()[-20:])
+        raise RuntimeError(f"the emulator did not become ready (exited or 300 s passed):\n{tail}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+async def bench(args, base_url: str) -> tuple[str, list[dict], list[list[Result]]]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+                         max_retries=0, timeout=args.timeout)
+    model = args.model or (await client.models.list()).data[0].id
+    tok = None if args.approx_words else load_tokenizer(args.tokenizer)
+    rng = random.Random(args.seed)
+    lens = [(rng.randint(args.input_len_min, args.input_len_max), rng.randint(args.output_len_min,
+                                                                               args.output_len_max))
+            for _ in range(args.num_prompts)]
+    warm = await one(client, args, model, "Hello, my name is", 5, 4)
+    if not warm.ok:
+        raise SystemExit(f"warm-up request failed: {warm.error}")
+    rows, per_rate = [], []
+    for i, rate in enumerate(args.request_rate):
+        prompts = make_prompts(tok, lens, random.Random(f"{args.seed}-prompts-{i}"))
+        results, duration = await run_rate(client, args, model, prompts, rate, random.Random(f"{args.seed}-{i}"))
+        rows.append(summarize(rate, results, duration))
+        per_rate.append(results)
+        r = rows[-1]
+        print(f"  rate {rate:g}: {r['completed']} ok, {r['failed']} failed in {duration:.1f} s, "
+              f"{r['output_tok_per_s']:.1f} output tok/s, TTFT median {r['ttft_ms']['median']:.0f} ms"
+              + (f"; errors: {r['errors']}" if r["errors"] else ""), flush=True)
+    await client.close()
+    return model, rows, per_rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", help="OpenAI-compatible base URL, ending in /v1")
+    ap.add_argument("--model", help="model name (default: the first of GET /models)")
+    ap.add_argument("--api-key", help="default: $OPENAI_API_KEY, else 'EMPTY'")
+    ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    ap.add_argument("--request-rate", type=float, nargs="+", default=[0.25, 0.5, 1.0, math.inf],
+                    help="requests/s, Poisson; inf = all at once (default: 0.25 0.5 1 inf)")
+    ap.add_argument("--num-prompts", type=int, default=32, help="requests per rate (32)")
+    ap.add_argument("--input-len-min", type=int, default=32)
+    ap.add_argument("--input-len-max", type=int, default=512)
+    ap.add_argument("--output-len-min", type=int, default=16)
+    ap.add_argument("--output-len-max", type=int, default=256)
+    ap.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json (default: the embedded SmolLM2's)")
+    ap.add_argument("--approx-words", action="store_true", help="no tokenizer: prompts of ~1-token English words")
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="send vLLM's ignore_eos (default on; --no-ignore-eos for servers that reject it)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    ap.add_argument("--launch-emulator", action="store_true", help="run against a fresh `python -m handler.local`")
+    ap.add_argument("--json", type=Path, help="write the summary and per-request results here")
+    ap.add_argument("--plot", type=Path, help="write latency vs request rate here (PNG)")
+    ap.add_argument("--write-docs", action="store_true", help="write the `serve` section of docs/benchmarks.md "
+                                                              "and docs/serve.png")
+    args = ap.parse_args()
+    if not (args.base_url or args.launch_emulator):
+        ap.error("give --base-url or --launch-emulator")
+    if args.input_len_min > args.input_len_max or args.output_len_min > args.output_len_max or min(
+            args.input_len_min, args.output_len_min, args.num_prompts) < 1 or min(args.request_rate) <= 0:
+        ap.error("need 1 <= min <= max lengths, --num-prompts >= 1 and request rates > 0")
+
+    t_all, load = now(), os.getloadavg()[0]
+    if args.launch_emulator:
+        with Emulator() as emu:
+            print(f"emulator ready on {emu.base_url} after {now() - t_all:.1f} s", flush=True)
+            model, rows, per_rate = asyncio.run(bench(args, emu.base_url))
+        server = "the local emulator (`python -m handler.local`, default model, bfloat16, CPU)"
+    else:
+        model, rows, per_rate = asyncio.run(bench(args, args.base_url))
+        server = f"`{args.base_url}`"
+    argv = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--api-key")
+            and not (i and sys.argv[i] == "--api-key")]  # never print or write the key
+    cmd = "python bench/serve.py " + " ".join(argv)
+    sys.path.insert(0, str(REPO / "bench"))
+    from _common import machine_line
+
+    md = "\n".join([
+        "## Serving: latency vs request rate", "",
+        f"`{cmd.strip()}` on {time.strftime('%Y-%m-%d')} against {server}, model `{model}`; "
+        f"{'client and server' if args.launch_emulator else 'client'} on {machine_line('cpu')}; load average "
+        f"{load:.2f} at start. {args.num_prompts} requests per rate; prompt tokens uniform in [{args.input_len_min}, "
+        f"{args.input_len_max}], output tokens in [{args.output_len_min}, {args.output_len_max}] "
+        f"(ignore_eos{'' if args.ignore_eos else ' off'}), greedy, streamed. Method: the docstring of "
+        "`bench/serve.py` (`vllm bench serve`'s).", "", table(rows), "",
+        "Notes:", "- TTFT includes queueing: at a rate above the server's capacity requests wait, and TTFT grows "
+        "with the queue. TPOT and ITL are per generated token once running.",
+        "- The worker streams in batched yields (1, 3, 9, 27, 50 tokens per yield), so content chunks arrive in "
+        "bursts: most ITL gaps are near 0 and the p99 is the gap between bursts.", "",
+        "![Latency vs request rate](serve.png)"])
+    print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": model, "args": {k: v if not isinstance(v, Path) else str(v)
+                                                                  for k, v in vars(args).items() if k != "api_key"},
+                                         "summary": rows, "requests": [[asdict(r) for r in rs] for rs in per_rate]},
+                                        indent=1, default=str))
+    title = f"{model}: {args.num_prompts} requests per rate"
+    if args.plot:
+        plot(rows, args.plot, title)
+    if args.write_docs:
+        from _common import write_section
+
+        write_section(REPO / "docs" / "benchmarks.md", "serve", md)
+        plot(rows, REPO / "docs" / "serve.png", title)
+        print(f"wrote {REPO / 'docs' / 'benchmarks.md'} and {REPO / 'docs' / 'serve.png'}")
+
+
+if __name__ == "__main__":
+    main()
