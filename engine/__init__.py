@@ -5,9 +5,8 @@ from engine.errors import (ConfigError, EngineError, EngineFault, InvalidRequest
                            UnsupportedModelError)
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from engine.types import CompletionOutput, LoRARequest, RequestMetrics, RequestOutput, SamplingParams
 
 __all__ = ["AsyncEngine", "CompletionOutput", "ConfigError", "EngineConfig", "EngineError", "EngineFault",
-           "InvalidRequestError", "LLM", "LLMEngine", "ModelNotFoundError", "RequestMetrics", "RequestOutput",
-           "SamplingParams",
-           "UnsupportedModelError"]
+           "InvalidRequestError", "LLM", "LLMEngine", "LoRARequest", "ModelNotFoundError", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "UnsupportedModelError"]

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineFault
 from engine.llm_engine import LLMEngine
-from engine.types import RequestOutput, SamplingParams
+from engine.types import LoRARequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("engine")
 
@@ -29,6 +29,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = self.engine.stats()
         self._closed = False
+        self._stalled = False  # the last step ran nothing (requests wait for adapters): poll the inbox briefly
         self.fault: EngineFault | None = None  # set when a step raised; no new work is accepted after
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
@@ -41,12 +42,19 @@ class AsyncEngine:
         """Validated prompt token ids (raises InvalidRequestError), as generate() would compute them."""
         return self.engine.tokenize(prompt)
 
+    def resolve_lora(self, lora: LoRARequest):
+        """Validate an adapter request now (raises InvalidRequestError naming the field)."""
+        return self.engine.resolve_lora(lora)
+
+    def lora_names(self) -> list[str]:
+        return self.engine.lora_names()
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
     async def generate(self, prompt: str | dict, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step that produced something for this request (deltas in
         `outputs[i].delta_text` / `delta_token_ids`). Invalid input raises before anything runs.
         Leaving the loop early (break, cancel) aborts the request and frees its blocks."""
@@ -59,10 +67,12 @@ class AsyncEngine:
         if request_id in self._streams:
             raise EngineError(f"request id {request_id!r} is already in use")
         ids = self.engine.tokenize(prompt)  # validates; raises InvalidRequestError
+        if lora is not None:
+            self.engine.resolve_lora(lora)  # a bad adapter name or bucket fails here, before queueing
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        self._inbox.put(("add", request_id, prompt, params, ids))
+        self._inbox.put(("add", request_id, prompt, params, ids, lora))
         finished = False
         try:
             while True:
@@ -92,15 +102,23 @@ class AsyncEngine:
         self._closed = True
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
+        if self.engine.lora is not None:
+            self.engine.lora.shutdown()
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
         last_log, last_generated = time.monotonic(), 0
         while True:
-            # Block for work when idle; otherwise just drain what arrived during the last step.
+            # Block for work when idle; otherwise just drain what arrived during the last step. When the last
+            # step ran nothing (every request waits for an adapter download), wait briefly instead of spinning.
             try:
-                cmd = self._inbox.get(block=not eng.has_unfinished())
+                if not eng.has_unfinished():
+                    cmd = self._inbox.get()
+                elif self._stalled:
+                    cmd = self._inbox.get(timeout=0.02)
+                else:
+                    cmd = self._inbox.get_nowait()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -125,8 +143,9 @@ class AsyncEngine:
                     self._send(rid, EngineFault(str(self.fault)))
                 continue
             self._stats = eng.stats()
+            self._stalled = not outputs and not eng.scheduler.running
             for out in outputs:
-                self._send(out.request_id, out)
+                self._send(out.request_id, out.error if out.error is not None else out)
             interval = eng.cfg.log_stats_interval
             if interval and time.monotonic() - last_log >= interval:
                 now, s = time.monotonic(), self._stats
@@ -138,14 +157,14 @@ class AsyncEngine:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, ids = cmd
+            _, rid, prompt, params, ids, lora = cmd
             if rid not in self._streams:  # cancelled before it was added
                 return
             if self.fault is not None:
                 self._send(rid, EngineFault(str(self.fault)))
                 return
             try:
-                self.engine.add_request(rid, prompt, params, prompt_token_ids=ids)
+                self.engine.add_request(rid, prompt, params, prompt_token_ids=ids, lora=lora)
             except Exception as e:
                 self._send(rid, e)
         elif cmd[0] == "abort":

@@ -79,9 +79,9 @@ class EngineConfig:
         if isinstance(self.hf_cache_dirs, (list, str)):
             dirs = (self.hf_cache_dirs,) if isinstance(self.hf_cache_dirs, str) else tuple(self.hf_cache_dirs)
             object.__setattr__(self, "hf_cache_dirs", dirs)
-        for name in ("lora_modules", "lora_allowed_buckets"):  # accept lists; store tuples (hashable, frozen)
-            v = getattr(self, name)
-            object.__setattr__(self, name, tuple(tuple(x) if isinstance(x, list) else x for x in v))
+        # accept lists and paths; store tuples of str (hashable, frozen)
+        object.__setattr__(self, "lora_modules", tuple((str(n), str(p)) for n, p in self.lora_modules))
+        object.__setattr__(self, "lora_allowed_buckets", tuple(self.lora_allowed_buckets))
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.types import RequestOutput, SamplingParams
+from engine.types import LoRARequest, RequestOutput, SamplingParams
 
 
 class LLM:
@@ -19,7 +20,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: LoRARequest | None | Sequence[LoRARequest | None] = None) -> list[RequestOutput]:
+        """Outputs in input order. `lora`: one adapter for all prompts, or one (or None) per prompt. A request
+        that fails (its adapter cannot be loaded) raises its error."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = params if params is not None else SamplingParams()
@@ -27,19 +31,30 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         # Tokenize and validate everything first, so a bad prompt fails before any work starts.
         ids = [self.engine.tokenize(p) for p in prompts]
         order = {}
-        for i, (p, tok, sp) in enumerate(zip(prompts, ids, params)):
+        for lr in loras:
+            if lr is not None:
+                self.engine.resolve_lora(lr)
+        for i, (p, tok, sp, lr) in enumerate(zip(prompts, ids, params, loras)):
             rid = f"llm-{next(self._ids)}"
             order[rid] = i
-            self.engine.add_request(rid, p, sp, prompt_token_ids=tok)
+            self.engine.add_request(rid, p, sp, prompt_token_ids=tok, lora=lr)
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                outs = self.engine.step()
+                for out in outs:
+                    if out.error is not None:
+                        raise out.error
                     if out.finished:
                         results[order[out.request_id]] = out
+                if not outs and not self.engine.scheduler.running:
+                    time.sleep(0.01)  # everything waits for an adapter download
         except BaseException:
             for rid in order:
                 self.engine.abort(rid)

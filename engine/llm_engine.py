@@ -18,7 +18,7 @@ from engine.loader import iter_weights, read_json, resolve_model_path, safetenso
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.scheduler import Scheduler
-from engine.types import CompletionOutput, Request, RequestMetrics, RequestOutput, SamplingParams
+from engine.types import CompletionOutput, LoRARequest, Request, RequestMetrics, RequestOutput, SamplingParams
 
 log = logging.getLogger("engine")
 
@@ -81,6 +81,12 @@ class LLMEngine:
         self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.max_model_len)
+        self.lora = None
+        if cfg.enable_lora:
+            from engine.lora.manager import LoRAManager  # boto3 and friends only when LoRA is on
+
+            self.lora = self.runner.lora = LoRAManager(cfg, self.spec, self.dtype, self.device)
+            self.scheduler.can_start = self._lora_slot_ready
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[Request, _Group] = {}
         self.num_generated_tokens = 0
@@ -150,10 +156,17 @@ class LLMEngine:
                 f"token must be generated", field="prompt")
         return ids
 
+    def resolve_lora(self, lora: LoRARequest):
+        """Validate a request's adapter (name, bucket, ...) before it is queued; raises InvalidRequestError."""
+        if self.lora is None:
+            raise InvalidRequestError("this worker does not serve LoRA adapters; set ENABLE_LORA=true", field="lora")
+        return self.lora.resolve(lora.name, lora.s3_uri)
+
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, lora: LoRARequest | None = None) -> None:
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
+        lora_key = self.lora.request(self.resolve_lora(lora)) if lora is not None else None
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         seqs, detoks = [], []
         for i in range(params.n):
@@ -164,10 +177,13 @@ class LLMEngine:
                                 eos_token_ids=self.eos_token_ids, generator=gen))
             detoks.append(IncrementalDetokenizer(self._decoder, ids, params.stop,
                                                  params.include_stop_str_in_output, params.skip_special_tokens))
-        # Prefix caching keys blocks by this; with caching off, n > 1 siblings still share the prompt's blocks
-        key = ("base",) if self.cfg.enable_prefix_caching else (("n", request_id) if params.n > 1 else ())
+        # Prefix caching keys blocks by this (adapters never share KV); with caching off, n > 1 siblings
+        # still share the prompt's blocks
+        key = ("lora", lora_key) if lora_key else ("base",)
+        if not self.cfg.enable_prefix_caching:
+            key = key + ("n", request_id) if params.n > 1 else ()
         for s in seqs:
-            s.cache_key = key
+            s.cache_key, s.lora_key = key, lora_key
         group = _Group(request_id, ids, params, seqs, detoks, [0] * params.n)
         self._groups[request_id] = group
         for s in seqs:
@@ -188,10 +204,41 @@ class LLMEngine:
         return bool(self._groups)
 
     # ---- the step ---------------------------------------------------------------------------
+    def _lora_slot_ready(self, req: Request) -> bool:
+        """Scheduler gate: a request starts once its adapter sits in a device slot."""
+        if req.lora_key is None:
+            return True
+        pinned = {r.lora_slot for r in self.scheduler.running if r.lora_key is not None}
+        slot = self.lora.acquire(req.lora_key, pinned)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _fail_lora_waiters(self) -> list[RequestOutput]:
+        """Requests whose adapter failed to load, or not in time: finished with the error, alone."""
+        failed: dict[str, _Group] = {}
+        errors: dict[str, Exception] = {}
+        for req in self.scheduler.waiting:
+            if req.lora_key is not None and req.lora_key not in self.lora.slot_of:
+                err = errors.get(req.lora_key) or self.lora.status(req.lora_key, req.arrival_time)
+                if err is not None:
+                    errors[req.lora_key] = err
+                    failed[self._group_of[req].request_id] = self._group_of[req]
+        outs = []
+        for rid, group in failed.items():
+            self.abort(rid)
+            err = errors[group.seqs[0].lora_key]
+            outs.append(RequestOutput(rid, group.prompt_token_ids, [], True, error=err))
+        for key in errors:
+            self.lora.forget_failed(key)
+        return outs
+
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_lora_waiters() if self.lora is not None else []
         out = self.scheduler.schedule()
         if out.empty:
-            return []
+            return failed
         sampled, logprobs = self.runner.execute(out)
         for req, lp in logprobs.items():
             req.logprobs.append(lp)
@@ -218,7 +265,7 @@ class LLMEngine:
             if stop_str is not None and not req.finished:
                 self.scheduler.finish(req, "stop")
                 req.stop_reason = stop_str
-        return [self._output(g) for g in touched]
+        return failed + [self._output(g) for g in touched]
 
     def _output(self, group: _Group) -> RequestOutput:
         outs = []
@@ -244,7 +291,11 @@ class LLMEngine:
         return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "kv_usage": bm.usage(), "running": len(sch.running), "waiting": len(sch.waiting),
                 "num_preemptions": sch.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
-                "max_model_len": self.max_model_len, **bm.stats()}
+                "max_model_len": self.max_model_len, **bm.stats(), **(self.lora.stats() if self.lora else {})}
+
+    def lora_names(self) -> list[str]:
+        """Adapters this worker knows: configured in LORA_MODULES, or requested so far."""
+        return self.lora.names() if self.lora is not None else []
 
 
 class _FastDecoder:

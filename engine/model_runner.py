@@ -21,6 +21,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(model.spec.vocab_size, device)
+        self.lora = None  # the engine's LoRAManager when LoRA is enabled
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[Request, int], dict[Request, dict]]:
@@ -34,7 +35,10 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        token_slot: list[int] = []  # per token: its adapter's device slot, -1 = none
         for req, n in zip(out.requests, out.num_scheduled_tokens):
+            if self.lora is not None:
+                token_slot += [req.lora_slot if req.lora_key is not None else -1] * n
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             input_ids += req.token_slice(start, end)
             positions += range(start, end)
@@ -53,8 +57,11 @@ class ModelRunner:
                             query_start_loc=qsl, seq_lens=seq_lens,
                             block_tables=[r.block_ids for r in out.requests])
         meta = self.attn.build(layout, dev)
+        lora = None
+        if any(s >= 0 for s in token_slot):  # a step without adapters pays nothing for LoRA
+            lora = self.lora.delta(torch.tensor(token_slot, dtype=torch.int64).to(dev, non_blocking=True))
         with kernels.backend(self.kernel_backend):
-            hidden = self.model(ids_t, pos_t, self.kv_caches, self.attn, meta)  # [T, hidden]
+            hidden = self.model(ids_t, pos_t, self.kv_caches, self.attn, meta, lora)  # [T, hidden]
             if not sample_reqs:
                 return {}, {}
             logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab] fp32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 from engine.block_manager import BlockManager
 from engine.types import Request, RequestStatus, SchedulerOutput
@@ -25,6 +26,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Optional admission gate (the engine's LoRA slots): False keeps a request queued without blocking others.
+        self.can_start: Callable[[Request], bool] | None = None
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -56,8 +59,12 @@ class Scheduler:
 
         # Admit waiting requests only when nothing was preempted this step: otherwise the
         # freed blocks would be handed straight to a newcomer and the victim would starve.
+        held = []  # waiting requests that cannot start yet (their adapter is loading): they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if self.can_start is not None and not self.can_start(req):
+                held.append(self.waiting.popleft())
+                continue
             hits = self.bm.find_cached(req)  # a cached prefix counts as computed
             num_cached = len(hits) * self.bm.block_size
             n = min(req.num_tokens - num_cached, budget)  # prefill starts at the first uncached token
@@ -76,6 +83,7 @@ class Scheduler:
             out.requests.append(req)
             out.num_scheduled_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return out
 
     def _preempt(self, req: Request) -> None:

@@ -74,6 +74,15 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A request's adapter: a name resolved through LORA_MODULES / LORA_S3_URI, or an explicit s3_uri (allowed
+    only for buckets in LORA_ALLOWED_BUCKETS)."""
+
+    name: str
+    s3_uri: str | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -105,6 +114,8 @@ class Request:
     # Prefix caching (owned by BlockManager). cache_key: the extra keys hashed into every block (the
     # adapter, ...); () = this request neither shares nor registers blocks.
     cache_key: tuple = ()
+    lora_key: str | None = None  # the adapter's identity (sha256 of its URI); None = the base model
+    lora_slot: int = -1  # its device slot, set at admission
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
     num_registered_blocks: int = 0
     # Latency metrics (monotonic seconds), filled by the scheduler and the engine.
@@ -215,3 +226,4 @@ class RequestOutput:
     finished: bool = False
     num_preemptions: int = 0
     metrics: RequestMetrics | None = None  # set on the finished output
+    error: Exception | None = None  # the request failed (e.g. its adapter could not be loaded); finished

@@ -70,8 +70,8 @@ def build_worker():
     except SettingsError as e:
         log.error("invalid settings: %s", e)
         return Worker(Settings(), None, start_error=str(e))
-    for item in settings.not_yet_supported():
-        log.warning("%s is accepted but not implemented in this build yet; ignoring it", item)
+    for item in settings.ignored():
+        log.warning("%s", item)
     try:
         engine = AsyncEngine(settings.engine_config())
     except Exception as e:  # model not found, bad config, out of memory: report it on every job

@@ -77,8 +77,13 @@ class NativeSamplingParams(_Strict):
     include_stop_str_in_output: bool = False
 
 
+class LoRASpec(_Strict):
+    name: str
+    s3_uri: str | None = None
+
+
 class NativeJob(_Strict):
-    """worker-vllm's classic job input."""
+    """worker-vllm's classic job input (plus `lora`: an adapter name, or {"name", "s3_uri"})."""
 
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -90,6 +95,7 @@ class NativeJob(_Strict):
     batch_size_growth_factor: float | None = Field(default=None, ge=1)
     use_openai_format: bool = False
     request_id: str | None = None
+    lora: str | LoRASpec | None = None
 
 
 class StreamOptions(_Strict):

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from engine import EngineConfig
 
@@ -27,6 +27,9 @@ class Settings(BaseModel):
     BASE_PATH: str | None = None  # Runpod network volume; default /runpod-volume on Runpod
     HF_HOME: str | None = None
     HF_HUB_CACHE: str | None = None
+    HF_HUB_OFFLINE: bool = False  # python -m warmup downloads a missing model unless this is set
+    HF_TOKEN: SecretStr | None = None  # gated models, for python -m warmup (never logged)
+    TRITON_CACHE_DIR: str | None = None  # read by triton itself; here only so warmup can report it
     RUNPOD_POD_ID: str | None = None
     RUNPOD_ENDPOINT_ID: str | None = None
     MAX_MODEL_LEN: int | None = Field(default=None, ge=1)
@@ -60,6 +63,7 @@ class Settings(BaseModel):
     LORA_LOAD_TIMEOUT_S: float = Field(default=120.0, gt=0)
 
     @field_validator("MODEL_NAME", "TOKENIZER_NAME", "BASE_PATH", "HF_HOME", "HF_HUB_CACHE", "QUANTIZATION",
+                     "HF_TOKEN", "TRITON_CACHE_DIR",
                      "OPENAI_SERVED_MODEL_NAME_OVERRIDE", "CUSTOM_CHAT_TEMPLATE", "LORA_S3_URI", "S3_ENDPOINT_URL",
                      mode="before")
     @classmethod
@@ -122,11 +126,11 @@ class Settings(BaseModel):
         dirs.append(str(Path.home() / ".cache" / "huggingface" / "hub"))
         return tuple(dict.fromkeys(d for d in dirs if d))
 
-    def not_yet_supported(self) -> list[str]:
-        """worker-vllm variables set to values this build cannot honour yet (logged at start)."""
+    def ignored(self) -> list[str]:
+        """Variables set to values that have no effect (logged at start)."""
         out = []
-        if self.ENABLE_LORA or self.LORA_MODULES:
-            out.append("ENABLE_LORA/LORA_MODULES")  # until [lora] lands
+        if self.LORA_MODULES and not self.ENABLE_LORA:
+            out.append("LORA_MODULES (ignored unless ENABLE_LORA=true)")
         return out
 
     def engine_config(self) -> EngineConfig:

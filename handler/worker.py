@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from engine import AsyncEngine, EngineFault, InvalidRequestError, SamplingParams
+from engine import AsyncEngine, EngineError, EngineFault, InvalidRequestError, LoRARequest, SamplingParams
 from handler import openai_compat as oa
 from handler.schemas import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, JobError, NativeJob,
                              parse)
@@ -83,6 +83,10 @@ class Worker:
             outcome = "engine fault"
             self._on_fault(e)
             yield {"error": json.dumps(JobError(str(e), type="server_error", code=500).to_dict()["error"])}
+        except EngineError as e:  # not the job's fault (an adapter's S3 store is down): this job only
+            outcome = f"failed ({e})"
+            yield {"error": json.dumps(JobError(str(e), param=getattr(e, "field", None), type="server_error",
+                                                code=502).to_dict()["error"])}
         finally:
             self.in_flight -= 1
             self._log_end(job_id, outcome)
@@ -108,6 +112,10 @@ class Worker:
         if default_max:
             sp["max_tokens"] = DEFAULT_MAX_TOKENS
         params = _sampling(sp, "sampling_params")
+        lora = None
+        if job.lora is not None:
+            lora = LoRARequest(job.lora) if isinstance(job.lora, str) else LoRARequest(job.lora.name, job.lora.s3_uri)
+            self.engine.resolve_lora(lora)  # a bad name or bucket is this job's error, before any work
         if job.use_openai_format:
             if not job.messages:
                 raise JobError("use_openai_format needs messages", param="messages")
@@ -115,7 +123,8 @@ class Worker:
                     **{k: v for k, v in job.sampling_params.model_dump(exclude_unset=True).items()
                        if k != "logprobs"}}
             body.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-            async for chunk in self._openai({"openai_route": "/v1/chat/completions", "openai_input": body}, rid):
+            async for chunk in self._openai({"openai_route": "/v1/chat/completions", "openai_input": body}, rid,
+                                            lora):
                 yield chunk
             return
         prompt, params = self._fit(self._native_prompt(job), params, "sampling_params.max_tokens")
@@ -127,7 +136,7 @@ class Worker:
         pending: list[list[str]] = [[] for _ in range(n)]
         n_pending, batch, out_tokens, finish = 0, sizer.next(), 0, [None] * n
         n_input, metrics = 0, None
-        async for out in self.engine.generate(prompt, params, request_id=rid):
+        async for out in self.engine.generate(prompt, params, request_id=rid, lora=lora):
             n_input, metrics = len(out.prompt_token_ids), out.metrics
             for c in out.outputs:
                 if c.delta_text:
@@ -166,11 +175,11 @@ class Worker:
             raise JobError(f"{param}: the chat template rejected these messages: {e}", param=param) from None
 
     # ---- OpenAI jobs ----------------------------------------------------------------------
-    async def _openai(self, inp: dict, rid: str) -> AsyncIterator[Any]:
+    async def _openai(self, inp: dict, rid: str, lora: LoRARequest | None = None) -> AsyncIterator[Any]:
         route = inp.get("openai_route")
         body = inp.get("openai_input") or {}
-        if route == "/v1/models":
-            yield oa.models_list([self.served_name])
+        if route == "/v1/models":  # the base model, then the adapters configured or used so far
+            yield oa.models_list([self.served_name] + self.engine.lora_names())
             return
         if route == "/v1/chat/completions":
             req = parse(ChatCompletionRequest, body, "openai_input")
@@ -187,8 +196,14 @@ class Worker:
             raise JobError(f"openai_route {route!r} is not one of /v1/chat/completions, /v1/completions, "
                            "/v1/models", param="openai_route", type="not_found_error", code=404)
         if req.model is not None and req.model != self.served_name:
-            raise JobError(f"model {req.model!r} is not served here; use {self.served_name!r}", param="model",
-                           type="not_found_error", code=404)
+            if not self.settings.ENABLE_LORA:
+                raise JobError(f"model {req.model!r} is not served here; use {self.served_name!r}", param="model",
+                               type="not_found_error", code=404)
+            lora = LoRARequest(req.model)  # vLLM's multi-LoRA serving: the model name is the adapter's
+            try:
+                self.engine.resolve_lora(lora)
+            except InvalidRequestError as e:
+                raise JobError(f"model {req.model!r}: {e}", param="model", type="not_found_error", code=404) from None
         fields = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                   "skip_special_tokens", "include_stop_str_in_output")
@@ -196,7 +211,7 @@ class Worker:
                             "max_tokens": max_tokens or 1}, "openai_input")
         prompt, params = self._fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens)
         chat = not isinstance(shapes, oa.CompletionShapes)
-        gen = self.engine.generate(prompt, params, request_id=rid)
+        gen = self.engine.generate(prompt, params, request_id=rid, lora=lora)
         if req.stream:
             async for chunk in self._openai_stream(gen, shapes, req, chat, top_n):
                 yield chunk

@@ -58,10 +58,18 @@ def test_job_variables_and_worker_vllm_aliases():
     # the documented DEFAULT_* name wins over worker-vllm's alias
     assert load_settings({"MIN_BATCH_SIZE": "2", "DEFAULT_MIN_BATCH_SIZE": "4"}).DEFAULT_MIN_BATCH_SIZE == 4
     assert load_settings({"MODEL_NAME": "  "}).MODEL_NAME is None
-    assert load_settings({"QUANTIZATION": "fp8", "KV_CACHE_DTYPE": "fp8"}).not_yet_supported() == []
+    assert load_settings({"QUANTIZATION": "fp8", "KV_CACHE_DTYPE": "fp8"}).ignored() == []
     fp8 = load_settings({"QUANTIZATION": "fp8", "KV_CACHE_DTYPE": "fp8"}).engine_config()
     assert (fp8.quantization, fp8.kv_cache_dtype) == ("fp8", "fp8")
-    assert load_settings({"ENABLE_LORA": "true"}).not_yet_supported() == ["ENABLE_LORA/LORA_MODULES"]
+    assert load_settings({"ENABLE_LORA": "true"}).ignored() == []
+    assert load_settings({"LORA_MODULES": '{"name": "a", "path": "/x"}'}).ignored() == \
+        ["LORA_MODULES (ignored unless ENABLE_LORA=true)"]
+    lora = load_settings({"ENABLE_LORA": "1", "MAX_LORAS": "4", "LORA_MODULES": '[{"name": "a", "path": "s3://b/a"}]',
+                          "LORA_ALLOWED_BUCKETS": "b,c", "S3_ENDPOINT_URL": "http://127.0.0.1:9"}).engine_config()
+    assert (lora.enable_lora, lora.max_loras, lora.lora_modules, lora.lora_allowed_buckets, lora.s3_endpoint_url) == \
+        (True, 4, (("a", "s3://b/a"),), ("b", "c"), "http://127.0.0.1:9")
+    with pytest.raises(SettingsError, match="LORA_MODULES"):
+        load_settings({"LORA_MODULES": '[{"name": "a"}]'})
     with pytest.raises(SettingsError, match="QUANTIZATION"):
         load_settings({"QUANTIZATION": "awq"}).engine_config()
 

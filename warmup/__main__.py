@@ -100,7 +100,7 @@ def prepare(settings, cfg, tl: Timeline) -> int:
             with tl.phase("model resolution"):
                 path = resolve_model_path(cfg)
         except ModelNotFoundError as e:
-            _may_download(cfg, e)
+            _may_download(settings, cfg, e)
             with tl.phase("download"):
                 _download(settings, cfg)
             path = resolve_model_path(cfg)
@@ -136,15 +136,11 @@ def prepare(settings, cfg, tl: Timeline) -> int:
     return 0
 
 
-def _may_download(cfg, err: Exception) -> None:
+def _may_download(settings, cfg, err: Exception) -> None:
     """Raise unless a download can work: an HF repo id and no offline mode."""
-    # HF_HUB_OFFLINE as huggingface_hub itself parsed it (only handler/settings.py reads the environment).
-    # TODO(settings): read HF_HUB_OFFLINE in handler/settings.py and pass it here.
-    from huggingface_hub import constants
-
     if cfg.model.count("/") != 1 or cfg.model.startswith(("/", ".", "~")):
         raise NotReady(_one_line(err))  # a local path: nothing to download
-    if constants.HF_HUB_OFFLINE:
+    if settings.HF_HUB_OFFLINE:
         raise NotReady(f"{_one_line(err)} HF_HUB_OFFLINE=1, so warmup does not download it either.")
 
 
@@ -154,9 +150,9 @@ def _download(settings, cfg) -> None:
     target = _first_writable(settings.hf_cache_dirs())
     log.info("downloading %s@%s into %s", cfg.model, cfg.revision, target)
     try:
-        # token=None: huggingface_hub takes HF_TOKEN from the environment itself (the image's build secret).
-        # TODO(settings): pass settings.HF_TOKEN once handler/settings.py reads it.
-        snapshot_download(cfg.model, revision=cfg.revision, cache_dir=str(target), allow_patterns=ALLOW_PATTERNS)
+        token = settings.HF_TOKEN.get_secret_value() if settings.HF_TOKEN else None  # the image's build secret
+        snapshot_download(cfg.model, revision=cfg.revision, cache_dir=str(target), allow_patterns=ALLOW_PATTERNS,
+                          token=token)
     except Exception as e:  # noqa: BLE001 - gated, not found, no network: one line, not a hub traceback
         raise NotReady(f"download of {cfg.model}@{cfg.revision} into {target} failed: "
                        f"{type(e).__name__}: {_one_line(e)}") from e

@@ -139,8 +139,9 @@ class LlamaForCausalLM(nn.Module):
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                attn, meta) -> torch.Tensor:
+                attn, meta, lora=None) -> torch.Tensor:
         """input_ids, positions: [T]. kv_caches: [layers, 2, kv_heads, blocks, block_size, head_dim].
+        lora: None, or fn(layer, linear name, x, out) adding each token's adapter delta to out in place.
         Returns the final hidden states before the last norm: [T, hidden]."""
         s = self.spec
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
@@ -151,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x, residual = add_rms_norm(h, residual, layer.input_norm, s.rms_norm_eps)
             qkv = layer.linear("qkv", x, layer.qkv_bias)  # [T, q + 2 kv]
+            if lora is not None:
+                lora(i, "qkv", x, qkv)
             q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
             q = q.view(-1, s.num_heads, s.head_dim)
             k = k.view(-1, s.num_kv_heads, s.head_dim)
@@ -160,9 +163,18 @@ class LlamaForCausalLM(nn.Module):
                 k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = self.rotary.apply(q, k, positions)
             o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i)  # [T, H, D]
-            h = layer.linear("o_proj", o.reshape(-1, layer.q_size))
+            o = o.reshape(-1, layer.q_size)  # [T, q]
+            h = layer.linear("o_proj", o)
+            if lora is not None:
+                lora(i, "o_proj", o, h)
             x, residual = add_rms_norm(h, residual, layer.post_norm, s.rms_norm_eps)
-            h = layer.linear("down", silu_and_mul(layer.linear("gate_up", x)))
+            gate_up = layer.linear("gate_up", x)  # [T, 2 * inter]
+            if lora is not None:
+                lora(i, "gate_up", x, gate_up)
+            act = silu_and_mul(gate_up)  # [T, inter]
+            h = layer.linear("down", act)
+            if lora is not None:
+                lora(i, "down", act, h)
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""Device slots for resident LoRA adapters, and loading them off the step loop.
+
+- Slots: for each of the 7 projections, lora_a [L, S, R, in] and lora_b [L, S, out, R] in the model dtype
+  (S = max_loras, R = max_lora_rank; smaller ranks zero-padded; the scaling folded into B), the layout
+  kernels/lora.py reads. An adapter that targets only some modules leaves the others' rows zero.
+- Loading: the first request naming an adapter starts a job on a small thread pool: resolve -> disk cache
+  (S3 download once, single flight) -> PEFT tensors -> padded, scaled host tensors. The step loop never waits
+  for it; the request stays queued (the scheduler skips it) while everyone else decodes.
+- Admission (engine thread): a ready adapter takes a free slot, or evicts the least recently used slot that
+  no running request uses (a slot in use is pinned). With every slot pinned, the request keeps waiting.
+- A failed load, or one not ready after lora_load_timeout_s, fails only the requests that named it."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kernels import add_lora
+
+from engine.lora.adapter import SUPPORTED_MODULES, load_adapter, max_adapter_bytes, module_shapes
+from engine.lora.disk_cache import AdapterDiskCache, cache_key
+from engine.lora.source import AdapterRef, LoRALoadError, resolve
+
+log = logging.getLogger("engine")
+
+# our fused linears -> the PEFT projections they hold, in output-column order
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}
+
+
+class LoRAManager:
+    def __init__(self, cfg, spec, dtype: torch.dtype, device: torch.device):
+        self.cfg, self.spec, self.dtype, self.device = cfg, spec, dtype, device
+        S, R, L = cfg.max_loras, cfg.max_lora_rank, spec.num_layers
+        shapes = module_shapes(spec)
+        self.a = {m: torch.zeros(L, S, R, i, dtype=dtype, device=device) for m, (i, o) in shapes.items()}
+        self.b = {m: torch.zeros(L, S, o, R, dtype=dtype, device=device) for m, (i, o) in shapes.items()}
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, least recently used first
+        self.free_slots = list(range(S))
+        self.refs: dict[str, AdapterRef] = {}  # every adapter key seen (for /v1/models)
+        self._jobs: dict[str, Future] = {}  # key -> host tensors being (or already) loaded
+        self._started: dict[str, float] = {}
+        self.disk = AdapterDiskCache.from_config(cfg, max_adapter_bytes(spec, R))
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lora-load")
+        self.num_loads = 0
+
+    # ---- requests (engine thread) -----------------------------------------------------------
+    def resolve(self, name: str, s3_uri: str | None = None) -> AdapterRef:
+        """Name -> AdapterRef (raises InvalidRequestError naming the field). Safe from any thread."""
+        return resolve(self.cfg, name, s3_uri)
+
+    def request(self, ref: AdapterRef) -> str:
+        """Note that a request needs `ref`; start loading it unless resident or loading. Returns its key."""
+        key = cache_key(ref)
+        self.refs.setdefault(key, ref)
+        if key not in self.slot_of and key not in self._jobs:
+            self._started[key] = time.monotonic()
+            self._jobs[key] = self._pool.submit(self._load, ref)
+        return key
+
+    def status(self, key: str, arrival: float) -> BaseException | None:
+        """For a request still waiting on adapter `key`: the error that fails it, or None to keep waiting."""
+        if key in self.slot_of:
+            return None
+        fut = self._jobs.get(key)
+        if fut is None:  # loaded once, evicted since: load again
+            self.request(self.refs[key])
+            fut = self._jobs[key]
+        if fut.done() and fut.exception() is not None:
+            return fut.exception()
+        if not fut.done() and time.monotonic() - max(arrival, self._started[key]) > self.cfg.lora_load_timeout_s:
+            return LoRALoadError(f"adapter {self.refs[key].name!r} was not loaded within LORA_LOAD_TIMEOUT_S="
+                                 f"{self.cfg.lora_load_timeout_s:g} s")
+        return None
+
+    def forget_failed(self, key: str) -> None:
+        """After its requests were failed: a later request retries the load from scratch."""
+        fut = self._jobs.get(key)
+        if fut is not None and fut.done() and fut.exception() is not None:
+            del self._jobs[key]
+
+    def acquire(self, key: str, pinned: set[int]) -> int | None:
+        """The slot holding `key`, loading it into one if its host tensors are ready; None = not yet (still
+        loading, or every slot is used by a running request). `pinned`: slots running requests use."""
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            self.slot_of.move_to_end(key)
+            return slot
+        fut = self._jobs.get(key)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        if self.free_slots:
+            slot = self.free_slots.pop(0)
+        else:
+            victim = next((k for k, s in self.slot_of.items() if s not in pinned), None)
+            if victim is None:
+                return None
+            slot = self.slot_of.pop(victim)
+            log.info("LoRA slot %d: evicting %r (least recently used)", slot, self.refs[victim].name)
+        a, b = fut.result()
+        for m in SUPPORTED_MODULES:  # small (rank x width per layer); non_blocking from pinned memory on CUDA
+            self.a[m][:, slot].copy_(a[m], non_blocking=True)
+            self.b[m][:, slot].copy_(b[m], non_blocking=True)
+        del self._jobs[key]  # the disk cache keeps the files; a later reload reads them again
+        self.slot_of[key] = slot
+        self.num_loads += 1
+        log.info("LoRA slot %d: %r loaded (%.2f s after first request)", slot, self.refs[key].name,
+                 time.monotonic() - self._started[key])
+        return slot
+
+    def names(self) -> list[str]:
+        return sorted({r.name for r in self.refs.values()} | {n for n, _ in self.cfg.lora_modules})
+
+    def stats(self) -> dict:
+        return {"lora_resident": len(self.slot_of), "lora_loading": sum(not f.done() for f in self._jobs.values()),
+                "lora_loads": self.num_loads, **{f"lora_disk_{k}": v for k, v in self.disk.stats().items()}}
+
+    # ---- the batched delta (model forward) ---------------------------------------------------
+    def delta(self, token_slot: torch.Tensor):
+        """This step's delta function for the model: fn(layer, linear, x [T, in], out [T, N]) adds each token's
+        adapter delta to our fused linear's output in place. token_slot: [T], -1 = no adapter."""
+        def apply(layer: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> None:
+            offset = 0
+            for m in FUSED[linear]:
+                b = self.b[m][layer]  # [S, out, R]
+                add_lora(out, x, self.a[m][layer], b, token_slot, offset=offset)
+                offset += b.shape[1]
+        return apply
+
+    # ---- loader threads ----------------------------------------------------------------------
+    def _load(self, ref: AdapterRef) -> tuple[dict, dict]:
+        """Fetch (once) and load an adapter into padded host tensors: A [L, R, in], B [L, out, R] * scaling."""
+        R, L = self.cfg.max_lora_rank, self.spec.num_layers
+        with self.disk.use(ref) as path:
+            ad = load_adapter(path, self.spec, R, ref.name)
+        pin = self.device.type == "cuda"
+        a, b = {}, {}
+        for m, (d_in, d_out) in module_shapes(self.spec).items():
+            a[m] = torch.zeros(L, R, d_in, dtype=self.dtype, pin_memory=pin)
+            b[m] = torch.zeros(L, d_out, R, dtype=self.dtype, pin_memory=pin)
+        for (layer, m), (wa, wb) in ad.weights.items():
+            a[m][layer, : ad.rank] = wa  # [r, in]
+            b[m][layer, :, : ad.rank] = wb * ad.scaling  # [out, r]; scaled in fp32, then rounded once
+        return a, b
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
