@@ -86,15 +86,17 @@ def zero_hit(path, n: int, reps: int) -> dict:
     return {c: wl.n_out / s for c, s in best.items()}
 
 
-def chunked_itl(path, budget: int, streams: int, arrivals: int, every: float, prompt_len: int) -> dict:
-    eng = engine(path, max_num_batched_tokens=budget, enable_prefix_caching=False)
+def chunked_itl(path, budget: int, threshold: int, streams: int, arrivals: int, every: float,
+                prompt_len: int) -> dict:
+    eng = engine(path, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
+                 enable_prefix_caching=False)
     ids = topic_ids(eng.tokenizer, prompt_len + 64 * streams + arrivals)
     for s in range(streams):
         eng.add_request(f"s{s}", None, SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True),
                         prompt_token_ids=ids[prompt_len + 64 * s: prompt_len + 64 * (s + 1)])
     for _ in range(5):  # the streams' prefills and first decodes, before the clock starts
         eng.step()
-    last, gaps, timeline = {}, [], []
+    last, gaps, timeline, ttfts = {}, [], [], []
     t0 = time.perf_counter()
     sent = 0
     while time.perf_counter() - t0 < arrivals * every:  # each arrival's period: its prefill, then decodes
@@ -111,11 +113,14 @@ def chunked_itl(path, budget: int, streams: int, arrivals: int, every: float, pr
                     gaps.append(t - last[out.request_id])
                     timeline.append((t, t - last[out.request_id]))
                 last[out.request_id] = t
+            elif out.finished:
+                ttfts.append(out.metrics.ttft)
     for s in range(streams):
         eng.abort(f"s{s}")
     g = np.array(gaps)
-    return {"budget": budget, "median": float(np.median(g)), "p99": float(np.percentile(g, 99)),
-            "max": float(g.max()), "n": len(g), "timeline": timeline, "seconds": time.perf_counter() - t0}
+    return {"budget": budget, "threshold": threshold, "median": float(np.median(g)),
+            "p99": float(np.percentile(g, 99)), "max": float(g.max()), "n": len(g), "timeline": timeline,
+            "ttft": statistics.mean(ttfts) if ttfts else float("nan")}
 
 
 def render(sp, zh, itl, args, default_budget) -> str:
@@ -141,15 +146,17 @@ def render(sp, zh, itl, args, default_budget) -> str:
         "(target <= 2 %; negative = on was faster, i.e. noise).", "",
         f"**Chunked prefill and latency** ({args.streams} decoding streams; a {args.prompt_len}-token prompt "
         f"every {args.every} s, {args.arrivals} times; ITL of the decoding streams meanwhile):", "",
-        "| max_num_batched_tokens | ITL median ms | ITL p99 ms | p99 / median | max ms | gaps |",
-        "|---|---:|---:|---:|---:|---:|"]
+        "| max_num_batched_tokens | long_prefill_token_threshold | ITL median ms | ITL p99 ms | p99 / median | "
+        "max ms | prompt TTFT s | gaps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in itl:
-        tag = " (default)" if r["budget"] == default_budget else (" (never chunked)" if r["budget"] > args.prompt_len
-                                                                   else "")
-        lines.append(f"| {r['budget']}{tag} | {1e3 * r['median']:.0f} | {1e3 * r['p99']:.0f} | "
-                     f"{r['p99'] / r['median']:.1f}x | {1e3 * r['max']:.0f} | {r['n']} |")
-    lines += ["", "Target: p99 ITL <= 2x median with the default budget. Each prompt costs the same compute "
-              "either way; chunking spreads it over many steps, so no decode step waits for a whole prompt.",
+        tag = " (default)" if r["budget"] == default_budget and not r["threshold"] else \
+            (" (never chunked)" if r["budget"] > args.prompt_len + args.streams and not r["threshold"] else "")
+        lines.append(f"| {r['budget']}{tag} | {r['threshold'] or 'off'} | {1e3 * r['median']:.0f} | "
+                     f"{1e3 * r['p99']:.0f} | {r['p99'] / r['median']:.1f}x | {1e3 * r['max']:.0f} | "
+                     f"{r['ttft']:.2f} | {r['n']} |")
+    lines += ["", "Target: p99 ITL <= 2x median with chunking. A prompt costs the same compute either way; "
+              "chunking spreads it over many steps, so no decode step waits for a whole prompt. Prompt TTFT: the "
+              "arriving 2,000-token prompts' mean time to first token: what the steadier ITL costs them.",
               "", "![ITL timelines of the decoding streams](prefix_itl.png)"]
     return "\n".join(lines)
 
@@ -163,7 +170,8 @@ def plot(itl, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.8))
     for r in itl:
         t, g = zip(*r["timeline"])
-        ax.plot(t, [1e3 * x for x in g], ".", ms=3, label=f"budget {r['budget']}")
+        ax.plot(t, [1e3 * x for x in g], ".", ms=3,
+                label=f"budget {r['budget']}" + (f", threshold {r['threshold']}" if r["threshold"] else ""))
     ax.set_yscale("log")
     ax.set_xlabel("seconds")
     ax.set_ylabel("gap between tokens of a stream (ms)")
@@ -176,23 +184,25 @@ def plot(itl, png: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller everything; prints only")
-    ap.add_argument("--budgets", type=int, nargs="*", default=None)
+    ap.add_argument("--configs", nargs="*", default=None, help="budget:threshold pairs, e.g. 2048:0 2048:32")
     args = ap.parse_args()
     q = args.quick
     args.reps, args.zero_n = (1, 8) if q else (3, 48)
     args.streams, args.arrivals, args.every, args.prompt_len = 4, 2 if q else 4, 6.0, 2000
     default_budget = EngineConfig().max_num_batched_tokens
-    budgets = args.budgets or sorted({default_budget, 64, 128, 256, 4096})
+    configs = [tuple(map(int, c.split(":"))) for c in args.configs] if args.configs else \
+        [(default_budget, 0), (4096, 0), (256, 0), (64, 0), (default_budget, 64), (default_budget, 32)]
     path = default_model_path()
     sp = shared_prompt(path, 4 if q else 20, 2000)
     print("shared prompt TTFT on/off:", [round(x, 3) for x in sp["on"]], [round(x, 3) for x in sp["off"]], flush=True)
     zh = zero_hit(path, args.zero_n, args.reps)
     print("zero-hit tok/s:", zh, flush=True)
     itl = []
-    for b in budgets:
-        itl.append(chunked_itl(path, b, args.streams, args.arrivals, args.every, args.prompt_len))
+    for b, th in configs:
+        itl.append(chunked_itl(path, b, th, args.streams, args.arrivals, args.every, args.prompt_len))
         r = itl[-1]
-        print(f"budget {b}: ITL median {1e3 * r['median']:.0f} ms, p99 {1e3 * r['p99']:.0f} ms", flush=True)
+        print(f"budget {b} threshold {th}: ITL median {1e3 * r['median']:.0f} ms, p99 {1e3 * r['p99']:.0f} ms, "
+              f"prompt TTFT {r['ttft']:.2f} s", flush=True)
     body = render(sp, zh, itl, args, default_budget)
     print(body)
     if not q:

@@ -80,7 +80,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv, attn, cfg.block_size, self.device, self.kernel_backend)
         self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, cfg.long_prefill_token_threshold)
         self.lora = None
         if cfg.enable_lora:
             from engine.lora.manager import LoRAManager  # boto3 and friends only when LoRA is on

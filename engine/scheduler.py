@@ -18,11 +18,14 @@ class Scheduler:
     request is preempted by recompute: its blocks are freed and it goes back to the front of the queue."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, long_prefill_token_threshold: int = 0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # vLLM's knob: no request takes more than this many tokens in one step (0 = only the budget limits).
+        # A long prompt then arrives in small chunks, so the decodes sharing its steps stay smooth.
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -43,7 +46,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.chunk_cap)
             while not self.bm.allocate_slots(req, n):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -67,7 +70,7 @@ class Scheduler:
                 continue
             hits = self.bm.find_cached(req)  # a cached prefix counts as computed
             num_cached = len(hits) * self.bm.block_size
-            n = min(req.num_tokens - num_cached, budget)  # prefill starts at the first uncached token
+            n = min(req.num_tokens - num_cached, budget, self.chunk_cap)  # from the first uncached token
             if not self.bm.allocate_slots(req, n, hits):
                 break
             req.num_computed_tokens = num_cached

@@ -36,6 +36,7 @@ class Settings(BaseModel):
     DTYPE: str = "auto"
     MAX_NUM_SEQS: int = Field(default=128, ge=1)
     MAX_NUM_BATCHED_TOKENS: int = Field(default=2048, ge=1)
+    LONG_PREFILL_TOKEN_THRESHOLD: int = Field(default=0, ge=0)
     GPU_MEMORY_UTILIZATION: float = Field(default=0.90, gt=0, le=1)
     KV_CACHE_MEMORY: int = Field(default=1 << 30, gt=0)  # bytes of KV pool on CPU
     BLOCK_SIZE: int = 16
@@ -148,7 +149,8 @@ class Settings(BaseModel):
 # environment variable -> EngineConfig field
 ENGINE_FIELDS = {"MODEL_NAME": "model", "MODEL_REVISION": "revision", "TOKENIZER_NAME": "tokenizer",
                  "MAX_MODEL_LEN": "max_model_len", "DTYPE": "dtype", "MAX_NUM_SEQS": "max_num_seqs",
-                 "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens", "BLOCK_SIZE": "block_size",
+                 "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+                 "LONG_PREFILL_TOKEN_THRESHOLD": "long_prefill_token_threshold", "BLOCK_SIZE": "block_size",
                  "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory",
                  "KERNEL_BACKEND": "kernel_backend", "KV_CACHE_DTYPE": "kv_cache_dtype",
                  "QUANTIZATION": "quantization", "ENABLE_PREFIX_CACHING": "enable_prefix_caching",

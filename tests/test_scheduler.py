@@ -143,3 +143,15 @@ def test_max_model_len_finishes_with_length():
         if s.has_work():
             run_step(s)
     assert r.finish_reason == "length" and r.num_tokens == 6
+
+
+def test_long_prefill_token_threshold_caps_each_request_per_step():
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=1000,
+                  long_prefill_token_threshold=8)
+    a, b, c = req("a", 3), req("b", 30), req("c", 20)
+    for r in (a, b, c):
+        s.add(r)
+    out = run_step(s)  # each request at most 8 tokens, however much budget is left
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_scheduled_tokens)] == [("a", 3), ("b", 8), ("c", 8)]
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in zip(out.requests, out.num_scheduled_tokens)] == [("a", 1), ("b", 8), ("c", 8)]
