@@ -47,11 +47,11 @@ def use_triton(t) -> bool:
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.cache_write import reshape_and_cache  # noqa: E402
 from kernels.fp8 import fp8_linear, quant_per_channel, quant_per_token  # noqa: E402
-from kernels.lora import add_lora, lora_expand, lora_shrink  # noqa: E402
+from kernels.lora import add_lora, lora_expand, lora_shrink, slot_groups  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
 from kernels.rmsnorm import add_rms_norm, rms_norm  # noqa: E402
 from kernels.rotary import rotary_embedding  # noqa: E402
 
 __all__ = ["add_lora", "add_rms_norm", "backend", "fp8_linear", "lora_expand", "lora_shrink", "paged_attention",
            "quant_per_channel", "quant_per_token", "reshape_and_cache", "rms_norm", "rotary_embedding", "set_backend",
-           "silu_and_mul", "use_triton"]
+           "silu_and_mul", "slot_groups", "use_triton"]

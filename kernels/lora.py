@@ -34,6 +34,8 @@ Design:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -193,6 +195,55 @@ def add_lora_triton(out, x, lora_a, lora_b, token_slot, offset: int = 0, native_
     return lora_expand_triton(y, lora_b, token_slot, out, offset, True, native_dot, runs)
 
 
+@dataclass
+class SlotGroups:
+    """A step's tokens grouped by adapter slot, computed once and shared by every layer's calls (CPU path).
+    idx [G, L]: each present slot's token rows, padded with row 0; mask [G, L, 1]: 1 on real rows; slots [G]."""
+
+    idx: torch.Tensor
+    mask: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor  # [N] the token rows that have an adapter (each once)
+    real: torch.Tensor  # [N] their positions in idx.flatten()
+
+
+def slot_groups(token_slot: torch.Tensor) -> SlotGroups:
+    ts = token_slot.long()
+    sorted_slot, order = torch.sort(ts, stable=True)  # [T], [T]
+    slots, counts = torch.unique_consecutive(sorted_slot, return_counts=True)  # [G0], [G0]
+    keep = slots >= 0
+    starts = counts.cumsum(0) - counts  # [G0]
+    group = torch.repeat_interleave(torch.arange(len(slots)), counts)  # [T]: group of each sorted token
+    pos = torch.arange(len(ts)) - starts[group]  # [T]: rank within its group
+    width = int(counts[keep].max()) if keep.any() else 0
+    idx = torch.zeros(len(slots), width, dtype=torch.long)  # [G0, L]
+    mask = torch.zeros(len(slots), width, 1)
+    real = sorted_slot >= 0
+    idx[group[real], pos[real]] = order[real]
+    mask[group[real], pos[real]] = 1.0
+    idx, mask = idx[keep], mask[keep]
+    real_pos = mask.flatten().nonzero().flatten()  # [N]
+    dev = token_slot.device
+    return SlotGroups(idx.to(dev), mask.to(dev), slots[keep].to(dev), idx.flatten()[real_pos].to(dev),
+                      real_pos.to(dev))
+
+
+def add_lora_bmm(out, x, lora_a, lora_b, g: SlotGroups, offset: int = 0) -> torch.Tensor:
+    """The CPU serving path (gather-based bmm, Punica's BGMV with one weight gather per slot instead of per token):
+    two batched matmuls per call whatever the number of adapters, instead of a matmul pair per slot. fp32 math,
+    one rounding of out + delta, as the reference."""
+    if g.slots.numel() == 0:
+        return out
+    xg = x[g.idx].float()  # [G, L, IN]
+    y = torch.bmm(xg, lora_a.index_select(0, g.slots).float().transpose(1, 2)) * g.mask  # [G, L, R]
+    d = torch.bmm(y, lora_b.index_select(0, g.slots).float().transpose(1, 2))  # [G, L, OUT]
+    d = d.flatten(0, 1).index_select(0, g.real)  # [N, OUT]: the real rows, in the order of g.rows
+    dst = out[:, offset:offset + lora_b.shape[1]]  # a view: the writes land in out
+    # (out + delta) in fp32, rounded once: rounding the delta first loses bits when it cancels against out
+    dst[g.rows] = (dst[g.rows].float() + d).to(out.dtype)
+    return out
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
     """x [T, IN], lora_a [S, R, IN], token_slot [T] (-1: none) -> y [T, R] fp32, y[t] = A[slot[t]] @ x[t]."""
     return lora_shrink_triton(x, lora_a, token_slot) if kernels.use_triton(x) else \
@@ -209,8 +260,9 @@ def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, token_slot: torch.Tensor,
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             token_slot: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """In place: out[:, offset:offset+OUT] += the LoRA delta of x (shrink then expand). Returns out."""
+             token_slot: torch.Tensor, offset: int = 0, groups: SlotGroups | None = None) -> torch.Tensor:
+    """In place: out[:, offset:offset+OUT] += the LoRA delta of x (shrink then expand). Returns out.
+    Off CUDA: the gather-based bmm, with `groups` (slot_groups(token_slot), once per step) when given."""
     if kernels.use_triton(x):
         return add_lora_triton(out, x, lora_a, lora_b, token_slot, offset)
-    return add_lora_ref(out, x, lora_a, lora_b, token_slot, offset)
+    return add_lora_bmm(out, x, lora_a, lora_b, groups or slot_groups(token_slot), offset)

@@ -1,8 +1,10 @@
 """Device slots for resident LoRA adapters, and loading them off the step loop.
 
-- Slots: for each of the 7 projections, lora_a [L, S, R, in] and lora_b [L, S, out, R] in the model dtype
-  (S = max_loras, R = max_lora_rank; smaller ranks zero-padded; the scaling folded into B), the layout
-  kernels/lora.py reads. An adapter that targets only some modules leaves the others' rows zero.
+- Slots: for each of our 4 fused linears (qkv, o_proj, gate_up, down), lora_a [L, S, n*R, in] (the n projections'
+  A stacked along the rank) and lora_b [L, S, out, n*R] (block-diagonal: projection j's B in its output columns
+  and rank block j), so one shrink + one expand per fused linear serves all its projections (S = max_loras,
+  R = max_lora_rank; smaller ranks zero-padded; the scaling folded into B). fp32 on CPU (the bmm path computes
+  in fp32), the model dtype on CUDA. A projection an adapter does not target stays zero.
 - Loading: the first request naming an adapter starts a job on a small thread pool: resolve -> disk cache
   (S3 download once, single flight) -> PEFT tensors -> padded, scaled host tensors. The step loop never waits
   for it; the request stays queued (the scheduler skips it) while everyone else decodes.
@@ -18,9 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kernels import add_lora
+from kernels import add_lora, slot_groups
 
-from engine.lora.adapter import SUPPORTED_MODULES, load_adapter, max_adapter_bytes, module_shapes
+from engine.lora.adapter import load_adapter, max_adapter_bytes, module_shapes
 from engine.lora.disk_cache import AdapterDiskCache, cache_key
 from engine.lora.source import AdapterRef, LoRALoadError, resolve
 
@@ -35,9 +37,11 @@ class LoRAManager:
     def __init__(self, cfg, spec, dtype: torch.dtype, device: torch.device):
         self.cfg, self.spec, self.dtype, self.device = cfg, spec, dtype, device
         S, R, L = cfg.max_loras, cfg.max_lora_rank, spec.num_layers
-        shapes = module_shapes(spec)
-        self.a = {m: torch.zeros(L, S, R, i, dtype=dtype, device=device) for m, (i, o) in shapes.items()}
-        self.b = {m: torch.zeros(L, S, o, R, dtype=dtype, device=device) for m, (i, o) in shapes.items()}
+        self.w_dtype = torch.float32 if device.type == "cpu" else dtype
+        self.a, self.b = {}, {}
+        for lin, (d_in, d_out, n) in self._fused_shapes().items():
+            self.a[lin] = torch.zeros(L, S, n * R, d_in, dtype=self.w_dtype, device=device)
+            self.b[lin] = torch.zeros(L, S, d_out, n * R, dtype=self.w_dtype, device=device)
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, least recently used first
         self.free_slots = list(range(S))
         self.refs: dict[str, AdapterRef] = {}  # every adapter key seen (for /v1/models)
@@ -101,9 +105,9 @@ class LoRAManager:
             slot = self.slot_of.pop(victim)
             log.info("LoRA slot %d: evicting %r (least recently used)", slot, self.refs[victim].name)
         a, b = fut.result()
-        for m in SUPPORTED_MODULES:  # small (rank x width per layer); non_blocking from pinned memory on CUDA
-            self.a[m][:, slot].copy_(a[m], non_blocking=True)
-            self.b[m][:, slot].copy_(b[m], non_blocking=True)
+        for lin in FUSED:  # small (rank x width per layer); non_blocking from pinned memory on CUDA
+            self.a[lin][:, slot].copy_(a[lin], non_blocking=True)
+            self.b[lin][:, slot].copy_(b[lin], non_blocking=True)
         del self._jobs[key]  # the disk cache keeps the files; a later reload reads them again
         self.slot_of[key] = slot
         self.num_loads += 1
@@ -122,12 +126,10 @@ class LoRAManager:
     def delta(self, token_slot: torch.Tensor):
         """This step's delta function for the model: fn(layer, linear, x [T, in], out [T, N]) adds each token's
         adapter delta to our fused linear's output in place. token_slot: [T], -1 = no adapter."""
+        groups = slot_groups(token_slot) if self.device.type != "cuda" else None  # once per step, for 4L calls
+
         def apply(layer: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> None:
-            offset = 0
-            for m in FUSED[linear]:
-                b = self.b[m][layer]  # [S, out, R]
-                add_lora(out, x, self.a[m][layer], b, token_slot, offset=offset)
-                offset += b.shape[1]
+            add_lora(out, x, self.a[linear][layer], self.b[linear][layer], token_slot, groups=groups)
         return apply
 
     # ---- loader threads ----------------------------------------------------------------------
@@ -137,14 +139,25 @@ class LoRAManager:
         with self.disk.use(ref) as path:
             ad = load_adapter(path, self.spec, R, ref.name)
         pin = self.device.type == "cuda"
-        a, b = {}, {}
-        for m, (d_in, d_out) in module_shapes(self.spec).items():
-            a[m] = torch.zeros(L, R, d_in, dtype=self.dtype, pin_memory=pin)
-            b[m] = torch.zeros(L, d_out, R, dtype=self.dtype, pin_memory=pin)
+        a, b, where = {}, {}, {}
+        shapes = module_shapes(self.spec)
+        for lin, (d_in, d_out, n) in self._fused_shapes().items():
+            a[lin] = torch.zeros(L, n * R, d_in, dtype=self.w_dtype, pin_memory=pin)
+            b[lin] = torch.zeros(L, d_out, n * R, dtype=self.w_dtype, pin_memory=pin)
+            col = 0
+            for j, m in enumerate(FUSED[lin]):
+                where[m] = (lin, j * R, col)  # its rank block and output columns in the fused tensors
+                col += shapes[m][1]
         for (layer, m), (wa, wb) in ad.weights.items():
-            a[m][layer, : ad.rank] = wa  # [r, in]
-            b[m][layer, :, : ad.rank] = wb * ad.scaling  # [out, r]; scaled in fp32, then rounded once
+            lin, r0, c0 = where[m]
+            a[lin][layer, r0:r0 + ad.rank] = wa  # [r, in]
+            b[lin][layer, c0:c0 + wb.shape[0], r0:r0 + ad.rank] = wb * ad.scaling  # [out, r], scaled in fp32
         return a, b
+
+    def _fused_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """fused linear -> (in, out, number of projections)."""
+        shapes = module_shapes(self.spec)
+        return {lin: (shapes[ms[0]][0], sum(shapes[m][1] for m in ms), len(ms)) for lin, ms in FUSED.items()}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kernels
-from kernels.lora import (_slot_groups, add_lora, add_lora_ref, lora_expand, lora_expand_ref, lora_shrink,
-                          lora_shrink_ref)
+from kernels.lora import (_slot_groups, add_lora, add_lora_bmm, add_lora_ref, lora_expand, lora_expand_ref,
+                          lora_shrink, lora_shrink_ref, slot_groups)
 from tests.kernels.conftest import TOL, assert_close, to_device
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -169,3 +169,18 @@ def test_detects_wrong_slot():
     wrong = [0 if s == 2 else s for s in slots]  # token 0 read through slot 0 instead of 2
     with pytest.raises(AssertionError, match="mismatches"):
         assert_close(out, _def_add(base, x, a_true, b_true, wrong, offset), "add_lora")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", CASES)
+def test_add_lora_bmm_matches_definition(name, dtype):
+    """The CPU serving path: groups computed once (as the model runner does per step), reused across calls."""
+    slots, offset, a_true, b_true, x, a, b, out, token_slot = _case(name, dtype)
+    x, a, b, out, token_slot = (t.cpu() for t in (x, a, b, out, token_slot))
+    groups = slot_groups(token_slot)
+    assert sorted(groups.slots.tolist()) == sorted({s for s in slots if s >= 0})
+    base = out.clone()
+    add_lora_bmm(out, x, a, b, groups, offset)
+    assert_close(out, _def_add(base, x, a_true, b_true, slots, offset), f"add_lora_bmm {name}")
+    keep = torch.tensor([s < 0 for s in slots])
+    assert torch.equal(out[keep], base[keep])  # rows without an adapter are untouched, bit for bit
