@@ -120,7 +120,8 @@ def cold_ttft(path, root, moto, spec, ranks) -> list[dict]:
         moto.upload(f"cold{r}", root / "src" / f"cold{r}")
         eng = llm(path, root / f"cold{r}", moto, max_lora_rank=r)
         eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))  # warm the base path
-        base = eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))[0].metrics.ttft
+        base = statistics.median(eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))[0].metrics.ttft
+                                 for _ in range(3))
         cold = eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1),
                             lora=LoRARequest(f"cold{r}"))[0].metrics.ttft
         warm = eng.generate({"prompt_token_ids": ids[::-1]}, SamplingParams(max_tokens=1),

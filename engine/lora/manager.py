@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +50,7 @@ class LoRAManager:
         self._jobs: dict[str, Future] = {}  # key -> host tensors being (or already) loaded
         self._started: dict[str, float] = {}
         self.disk = AdapterDiskCache.from_config(cfg, max_adapter_bytes(spec, R))
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lora-load")
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lora-load", initializer=_lower_priority)
         self.num_loads = 0
 
     # ---- requests (engine thread) -----------------------------------------------------------
@@ -161,3 +163,12 @@ class LoRAManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority() -> None:
+    """Loader threads yield the CPU to the step loop (on a CPU-only box they compete with its torch threads).
+    Linux: a thread's nice value is per thread id."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
