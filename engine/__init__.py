@@ -6,7 +6,8 @@ from engine.errors import (ConfigError, EngineError, EngineFault, InvalidRequest
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.types import CompletionOutput, LoRARequest, RequestMetrics, RequestOutput, SamplingParams
+from warmup.timeline import Timeline
 
 __all__ = ["AsyncEngine", "CompletionOutput", "ConfigError", "EngineConfig", "EngineError", "EngineFault",
            "InvalidRequestError", "LLM", "LLMEngine", "LoRARequest", "ModelNotFoundError", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "UnsupportedModelError"]
+           "RequestOutput", "SamplingParams", "Timeline", "UnsupportedModelError"]

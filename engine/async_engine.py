@@ -17,13 +17,15 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, EngineFault
 from engine.llm_engine import LLMEngine
 from engine.types import LoRARequest, RequestOutput, SamplingParams
+from warmup.timeline import Timeline
 
 log = logging.getLogger("engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None, **kwargs):
-        self.engine = engine or LLMEngine(config or EngineConfig(**kwargs))
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
+                 timeline: Timeline | None = None, **kwargs):
+        self.engine = engine or LLMEngine(config or EngineConfig(**kwargs), timeline)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()

@@ -18,7 +18,10 @@ from engine.loader import iter_weights, read_json, resolve_model_path, safetenso
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
 from engine.types import CompletionOutput, LoRARequest, Request, RequestMetrics, RequestOutput, SamplingParams
+
+from warmup.timeline import Timeline  # generic; python -m warmup times its steps with it too
 
 log = logging.getLogger("engine")
 
@@ -38,13 +41,16 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, timeline: Timeline | None = None):
         t0 = time.perf_counter()
         self.cfg = cfg
+        # cold-start phases; the worker passes its own (counting from process start) and adds ready/first token
+        self.timeline = tl = timeline or Timeline()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device if cfg.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
+        tl.mark("engine setup")
         self.model_path = resolve_model_path(cfg)
         safetensors_files(self.model_path)  # refuse pickle-only checkpoints before anything else
         hf_cfg = read_json(self.model_path / "config.json")
@@ -53,14 +59,12 @@ class LLMEngine:
         if cfg.dtype == "auto" and self.device.type == "cuda" and hf_cfg.get("torch_dtype") == "float16":
             self.dtype = torch.float16
 
-        from transformers import AutoTokenizer  # tokenization and chat templates only
-
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or str(self.model_path))
-        self._decoder = _FastDecoder(self.tokenizer)
+        self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust now; transformers in the background
         eos = set(self.spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if self.tok.eos_token_id is not None:
+            eos.add(self.tok.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        tl.mark("model resolution", str(self.model_path))
 
         weight_bytes = self.spec.num_params() * (1 if cfg.quantization == "fp8" else
                                                  torch.tensor([], dtype=self.dtype).element_size())
@@ -69,7 +73,12 @@ class LLMEngine:
         self.max_model_len = self.capacity.max_model_len
         self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, cfg.quantization)
         self.weights_source = self._load_weights()
+        tl.mark({"checkpoint": "weight read", "fp8 checkpoint": "weight read (fp8 checkpoint)",
+                 "fp8 snapshot": "fp8 snapshot load", "checkpoint, quantized online": "weight read + fp8 "
+                 "quantization"}[self.weights_source], self._weights_note())
         kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
+        tl.mark("KV allocation", f"{self.capacity.num_blocks} blocks, "
+                                 f"{self.capacity.num_tokens * self.capacity.bytes_per_token / 2**20:.0f} MiB")
         # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
         self.kernel_backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else \
             ("triton" if self.device.type == "cuda" else "torch")
@@ -77,6 +86,7 @@ class LLMEngine:
         attn = attn_cls(cfg.block_size, self.spec.head_dim ** -0.5)
         if self.kv_dtype == torch.float8_e4m3fn:
             attn.set_kv_scales(*self._kv_scales())
+            tl.mark("fp8 KV scales")
         self.runner = ModelRunner(self.model, kv, attn, cfg.block_size, self.device, self.kernel_backend)
         self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -90,6 +100,10 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[Request, _Group] = {}
         self.num_generated_tokens = 0
+        # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
+        # kernel warmup (Triton compiles on first use, into TRITON_CACHE_DIR, which lives on the volume).
+        tl.skip("kernel warmup", "Triton compiles on first use into TRITON_CACHE_DIR" if
+                self.kernel_backend == "triton" else "torch kernels on CPU: nothing to compile")
         other = plan_capacity(cfg.replace(num_kv_blocks=None), self.spec,
                               self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn, self.device,
                               weight_bytes) if cfg.num_kv_blocks is None else None
@@ -103,24 +117,33 @@ class LLMEngine:
         """Stream the checkpoint in; with fp8, prefer (or else write) the quantized snapshot on the volume."""
         cfg = self.cfg
         if self.spec.prequantized or cfg.quantization != "fp8":
-            self.model.load_weights(iter_weights(self.model_path))
+            self.model.load_weights(iter_weights(self.model_path, self.device))
             return "fp8 checkpoint" if self.spec.prequantized else "checkpoint"
         from warmup import fp8_snapshot  # snapshots are worker preparation, kept with warmup/
 
         snap = fp8_snapshot.snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision,
                                          self.model_path, safetensors_files(self.model_path))
+        self.snapshot_path = snap
         if fp8_snapshot.valid(snap):
-            self.model.load_snapshot(fp8_snapshot.load(snap))
+            self.model.load_snapshot(fp8_snapshot.load(snap, self.device))
             log.info("fp8 weights from snapshot %s", snap)
             return "fp8 snapshot"
         if snap.exists():
             log.warning("fp8 snapshot %s is corrupt or partial: ignoring it and rebuilding", snap)
-        self.model.load_weights(iter_weights(self.model_path))
+        self.model.load_weights(iter_weights(self.model_path, self.device))
         try:
             fp8_snapshot.write(snap, self.model.snapshot_state(), str(self.model_path))
         except OSError as e:  # a read-only or full volume costs the next cold start, not this one
             log.warning("could not write the fp8 snapshot %s: %s", snap, e)
         return "checkpoint, quantized online"
+
+    def _weights_note(self) -> str:
+        """What the weight phase read, for the timeline."""
+        if self.weights_source == "fp8 snapshot":
+            files = [p for p in self.snapshot_path.iterdir() if p.suffix == ".safetensors"]
+        else:
+            files = safetensors_files(self.model_path)
+        return f"{sum(f.stat().st_size for f in files) / 2**20:.0f} MiB read"
 
     def _kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 KV scales: from the checkpoint when every layer has them, else calibrated now."""
@@ -130,8 +153,13 @@ class LLMEngine:
             k = torch.tensor([ck[i]["k"] for i in range(self.spec.num_layers)], device=self.device)
             v = torch.tensor([ck[i]["v"] for i in range(self.spec.num_layers)], device=self.device)
             return k, v
-        ids = self.tokenizer(CALIBRATION_TEXT).input_ids[: self.max_model_len]
+        ids = self.tok.encode(CALIBRATION_TEXT)[: self.max_model_len]
         return calibrate_kv_scales(self.model, ids, self.device)
+
+    @property
+    def tokenizer(self):
+        """transformers' tokenizer (chat templates); loaded in the background, so this may wait for it."""
+        return self.tok.hf
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict | list[int]) -> list[int]:
@@ -141,7 +169,7 @@ class LLMEngine:
                 raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'", field="prompt")
             ids = list(prompt["prompt_token_ids"])
         elif isinstance(prompt, str):
-            ids = self.tokenizer(prompt).input_ids
+            ids = self.tok.encode(prompt)
         else:
             raise InvalidRequestError(f"prompt must be a str or a dict, not {type(prompt).__name__}",
                                       field="prompt")
@@ -175,7 +203,7 @@ class LLMEngine:
                 gen = torch.Generator(self.device).manual_seed(params.seed + i)
             seqs.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
                                 eos_token_ids=self.eos_token_ids, generator=gen))
-            detoks.append(IncrementalDetokenizer(self._decoder, ids, params.stop,
+            detoks.append(IncrementalDetokenizer(self.tok, ids, params.stop,
                                                  params.include_stop_str_in_output, params.skip_special_tokens))
         # Prefix caching keys blocks by this (adapters never share KV); with caching off, n > 1 siblings
         # still share the prompt's blocks
@@ -296,16 +324,3 @@ class LLMEngine:
     def lora_names(self) -> list[str]:
         """Adapters this worker knows: configured in LORA_MODULES, or requested so far."""
         return self.lora.names() if self.lora is not None else []
-
-
-class _FastDecoder:
-    """Decode through the Rust tokenizer directly: the Python wrapper costs ~10x more per call."""
-
-    def __init__(self, tokenizer):
-        self._backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-        self._slow = tokenizer
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self._slow.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from engine import AsyncEngine, EngineError, EngineFault, InvalidRequestError, LoRARequest, SamplingParams
+from engine import AsyncEngine, EngineError, EngineFault, InvalidRequestError, LoRARequest, SamplingParams, Timeline
 from handler import openai_compat as oa
 from handler.schemas import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, JobError, NativeJob,
                              parse)
@@ -35,10 +35,13 @@ class BatchSizer:
 
 
 class Worker:
-    def __init__(self, settings: Settings, engine: AsyncEngine | None, start_error: str | None = None):
+    def __init__(self, settings: Settings, engine: AsyncEngine | None, start_error: str | None = None,
+                 timeline: Timeline | None = None):
         self.settings = settings
         self.engine = engine
         self.start_error = start_error
+        self.timeline = timeline  # the cold start; "first token" is marked by the first job, which reports it
+        self._cold_start_claimed = False
         self.served_name = settings.OPENAI_SERVED_MODEL_NAME_OVERRIDE or settings.MODEL_NAME or "SmolLM2-135M-Instruct"
         self.rp_config: dict | None = None  # runpod's start() config; set refresh_worker on engine faults
         self.fault: str | None = None
@@ -48,6 +51,25 @@ class Worker:
 
     def concurrency(self, current: int) -> int:
         return self.settings.MAX_CONCURRENCY
+
+    def ready(self) -> None:
+        """Mark ready and print the cold-start table (once the worker is about to take jobs)."""
+        if self.timeline is not None:
+            self.timeline.mark("ready")
+            log.info("cold start:\n%s", self.timeline.table())
+
+    async def _generate(self, prompt, params: SamplingParams, rid: str, lora, cold: list):
+        """engine.generate; for the worker's first job it also marks the cold start's "first token" and puts the
+        timeline into `cold` (that job returns it in its metrics)."""
+        claim = self.timeline is not None and not self._cold_start_claimed
+        self._cold_start_claimed = True
+        async for out in self.engine.generate(prompt, params, request_id=rid, lora=lora):
+            if claim and any(c.delta_token_ids for c in out.outputs):
+                claim = False
+                self.timeline.mark("first token")
+                log.info("cold start to first token: %.2f s", self.timeline.total())
+                cold.append(self.timeline.as_dict())
+            yield out
 
     async def handle(self, job: dict) -> AsyncIterator[Any]:
         """runpod calls this per job; each yield is one streamed chunk."""
@@ -136,7 +158,8 @@ class Worker:
         pending: list[list[str]] = [[] for _ in range(n)]
         n_pending, batch, out_tokens, finish = 0, sizer.next(), 0, [None] * n
         n_input, metrics = 0, None
-        async for out in self.engine.generate(prompt, params, request_id=rid, lora=lora):
+        cold: list = []
+        async for out in self._generate(prompt, params, rid, lora, cold):
             n_input, metrics = len(out.prompt_token_ids), out.metrics
             for c in out.outputs:
                 if c.delta_text:
@@ -152,6 +175,8 @@ class Worker:
             final["usage"]["cached_input"] = metrics.cached_prompt_tokens
             final["metrics"] = {k: round(v, 6) if isinstance(v, float) else v
                                 for k, v in dataclasses.asdict(metrics).items()}
+            if cold:
+                final["metrics"]["cold_start"] = cold[0]
         final["max_tokens"] = params.max_tokens
         if default_max:
             final["note"] = f"sampling_params.max_tokens not given; used the default {DEFAULT_MAX_TOKENS}"
@@ -211,7 +236,8 @@ class Worker:
                             "max_tokens": max_tokens or 1}, "openai_input")
         prompt, params = self._fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens)
         chat = not isinstance(shapes, oa.CompletionShapes)
-        gen = self.engine.generate(prompt, params, request_id=rid, lora=lora)
+        cold: list = []
+        gen = self._generate(prompt, params, rid, lora, cold)
         if req.stream:
             async for chunk in self._openai_stream(gen, shapes, req, chat, top_n):
                 yield chunk
@@ -229,7 +255,10 @@ class Worker:
                             self.engine.tokenizer, c.token_ids, c.logprobs, top_n)
                     choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                                     "logprobs": lp})
-        yield shapes.full(choices, oa.usage(n_in, n_out, cached))
+        full = shapes.full(choices, oa.usage(n_in, n_out, cached))
+        if cold:
+            full["metrics"] = {"cold_start": cold[0]}  # an extension field; OpenAI clients ignore it
+        yield full
 
     async def _openai_stream(self, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
         s = self.settings

@@ -36,6 +36,13 @@ def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
     assert sum(ln.startswith("--- chunk") for ln in lines) == 3  # 1, 3, then the rest of 6 tokens
     final = json.loads(lines[-1])
     assert final["status"] == "COMPLETED" and final["output"][-1]["usage"]["output"] == 6
+    # the first job reports the cold-start timeline; the log shows it as a table at ready
+    cold = final["output"][-1]["metrics"]["cold_start"]
+    names = [p["name"] for p in cold["phases"]]
+    assert names == ["imports", "settings", "engine setup", "model resolution", "weight read", "KV allocation",
+                     "kernel warmup", "ready", "first token"], names
+    assert abs(cold["total_s"] - sum(p["seconds"] for p in cold["phases"])) < 0.05  # marks tile the time
+    assert "cold start:" in r.stderr and "first token" in r.stderr
 
 
 def test_test_input_json_file_and_bad_job_exit_code(tiny_llama, tmp_path):

@@ -46,13 +46,12 @@ def valid(snap: Path) -> bool:
         return False
 
 
-def load(snap: Path):
-    """Yield (name, tensor) from a snapshot previously checked with valid()."""
-    from safetensors import safe_open
+def load(snap: Path, device="cpu"):
+    """Yield (name, tensor) from a snapshot previously checked with valid(), through the engine's parallel
+    reader (straight to `device`)."""
+    from engine.loader import iter_safetensors
 
-    with safe_open(str(snap / _WEIGHTS), framework="pt") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
+    yield from iter_safetensors([snap / _WEIGHTS], device, desc="Loading fp8 snapshot")
 
 
 def write(snap: Path, tensors: dict, source: str) -> None:

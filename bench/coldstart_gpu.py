@@ -1,0 +1,381 @@
+"""Cold start on a GPU for an 8B-shaped model read from local disk, against the `cat` read floor.
+
+bench/gpu_check.sh runs this last, in the time the 8-minute check has left. Steps:
+1. Write a Llama-3-8B-shaped model with random bf16 weights (made on the GPU, moved to the CPU, saved shard by
+   shard as HF-named safetensors + model.safetensors.index.json + config.json + a tiny BPE tokenizer) to local
+   disk. Full 32 layers would be 16 GB; to fit the check's budget the default is 8 of the 32 layers (~5.6 GB:
+   embeddings and lm_head are full size). `--layers 32` gives the full model when time allows.
+2. Read floor: `cat` of the shards to /dev/null, cold (page cache dropped: fsync + POSIX_FADV_DONTNEED per file)
+   and warm. The loader alone (engine.loader.iter_weights, the consumer dropping each tensor): device=cuda
+   (reader threads, pinned staging buffers, non_blocking copies on per-reader streams), cold and warm; and
+   device=cpu with the consumer moving each tensor to the GPU (the engine's path if it does not pass its
+   device), warm. Check: every tensor of the CUDA path is bit-identical to the CPU path's.
+3. Engine starts, each a fresh process timing its own phases from its first line (imports, LLMEngine's timeline,
+   then one greedy token: the first forward, which compiles the Triton kernels when TRITON_CACHE_DIR is cold):
+   - fp8, first start: QUANTIZATION=fp8 with an empty cache root: online quantization while loading, writes
+     the snapshot; cold page cache and an empty TRITON_CACHE_DIR;
+   - fp8 from snapshot: a second start on the same cache root and kernel cache, cold page cache;
+   - bf16: no quantization, cold page cache, warm kernel cache.
+Writes a section of docs/kernels.md (gpu-coldstart) after each step, so a timeout keeps what was measured.
+`--tiny`: a 2-layer toy model on CPU with the torch kernels (a smoke test; writes nothing).
+"""
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()  # an engine child's timeline counts from here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "kernels.md"
+PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention keeps KV blocks in a pool."
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256, num_hidden_layers=32)
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+            num_hidden_layers=2)
+now = time.perf_counter
+
+
+# ---- the model on disk ----------------------------------------------------------------------------------------
+def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30) -> list[Path]:
+    """Random bf16 weights, HF names, sharded about every `shard_bytes`; returns the shard paths."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    d = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    tensors: list[tuple[str, tuple]] = [("model.embed_tokens.weight", (v, h))]
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                    (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                    (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                    (p + "mlp.down_proj.weight", (h, inter))]
+    tensors += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    gen = torch.Generator(device).manual_seed(0)
+    shards, cur, cur_bytes, weight_map = [], {}, 0, {}
+
+    def flush() -> None:
+        nonlocal cur, cur_bytes
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(cur, str(out / name))
+        weight_map.update({k: name for k in cur})
+        shards.append(out / name)
+        cur, cur_bytes = {}, 0
+
+    for name, shp in tensors:
+        t = torch.empty(shp, dtype=torch.bfloat16, device=device)
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0, 0.02, generator=gen)
+        cur[name] = t.cpu()
+        cur_bytes += t.numel() * 2
+        if cur_bytes >= shard_bytes:
+            flush()
+    if cur:
+        flush()
+    total = sum(f.stat().st_size for f in shards)
+    final = []  # HF's names say how many shards there are: rename now that we know
+    for i, f in enumerate(shards):
+        dst = out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        f.rename(dst)
+        final.append(dst)
+    weight_map = {k: f"{Path(v).stem}-of-{len(shards):05d}.safetensors" for k, v in weight_map.items()}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, **shape}))
+    _tokenizer(out)
+    return final
+
+
+def _tokenizer(out: Path) -> None:
+    """A byte-level BPE trained on two sentences (the model is random: any tokenizer will do)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([PROMPT] * 10, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="</s>").save_pretrained(str(out))
+
+
+def drop_cache(files) -> None:
+    """Evict the files from the page cache (clean pages only, hence the fsync first)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cat_seconds(files) -> float:
+    t = now()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    return now() - t
+
+
+# ---- the loader alone ------------------------------------------------------------------------------------------
+def loader_seconds(model_dir: Path, device: str, to: str | None = None) -> tuple[float, int]:
+    """Drain iter_weights (each tensor dropped at once, moved to `to` first if given); seconds, tensor count."""
+    import torch
+
+    from engine.loader import iter_weights
+
+    cuda = device.startswith("cuda") or (to or "").startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    t, n = now(), 0
+    for _, x in iter_weights(model_dir, device=device):
+        if to is not None:
+            x = x.to(to)
+        n += 1
+    if cuda:
+        torch.cuda.synchronize()
+    return now() - t, n
+
+
+def cuda_path_matches(model_dir: Path) -> tuple[int, list[str]]:
+    """Every tensor of the CUDA path against the CPU path's, byte for byte; (tensors compared, mismatches)."""
+    import torch
+
+    from engine.loader import iter_weights
+
+    bad, n = [], 0
+    for (a, x), (b, y) in zip(iter_weights(model_dir, device="cuda"), iter_weights(model_dir, device="cpu")):
+        n += 1
+        same = a == b and x.dtype == y.dtype and x.shape == y.shape and x.is_cuda and \
+            torch.equal(x.reshape(-1).view(torch.uint8), y.to(x.device).reshape(-1).view(torch.uint8))
+        if not same:
+            bad.append(a)
+    return n, bad
+
+
+# ---- an engine start, in a fresh process -----------------------------------------------------------------------
+def engine_child(spec: dict) -> None:
+    """Build LLMEngine (timeline from T0), run one greedy token, print one JSON line."""
+    import engine.llm_engine as le
+    from engine import EngineConfig, LLMEngine, SamplingParams, Timeline
+
+    tl = Timeline(start=T0)
+    tl.mark("imports")
+    devices = []  # what the engine asked the loader for
+    orig = le.iter_weights
+
+    def spy(path, device="cpu", **kw):
+        devices.append(str(device))
+        return orig(path, device, **kw)
+
+    le.iter_weights = spy
+    eng = LLMEngine(EngineConfig(**spec), timeline=tl)
+    eng.add_request("first", PROMPT, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    tl.mark("first token", "the first forward: Triton compiles or loads its kernels here")
+    print(json.dumps({"timeline": tl.as_dict(), "source": eng.weights_source, "loader_device": devices,
+                      "snapshot": str(getattr(eng, "snapshot_path", "")), "device": str(eng.device)}), flush=True)
+
+
+def run_engine(spec: dict, env: dict, timeout: float) -> dict:
+    t = now()
+    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    wall = now() - t
+    if p.returncode != 0:
+        raise RuntimeError(f"engine child exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1]) | {"wall": wall}
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+def _is_weights(phase: str) -> bool:
+    return phase in ("weight read", "weight read + fp8 quantization", "fp8 snapshot load",
+                     "weight read (fp8 checkpoint)")
+
+
+def render(info: dict, reads: list, check, starts: dict) -> str:
+    gb = info["bytes"] / 1e9
+    lines = ["## Cold start on GPU: 8B-shaped model from local disk", "",
+             f"{info['machine']}. {info['what']}: {gb:.1f} GB bf16 in {info['shards']} shards, random weights, "
+             f"written in {info['write_s']:.0f} s to `{info['dir']}`. \"cold\": page cache dropped (fsync + "
+             "POSIX_FADV_DONTNEED per file) right before. Method: the docstring of `bench/coldstart_gpu.py`.", "",
+             "| read | s | GB/s | ÷ cat cold time |", "|---|---:|---:|---:|"]
+    cold = next((s for name, s in reads if name == "cat, cold"), None)
+    for name, s in reads:
+        lines.append(f"| {name} | {s:.2f} | {gb / s:.2f} | {s / cold:.2f}x |" if cold else
+                     f"| {name} | {s:.2f} | {gb / s:.2f} | – |")
+    if check is not None:
+        n, bad = check
+        lines += ["", f"CUDA loader path (pinned staging, per-reader streams) vs the CPU path: {n} tensors, "
+                  + ("all bit-identical ✅" if not bad else f"{len(bad)} differ ❌ (e.g. {bad[:3]})")]
+    if starts:
+        names = list(starts)
+        row = lambda name: "weights (below)" if _is_weights(name) else name  # noqa: E731
+        phases = list(dict.fromkeys(row(p["name"]) for r in starts.values() for p in r["timeline"]["phases"]))
+        lines += ["", "Engine starts (fresh process each; seconds; LLMEngine's timeline from the process's first "
+                  "line, then one greedy token):", "",
+                  "| phase | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for ph in phases:
+            cells = []
+            for r in starts.values():
+                s = next((p["seconds"] for p in r["timeline"]["phases"] if row(p["name"]) == ph), None)
+                cells.append("" if s is None else f"{s:.2f}")
+            lines.append(f"| {ph} | " + " | ".join(cells) + " |")
+        lines.append("| **total to first token** | " + " | ".join(f"**{r['timeline']['total_s']:.2f}**"
+                                                             for r in starts.values()) + " |")
+        lines.append("| process wall (incl. exit) | " + " | ".join(f"{r['wall']:.2f}" for r in starts.values()) + " |")
+        lines += ["", "| start | weight phase | bytes read GB | s | GB/s | ÷ cat cold time | loader device |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for name, r in starts.items():
+            p = next(p for p in r["timeline"]["phases"] if _is_weights(p["name"]))
+            nbytes = r["read_bytes"]
+            ratio = f"{p['seconds'] / (cold * nbytes / info['bytes']):.2f}x" if cold else "–"
+            lines.append(f"| {name} | {p['name']} | {nbytes / 1e9:.2f} | {p['seconds']:.2f} | "
+                         f"{nbytes / 1e9 / p['seconds']:.2f} | {ratio} | "
+                         f"{', '.join(r['loader_device']) or 'fp8_snapshot.load (safe_open, CPU)'} |")
+        if info.get("sha_s") is not None:
+            lines += ["", f"Of the snapshot phase, checking the snapshot's sha256 against its manifest takes "
+                      f"{info['sha_s']:.2f} s on its own ({info['snap_bytes'] / 1e9:.2f} GB, warm cache, timed "
+                      "separately). \"÷ cat cold time\" scales the cat time to the bytes that phase read."]
+    for err in info.get("errors", []):
+        lines += ["", f"❌ {err}"]
+    if starts:
+        lines += ["", "Notes: the weight phase of the first fp8 start also quantizes each layer and writes the "
+                  "snapshot (save + sha256); the snapshot phase first checks the snapshot's sha256. \"first token\" "
+                  "is the first forward: with the empty TRITON_CACHE_DIR of the first start it includes compiling "
+                  "the Triton kernels; the later starts find them in that directory (the bf16 start may still "
+                  "compile the few kernels fp8 did not use)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        return engine_child(json.loads(sys.argv[2]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="2-layer toy model on CPU (smoke test; no docs)")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the 32 of Llama-3-8B (default 8, ~5.6 GB)")
+    ap.add_argument("--dir", default=os.environ.get("COLDSTART_DIR"), help="local disk folder (default: a temp dir)")
+    ap.add_argument("--child-timeout", type=float, default=150)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout` sends TERM: still clean up the files
+
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+
+    from _common import write_section
+
+    if not args.tiny:
+        assert torch.cuda.is_available(), "bench/coldstart_gpu.py needs a CUDA device (or --tiny)"
+    device = "cpu" if args.tiny else "cuda"
+    shape = dict(TINY) if args.tiny else LLAMA3_8B | {"num_hidden_layers": args.layers}
+    what = ("toy model (2 layers, hidden 256) on CPU" if args.tiny else
+            f"Llama-3-8B shape, {args.layers} of 32 layers" + (" (shrunk to fit the 8-minute GPU check; "
+                                                               "embeddings and lm_head full size)"
+                                                               if args.layers < 32 else ""))
+    root = Path(tempfile.mkdtemp(prefix="coldstart-gpu-", dir=args.dir))
+    env = {k: v for k, v in os.environ.items() if k not in ("QUANTIZATION", "MODEL_NAME")}
+    env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+            "TRITON_CACHE_DIR": str(root / "triton")}  # empty: the first start compiles
+    try:
+        model_dir, cache_root = root / "model", root / "volume"
+        model_dir.mkdir()
+        t = now()
+        shards = write_model(model_dir, shape, device, shard_bytes=(4 << 20) if args.tiny else (2 << 30))
+        nbytes = sum(f.stat().st_size for f in shards)
+        info = {"machine": (torch.cuda.get_device_name() if not args.tiny else "CPU") + f", torch {torch.__version__}",
+                "what": what, "bytes": nbytes, "shards": len(shards), "write_s": now() - t, "dir": str(root)}
+        print(f"wrote {nbytes / 1e9:.2f} GB in {len(shards)} shards in {info['write_s']:.1f} s to {model_dir}",
+              flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+        def publish(reads, check, starts) -> None:
+            md = render(info, reads, check, starts)
+            if not args.tiny:
+                write_section(DOC, "gpu-coldstart", md)
+            return md
+
+        reads, errors = [], info.setdefault("errors", [])
+
+        def attempt(what: str, fn):
+            """A failed step is reported in the doc and the run goes on (the engine starts matter most)."""
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                errors.append(f"{what} failed: `{type(e).__name__}: {str(e)[:300]}`")
+                return None
+
+        drop_cache(shards)
+        reads.append(("cat, cold", cat_seconds(shards)))
+        reads.append(("cat, warm", cat_seconds(shards)))
+        drop_cache(shards)
+        loads = [(f"iter_weights device={device}, cold", device, None),
+                 (f"iter_weights device={device}, warm", device, None)]
+        if device == "cuda":
+            loads.append(("iter_weights device=cpu + .to(cuda) in the consumer, warm", "cpu", "cuda"))
+        for label, dev_, to in loads:
+            got = attempt(label, lambda: loader_seconds(model_dir, dev_, to)[0])
+            if got is not None:
+                reads.append((label, got))
+        check = attempt("CUDA path check", lambda: cuda_path_matches(model_dir)) if device == "cuda" else None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        print(publish(reads, check, {}), flush=True)
+
+        starts = {}
+        base = dict(model=str(model_dir), dtype="bfloat16", cache_root=str(cache_root), log_stats_interval=0.0,
+                    device=device)
+        if args.tiny:
+            base["num_kv_blocks"] = 64
+        from warmup.default_model import sha256_file
+
+        for name, spec in (("fp8, first start", base | {"quantization": "fp8"}),
+                           ("fp8 from snapshot", base | {"quantization": "fp8"}),
+                           ("bf16", base)):
+            snaps = sorted(cache_root.glob("fp8-snapshots/*/*.safetensors"))
+            drop_cache(shards + snaps)
+            r = attempt(f"engine start '{name}'", lambda: run_engine(spec, env, args.child_timeout))
+            if r is None:
+                publish(reads, check, starts)
+                continue
+            snaps = sorted(cache_root.glob("fp8-snapshots/*/*.safetensors"))
+            r["read_bytes"] = sum(f.stat().st_size for f in snaps) if r["source"] == "fp8 snapshot" else nbytes
+            starts[name] = r
+            print(f"{name}: {r['timeline']['total_s']:.2f} s to first token ({r['source']})", flush=True)
+            if name == "fp8, first start" and snaps:
+                t = now()
+                sha256_file(snaps[0])
+                info["sha_s"], info["snap_bytes"] = now() - t, snaps[0].stat().st_size
+            publish(reads, check, starts)
+        md = publish(reads, check, starts)
+        print("\n" + md)
+        if not args.tiny:
+            print(f"\nwrote {DOC} (gpu-coldstart)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
