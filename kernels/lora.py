@@ -198,49 +198,71 @@ def add_lora_triton(out, x, lora_a, lora_b, token_slot, offset: int = 0, native_
 @dataclass
 class SlotGroups:
     """A step's tokens grouped by adapter slot, computed once and shared by every layer's calls (CPU path).
-    idx [G, L]: each present slot's token rows, padded with row 0; mask [G, L, 1]: 1 on real rows; slots [G]."""
 
+    runs: (slot, first, end) for each run of >= MIN_RUN consecutive rows with one adapter (a prefill chunk):
+      sliced matmuls, no gather, no padding. The other rows with an adapter (decodes, short chunks) go through
+      one gather-based bmm: idx [G, L] each slot's rows padded with row 0, mask [G, L, 1] 1 on real rows,
+      slots [G]; rows [N] those rows, real [N] their positions in idx.flatten()."""
+
+    runs: list[tuple[int, int, int]]
     idx: torch.Tensor
     mask: torch.Tensor
     slots: torch.Tensor
-    rows: torch.Tensor  # [N] the token rows that have an adapter (each once)
-    real: torch.Tensor  # [N] their positions in idx.flatten()
+    rows: torch.Tensor
+    real: torch.Tensor
+    dense: bool = False  # slots == 0..S-1: the stacked weights are used as stored, no gather
 
 
-def slot_groups(token_slot: torch.Tensor) -> SlotGroups:
-    ts = token_slot.long()
-    sorted_slot, order = torch.sort(ts, stable=True)  # [T], [T]
+MIN_RUN = 16  # shorter runs are cheaper padded into the bmm than as their own matmuls
+
+
+def slot_groups(token_slot: torch.Tensor, num_slots: int | None = None) -> SlotGroups:
+    """Group a step's tokens by slot (once per step). num_slots: S of the stacked weights, if known."""
+    ts = token_slot.long().cpu()  # [T]
+    n = len(ts)
+    cuts = ((ts[1:] != ts[:-1]).nonzero().flatten() + 1).tolist()
+    runs = [(int(ts[a]), a, b) for a, b in zip([0] + cuts, cuts + [n]) if b - a >= MIN_RUN and ts[a] >= 0]
+    rest = ts.clone()
+    for _, a, b in runs:
+        rest[a:b] = -1
+    sorted_slot, order = torch.sort(rest, stable=True)  # [T], [T]
     slots, counts = torch.unique_consecutive(sorted_slot, return_counts=True)  # [G0], [G0]
     keep = slots >= 0
     starts = counts.cumsum(0) - counts  # [G0]
     group = torch.repeat_interleave(torch.arange(len(slots)), counts)  # [T]: group of each sorted token
-    pos = torch.arange(len(ts)) - starts[group]  # [T]: rank within its group
+    pos = torch.arange(n) - starts[group]  # [T]: rank within its group
     width = int(counts[keep].max()) if keep.any() else 0
     idx = torch.zeros(len(slots), width, dtype=torch.long)  # [G0, L]
     mask = torch.zeros(len(slots), width, 1)
     real = sorted_slot >= 0
     idx[group[real], pos[real]] = order[real]
     mask[group[real], pos[real]] = 1.0
-    idx, mask = idx[keep], mask[keep]
+    idx, mask, present = idx[keep], mask[keep], slots[keep]
     real_pos = mask.flatten().nonzero().flatten()  # [N]
+    dense = num_slots is not None and present.tolist() == list(range(num_slots))
     dev = token_slot.device
-    return SlotGroups(idx.to(dev), mask.to(dev), slots[keep].to(dev), idx.flatten()[real_pos].to(dev),
-                      real_pos.to(dev))
+    return SlotGroups(runs, idx.to(dev), mask.to(dev), present.to(dev), idx.flatten()[real_pos].to(dev),
+                      real_pos.to(dev), dense)
 
 
 def add_lora_bmm(out, x, lora_a, lora_b, g: SlotGroups, offset: int = 0) -> torch.Tensor:
-    """The CPU serving path (gather-based bmm, Punica's BGMV with one weight gather per slot instead of per token):
-    two batched matmuls per call whatever the number of adapters, instead of a matmul pair per slot. fp32 math,
-    one rounding of out + delta, as the reference."""
+    """The CPU serving path: sliced matmuls for long runs of one adapter, and one gather-based bmm (Punica's
+    BGMV, gathering weights per slot rather than per token) for the other rows, so the op count does not grow
+    with the number of adapters or decodes. fp32 math, one rounding of out + delta, as the reference."""
+    dst = out[:, offset:offset + lora_b.shape[1]]  # a view: the writes land in out
+    for s, a, b in g.runs:
+        y = x[a:b].float() @ lora_a[s].float().t()  # [n, R]
+        # (out + delta) in fp32, rounded once: rounding the delta first loses bits when it cancels against out
+        dst[a:b] = torch.addmm(dst[a:b].float(), y, lora_b[s].float().t()).to(out.dtype)
     if g.slots.numel() == 0:
         return out
-    xg = x[g.idx].float()  # [G, L, IN]
-    y = torch.bmm(xg, lora_a.index_select(0, g.slots).float().transpose(1, 2)) * g.mask  # [G, L, R]
-    d = torch.bmm(y, lora_b.index_select(0, g.slots).float().transpose(1, 2))  # [G, L, OUT]
-    d = d.flatten(0, 1).index_select(0, g.real)  # [N, OUT]: the real rows, in the order of g.rows
-    dst = out[:, offset:offset + lora_b.shape[1]]  # a view: the writes land in out
-    # (out + delta) in fp32, rounded once: rounding the delta first loses bits when it cancels against out
-    dst[g.rows] = (dst[g.rows].float() + d).to(out.dtype)
+    G, L = g.idx.shape
+    wa = lora_a if g.dense else lora_a.index_select(0, g.slots)  # [G, R, IN]
+    wb = lora_b if g.dense else lora_b.index_select(0, g.slots)  # [G, OUT, R]
+    xg = x.index_select(0, g.idx.flatten()).view(G, L, -1).float()  # [G, L, IN]
+    y = torch.bmm(xg, wa.float().transpose(1, 2)).mul_(g.mask)  # [G, L, R]; padding rows -> 0
+    d = torch.bmm(y, wb.float().transpose(1, 2)).view(G * L, -1).index_select(0, g.real)  # [N, OUT], g.rows order
+    dst.index_copy_(0, g.rows, dst.index_select(0, g.rows).float().add_(d).to(out.dtype))  # one rounding
     return out
 
 

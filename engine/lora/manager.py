@@ -128,7 +128,8 @@ class LoRAManager:
     def delta(self, token_slot: torch.Tensor):
         """This step's delta function for the model: fn(layer, linear, x [T, in], out [T, N]) adds each token's
         adapter delta to our fused linear's output in place. token_slot: [T], -1 = no adapter."""
-        groups = slot_groups(token_slot) if self.device.type != "cuda" else None  # once per step, for 4L calls
+        # once per step, for 4L calls
+        groups = slot_groups(token_slot, self.cfg.max_loras) if self.device.type != "cuda" else None
 
         def apply(layer: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> None:
             add_lora(out, x, self.a[linear][layer], self.b[linear][layer], token_slot, groups=groups)

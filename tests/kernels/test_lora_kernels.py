@@ -58,6 +58,7 @@ CASES = {
     "prefill_mix": ([1] * 7 + [-1] * 3 + [0] * 6 + [1, 0, -1], [16, 5], 16, 130, 70, 9, 100),
     "one_adapter": ([0] * 17, [3, 8], 8, 48, 24, 24, 48),
     "no_adapter": ([-1, -1, -1], [8], 8, 16, 16, 0, 16),
+    "run_and_decodes": ([0] * 20 + [1, 2, 0, -1, 1], [4, 8, 2], 8, 24, 40, 4, 48),
 }
 
 
@@ -177,8 +178,13 @@ def test_add_lora_bmm_matches_definition(name, dtype):
     """The CPU serving path: groups computed once (as the model runner does per step), reused across calls."""
     slots, offset, a_true, b_true, x, a, b, out, token_slot = _case(name, dtype)
     x, a, b, out, token_slot = (t.cpu() for t in (x, a, b, out, token_slot))
-    groups = slot_groups(token_slot)
-    assert sorted(groups.slots.tolist()) == sorted({s for s in slots if s >= 0})
+    groups = slot_groups(token_slot, num_slots=a.shape[0])
+    # each path is taken: gathered weights (decode), all slots as stored (prefill_mix), one long run (sliced),
+    # and a long run (a prefill chunk) beside decodes
+    want = {"decode": (False, [], [0, 1, 2, 3]), "prefill_mix": (True, [], [0, 1]),
+            "one_adapter": (False, [(0, 0, 17)], []), "no_adapter": (False, [], []),
+            "run_and_decodes": (True, [(0, 0, 20)], [0, 1, 2])}[name]
+    assert (groups.dense, groups.runs, sorted(groups.slots.tolist())) == want
     base = out.clone()
     add_lora_bmm(out, x, a, b, groups, offset)
     assert_close(out, _def_add(base, x, a_true, b_true, slots, offset), f"add_lora_bmm {name}")
