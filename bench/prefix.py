@@ -7,9 +7,11 @@
 2. Zero-hit overhead: 5 workloads of 32 all-unique prompts (random ids, 32-512 tokens; outputs 16-64,
    ignore_eos) through LLM.generate with caching on and off, alternated; median tok/s. Target: <= 2 % cost.
 3. Chunked prefill and latency: 4 streams decode (ignore_eos) while a 2,000-token prompt arrives every 6 s
-   (4 arrivals; a prompt's prefill takes ~2.7 s of compute here, so each period also has pure decode steps). ITL = the gaps between a stream's consecutive tokens while prompts arrive. Compared: token
-   budgets (max_num_batched_tokens) including the default and one so large a prompt is never chunked.
-   Target: p99 ITL <= 2x the median with the default budget.
+   (4 arrivals; a prompt's prefill takes ~2.7 s of compute here, so each period also has pure decode steps).
+   ITL = the gaps between a stream's consecutive tokens while prompts arrive. Compared: token budgets
+   (max_num_batched_tokens: the default, one so large a prompt is never chunked, small ones) and
+   LONG_PREFILL_TOKEN_THRESHOLD caps. Target: p99 ITL <= 2x the median with chunking.
+   Also: the time the block manager spends (hashing, lookups, LRU) as a share of the zero-hit runs.
 
 Usage: python bench/prefix.py [--quick]   (full: ~6 min; writes docs/benchmarks.md and docs/prefix_itl.png)
 """

@@ -40,12 +40,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def default_model_dir(cache_root: Path) -> Path:
+def default_model_dir(cache_root: Path, remember: bool = False) -> Path:
+    """The converted folder's path (it may not exist). remember: memoize the GGUF's hash under cache_root."""
     src = gguf_path()
-    return cache_root / "default-model" / f"smollm2-135m-instruct-{_gguf_sha256(src, cache_root)[:16]}"
+    return cache_root / "default-model" / f"smollm2-135m-instruct-{_gguf_sha256(src, cache_root, remember)[:16]}"
 
 
-def _gguf_sha256(src: Path, cache_root: Path) -> str:
+def _gguf_sha256(src: Path, cache_root: Path, remember: bool) -> str:
     """The GGUF's sha256, remembered by (path, size, mtime): hashing 100 MB on every cold start cost 0.16 s."""
     memo = cache_root / "default-model" / "gguf-sha256.json"
     st = src.stat()
@@ -57,6 +58,8 @@ def _gguf_sha256(src: Path, cache_root: Path) -> str:
     except (OSError, ValueError, KeyError):
         pass
     digest = sha256_file(src)
+    if not remember:  # e.g. python -m warmup --check, which writes nothing
+        return digest
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
@@ -69,7 +72,7 @@ def _gguf_sha256(src: Path, cache_root: Path) -> str:
 
 def ensure_default_model(cache_root: Path) -> Path:
     """Return the converted folder, converting only if no complete one exists yet."""
-    out = default_model_dir(cache_root)
+    out = default_model_dir(cache_root, remember=True)
     if (out / _DONE).is_file():
         return out
     t0 = time.perf_counter()
