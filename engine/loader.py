@@ -86,7 +86,9 @@ def safetensors_files(path: Path) -> list[Path]:
     raise UnsupportedModelError(f"{path} has no *.safetensors weights")
 
 
-_READERS = 4  # reader threads (at most one per tensor)
+# Reader threads: up to 4, one per 4 cores. On a small box the readers only compete with the consumer's copies:
+# with 2 cores and a warm page cache, 4 readers took SmolLM2's load from 0.05 s (1 reader) to 0.12-0.25 s.
+_READERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 _DEPTH = 8  # tensors read ahead of the consumer, at most
 _CHUNK = 32 << 20  # bytes per pinned staging buffer (CUDA; two per reader)
 _PAGE = 4096
