@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -121,8 +120,7 @@ class LLMEngine:
             return "fp8 checkpoint" if self.spec.prequantized else "checkpoint"
         from warmup import fp8_snapshot  # snapshots are worker preparation, kept with warmup/
 
-        snap = fp8_snapshot.snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision,
-                                         self.model_path, safetensors_files(self.model_path))
+        snap = fp8_snapshot.snapshot_for(cfg, self.model_path)
         self.snapshot_path = snap
         if fp8_snapshot.valid(snap):
             self.model.load_snapshot(fp8_snapshot.load(snap, self.device))

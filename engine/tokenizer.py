@@ -9,10 +9,11 @@ applies on top of tokenizer.json), encoding switches to transformers for good, a
 tokenizer.json (slow-only tokenizers) transformers loads synchronously, as before."""
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from pathlib import Path
+
+from engine.loader import read_json
 
 log = logging.getLogger("engine")
 
@@ -25,7 +26,7 @@ class Tokenizer:
         self._hf = None
         self._hf_error: BaseException | None = None
         self._use_hf_encode = False
-        cfg = _read(self.folder / "tokenizer_config.json")
+        cfg = read_json(self.folder / "tokenizer_config.json")
         if (self.folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as RustTokenizer
 
@@ -79,10 +80,3 @@ class Tokenizer:
         if self.backend is not None:
             return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}

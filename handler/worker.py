@@ -251,14 +251,17 @@ class Worker:
                     n_out += len(c.token_ids)
                     lp = None
                     if top_n is not None and c.logprobs:
-                        lp = (oa.chat_logprobs if chat else oa.completion_logprobs)(
-                            self.engine.tokenizer, c.token_ids, c.logprobs, top_n)
+                        lp = self._logprobs(chat, c.token_ids, c.logprobs, top_n)
                     choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                                     "logprobs": lp})
         full = shapes.full(choices, oa.usage(n_in, n_out, cached))
         if cold:
             full["metrics"] = {"cold_start": cold[0]}  # an extension field; OpenAI clients ignore it
         yield full
+
+    def _logprobs(self, chat: bool, token_ids: list[int], lps: list[dict], top_n: int) -> dict:
+        """OpenAI's logprobs object for these tokens (chat or completions shape)."""
+        return (oa.chat_logprobs if chat else oa.completion_logprobs)(self.engine.tokenizer, token_ids, lps, top_n)
 
     async def _openai_stream(self, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
         s = self.settings
@@ -276,9 +279,7 @@ class Worker:
                     continue
                 lp = None
                 if top_n is not None and c.delta_token_ids and c.logprobs:
-                    k = len(c.delta_token_ids)
-                    lp = (oa.chat_logprobs if chat else oa.completion_logprobs)(
-                        self.engine.tokenizer, c.delta_token_ids, c.logprobs[-k:], top_n)
+                    lp = self._logprobs(chat, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):], top_n)
                 if c.delta_text or lp is not None:
                     events.append(oa.sse(shapes.chunk(c.index, {"content": c.delta_text}, None, lp)))
                 if c.finish_reason:

@@ -60,13 +60,12 @@ def main(argv: list[str] | None = None) -> int:
 def check(cfg) -> int:
     from engine.loader import resolve_model_path
     from warmup import fp8_snapshot
-    from warmup.default_model import _DONE, default_model_dir
+    from warmup.default_model import converted_dir
 
     missing, path = [], None
     try:
         if cfg.model is None:  # resolve_model_path would convert it: look without writing
-            d = default_model_dir(Path(cfg.cache_root))
-            path = d if (d / _DONE).is_file() else None
+            d, path = converted_dir(Path(cfg.cache_root))
             if path is None:
                 missing.append(f"the default model is not converted yet (expected {d})")
         else:
@@ -182,12 +181,9 @@ def _snapshot(cfg, path: Path, spec) -> Path | None:
     """Where the engine keeps this model's fp8 snapshot, or None when it uses none."""
     if cfg.quantization != "fp8" or spec.prequantized:
         return None
-    from engine.loader import safetensors_files
     from warmup import fp8_snapshot
 
-    # the same key as LLMEngine._load_weights (engine/llm_engine.py): keep the two in step
-    return fp8_snapshot.snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision, path,
-                                     safetensors_files(path))
+    return fp8_snapshot.snapshot_for(cfg, path)  # the engine's own key
 
 
 def _run_one_request(engine) -> None:

@@ -46,6 +46,13 @@ def default_model_dir(cache_root: Path, remember: bool = False) -> Path:
     return cache_root / "default-model" / f"smollm2-135m-instruct-{_gguf_sha256(src, cache_root, remember)[:16]}"
 
 
+def converted_dir(cache_root: Path) -> tuple[Path, Path | None]:
+    """(where the converted default model belongs, that folder if its conversion completed else None); writes
+    nothing."""
+    d = default_model_dir(cache_root)
+    return d, d if (d / _DONE).is_file() else None
+
+
 def _gguf_sha256(src: Path, cache_root: Path, remember: bool) -> str:
     """The GGUF's sha256, remembered by (path, size, mtime): hashing 100 MB on every cold start cost 0.16 s."""
     memo = cache_root / "default-model" / "gguf-sha256.json"

@@ -23,6 +23,14 @@ SCHEME = "fp8-e4m3-w8a8-per-channel-v1"
 _WEIGHTS, _MANIFEST = "model.safetensors", "manifest.json"
 
 
+def snapshot_for(cfg, model_path: Path) -> Path:
+    """This engine config's snapshot folder for the checkpoint at model_path (the engine and warmup both use it)."""
+    from engine.loader import safetensors_files
+
+    return snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision, model_path,
+                        safetensors_files(model_path))
+
+
 def snapshot_dir(cache_root: Path, model_id: str, revision: str, model_path: Path, files: list[Path]) -> Path:
     h = hashlib.sha256(f"{model_id}\n{revision}\n{SCHEME}\n".encode())
     for f in files:
