@@ -120,6 +120,7 @@ def test_timeline_phases_marks_skips_and_table():
     with tl.phase("weight read") as p:
         now[0] = 4.0
         p.note = "3 GB"
+    now[0] = 4.5  # untimed work before the skip: the next mark must still cover it
     tl.skip("kernel warmup", "no CUDA")
     now[0] = 5.0
     tl.mark("ready")  # begins where the previous entry ended (4.0)

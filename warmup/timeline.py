@@ -53,8 +53,9 @@ class Timeline:
         return p
 
     def skip(self, name: str, reason: str) -> Phase:
-        """A step that did not run: zero seconds, the reason shown in the table."""
-        p = Phase(name, self._now(), 0.0, f"skipped: {reason}")
+        """A step that did not run: zero seconds, the reason shown in the table. It sits where the previous
+        entry ended, so the next mark still covers everything since then and marks keep tiling the time."""
+        p = Phase(name, self.phases[-1].end if self.phases else 0.0, 0.0, f"skipped: {reason}")
         self.phases.append(p)
         return p
 
