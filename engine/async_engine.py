@@ -38,7 +38,13 @@ class AsyncEngine:
 
     @property
     def tokenizer(self):
+        """transformers' tokenizer (waits for its load; see LLMEngine.tokenizer)."""
         return self.engine.tokenizer
+
+    @property
+    def tok(self):
+        """The engine's own tokenizer: encode, decode and apply_chat_template without waiting for transformers."""
+        return self.engine.tok
 
     def tokenize(self, prompt: str | dict) -> list[int]:
         """Validated prompt token ids (raises InvalidRequestError), as generate() would compute them."""

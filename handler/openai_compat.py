@@ -30,7 +30,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def _token_str(tokenizer, tid: int) -> str:
-    return tokenizer.decode([tid])
+    return tokenizer.decode([tid], skip_special_tokens=False)
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top_n: int) -> dict:

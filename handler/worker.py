@@ -149,7 +149,7 @@ class Worker:
                                             lora):
                 yield chunk
             return
-        prompt, params = self._fit(self._native_prompt(job), params, "sampling_params.max_tokens")
+        prompt, params = self._fit(await self._native_prompt(job), params, "sampling_params.max_tokens")
         s = self.settings
         sizer = BatchSizer(job.min_batch_size or s.DEFAULT_MIN_BATCH_SIZE,
                            job.batch_size_growth_factor or s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR,
@@ -182,19 +182,22 @@ class Worker:
             final["note"] = f"sampling_params.max_tokens not given; used the default {DEFAULT_MAX_TOKENS}"
         yield final
 
-    def _native_prompt(self, job: NativeJob) -> str:
+    async def _native_prompt(self, job: NativeJob) -> str:
         if job.messages:
-            return self._chat_prompt([m.model_dump(exclude_none=True) for m in job.messages], "messages")
+            return await self._chat_prompt([m.model_dump(exclude_none=True) for m in job.messages], "messages")
         if job.prompt is None or job.prompt == "":
             raise JobError("give a non-empty prompt or messages", param="prompt")
         if job.apply_chat_template:
-            return self._chat_prompt([{"role": "user", "content": job.prompt}], "prompt")
+            return await self._chat_prompt([{"role": "user", "content": job.prompt}], "prompt")
         return job.prompt
 
-    def _chat_prompt(self, messages: list[dict], param: str, add_generation_prompt: bool = True, **kw) -> str:
+    async def _chat_prompt(self, messages: list[dict], param: str, add_generation_prompt: bool = True,
+                           **kw) -> str:
+        """Rendered on a thread: the first call imports transformers' renderer (or waits for its tokenizer),
+        which must not stall the other jobs' streams."""
         try:
-            return self.engine.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            return await asyncio.to_thread(
+                self.engine.tok.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
                 chat_template=self.settings.CUSTOM_CHAT_TEMPLATE, **kw)
         except Exception as e:  # jinja errors from a template the messages do not fit
             raise JobError(f"{param}: the chat template rejected these messages: {e}", param=param) from None
@@ -209,7 +212,7 @@ class Worker:
         if route == "/v1/chat/completions":
             req = parse(ChatCompletionRequest, body, "openai_input")
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            prompt = self._chat_prompt(messages, "openai_input.messages", req.add_generation_prompt,
+            prompt = await self._chat_prompt(messages, "openai_input.messages", req.add_generation_prompt,
                                        **(req.chat_template_kwargs or {}))
             shapes, max_tokens = oa.ChatShapes(self.served_name), req.max_completion_tokens or req.max_tokens
             top_n = req.top_logprobs or 0 if req.logprobs else None
@@ -261,7 +264,7 @@ class Worker:
 
     def _logprobs(self, chat: bool, token_ids: list[int], lps: list[dict], top_n: int) -> dict:
         """OpenAI's logprobs object for these tokens (chat or completions shape)."""
-        return (oa.chat_logprobs if chat else oa.completion_logprobs)(self.engine.tokenizer, token_ids, lps, top_n)
+        return (oa.chat_logprobs if chat else oa.completion_logprobs)(self.engine.tok, token_ids, lps, top_n)
 
     async def _openai_stream(self, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
         s = self.settings
