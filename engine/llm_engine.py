@@ -122,15 +122,27 @@ class LLMEngine:
 
         snap = fp8_snapshot.snapshot_for(cfg, self.model_path)
         self.snapshot_path = snap
-        if fp8_snapshot.valid(snap):
-            self.model.load_snapshot(fp8_snapshot.load(snap, self.device))
-            log.info("fp8 weights from snapshot %s", snap)
-            return "fp8 snapshot"
-        if snap.exists():
+        if (manifest := fp8_snapshot.complete(snap)) is not None:
+            hash_ok = fp8_snapshot.verify_in_background(snap, manifest)  # overlaps the load
+            try:
+                self.model.load_snapshot(fp8_snapshot.load(snap, self.device))
+                error = None
+            except Exception as e:  # noqa: BLE001 - a damaged file or header: rebuild, as for a bad hash
+                error = e
+            if hash_ok() and error is None:
+                log.info("fp8 weights from snapshot %s", snap)
+                return "fp8 snapshot"
+            if error is not None:
+                log.warning("fp8 snapshot %s could not be loaded: %s", snap, error)
+            # drop everything the snapshot put into the model (weights, scales): none of it is ever used
+            self.model = None  # freed before the new one is allocated
+            self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, cfg.quantization)
+        rejected = snap.exists()
+        if rejected:
             log.warning("fp8 snapshot %s is corrupt or partial: ignoring it and rebuilding", snap)
         self.model.load_weights(iter_weights(self.model_path, self.device))
         try:
-            fp8_snapshot.write(snap, self.model.snapshot_state(), str(self.model_path))
+            fp8_snapshot.write(snap, self.model.snapshot_state(), str(self.model_path), replace=rejected)
         except OSError as e:  # a read-only or full volume costs the next cold start, not this one
             log.warning("could not write the fp8 snapshot %s: %s", snap, e)
         return "checkpoint, quantized online"

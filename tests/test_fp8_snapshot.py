@@ -40,13 +40,21 @@ def test_snapshot_round_trip_and_corruption(tiny_models, tmp_path):
     flipped = bytearray(weights.read_bytes())
     flipped[-100] ^= 0xFF
     weights.write_bytes(bytes(flipped))
-    assert _run(path, tmp_path)[0] == "checkpoint, quantized online"
+    # the engine loads while it hashes: the tampered tensors were read, and must not have been used
+    assert _run(path, tmp_path) == ("checkpoint, quantized online", first)
 
     # a manifest with a bad hash is not trusted either
     manifest = snaps[0] / "manifest.json"
     m = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**m, "sha256": "0" * 64}))
-    assert _run(path, tmp_path)[0] == "checkpoint, quantized online"
+    assert _run(path, tmp_path) == ("checkpoint, quantized online", first)
+
+    # a damaged header (right size, and a manifest that vouches for it): the load fails, the engine rebuilds
+    bad = b"\xff" * 16 + weights.read_bytes()[16:]
+    weights.write_bytes(bad)
+    manifest.write_text(json.dumps({**m, "sha256": __import__("hashlib").sha256(bad).hexdigest()}))
+    assert _run(path, tmp_path) == ("checkpoint, quantized online", first)
+    assert _run(path, tmp_path) == ("fp8 snapshot", first)
 
 
 def test_snapshot_is_half_the_bytes(tiny_models, tmp_path):

@@ -4,7 +4,9 @@ Layout: <cache_root>/fp8-snapshots/<key>/{model.safetensors, manifest.json}. The
 revision, the source files (HF blob names are content hashes; else name, size and mtime) and the scheme.
 Writes are atomic (temp folder + rename), so two workers starting at once cannot corrupt a snapshot. The
 manifest, written last, holds the weights file's size and sha256; a snapshot whose file is missing, truncated
-or does not hash to it is ignored (and rebuilt by the caller), never loaded."""
+or does not hash to it is ignored (and rebuilt by the caller), never used. The engine hashes the file on a
+thread while it loads it (verify_in_background), so the check costs no cold-start time of its own (hashing 8 GB
+takes seconds); a snapshot that fails it is dropped before the model ever runs."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +15,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable
 
 from warmup.default_model import sha256_file
 
@@ -42,28 +46,56 @@ def snapshot_dir(cache_root: Path, model_id: str, revision: str, model_path: Pat
     return cache_root / "fp8-snapshots" / h.hexdigest()[:24]
 
 
-def valid(snap: Path) -> bool:
-    """True only for a complete snapshot whose weights file matches its manifest."""
+def complete(snap: Path) -> dict | None:
+    """The manifest of a snapshot that is complete (manifest present, our scheme, weights of the right size);
+    None otherwise. Cheap: the contents are checked by valid() or verify_in_background()."""
     try:
         manifest = json.loads((snap / _MANIFEST).read_text())
-        weights = snap / _WEIGHTS
-        if manifest.get("scheme") != SCHEME or weights.stat().st_size != manifest["size"]:
-            return False
-        return sha256_file(weights) == manifest["sha256"]
-    except (OSError, ValueError, KeyError):
+        if manifest.get("scheme") != SCHEME or (snap / _WEIGHTS).stat().st_size != manifest["size"]:
+            return None
+        return manifest if isinstance(manifest.get("sha256"), str) else None
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def _hash_matches(snap: Path, manifest: dict) -> bool:
+    try:
+        return sha256_file(snap / _WEIGHTS) == manifest["sha256"]
+    except OSError:
         return False
 
 
+def valid(snap: Path) -> bool:
+    """True only for a complete snapshot whose weights file matches its manifest."""
+    manifest = complete(snap)
+    return manifest is not None and _hash_matches(snap, manifest)
+
+
+def verify_in_background(snap: Path, manifest: dict) -> Callable[[], bool]:
+    """Start hashing the snapshot's weights on a thread (hashlib and file reads release the GIL); returns a
+    function that waits for the verdict."""
+    verdict: list[bool] = []
+    th = threading.Thread(target=lambda: verdict.append(_hash_matches(snap, manifest)), name="fp8-snapshot-sha256",
+                          daemon=True)
+    th.start()
+
+    def result() -> bool:
+        th.join()
+        return bool(verdict and verdict[0])
+    return result
+
+
 def load(snap: Path, device="cpu"):
-    """Yield (name, tensor) from a snapshot previously checked with valid(), through the engine's parallel
-    reader (straight to `device`)."""
+    """Yield (name, tensor) from a complete snapshot through the engine's parallel reader (straight to
+    `device`). Use nothing loaded from it before valid() or verify_in_background() says yes."""
     from engine.loader import iter_safetensors
 
     yield from iter_safetensors([snap / _WEIGHTS], device, desc="Loading fp8 snapshot")
 
 
-def write(snap: Path, tensors: dict, source: str) -> None:
-    """Atomically publish `tensors` as the snapshot at `snap` (a concurrent writer that wins is kept)."""
+def write(snap: Path, tensors: dict, source: str, replace: bool = False) -> None:
+    """Atomically publish `tensors` as the snapshot at `snap` (a concurrent writer that wins is kept).
+    replace: the caller could not use the snapshot there (even one whose hash matches: a damaged header)."""
     from safetensors.torch import save_file
 
     snap.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +106,7 @@ def write(snap: Path, tensors: dict, source: str) -> None:
         size = weights.stat().st_size
         (tmp / _MANIFEST).write_text(json.dumps({"scheme": SCHEME, "source": source, "size": size,
                                                  "sha256": sha256_file(weights)}))
-        if snap.exists() and not valid(snap):
+        if snap.exists() and (replace or not valid(snap)):
             shutil.rmtree(snap, ignore_errors=True)  # a corrupt one: replace it
         try:
             os.rename(tmp, snap)
