@@ -45,6 +45,21 @@ def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
     assert "cold start:" in r.stderr and "first token" in r.stderr
 
 
+def test_heavy_imports_stay_off_the_cold_start_path(tiny_llama, tmp_path):
+    """`import handler` loads no torch, and a worker is ready without transformers, jinja2, boto3 or runpod: they
+    load when a job needs them (chat template, LoRA, the SDK loop), or after the first step."""
+    code = ("import sys, handler\n"
+            "assert 'torch' not in sys.modules\n"
+            "from handler.__main__ import build_worker\n"
+            "w = build_worker()\n"
+            "assert w.engine is not None\n"
+            "print(sorted(m for m in ('transformers', 'jinja2', 'boto3', 'botocore', 'runpod') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(tiny_llama), cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_test_input_json_file_and_bad_job_exit_code(tiny_llama, tmp_path):
     (tmp_path / "test_input.json").write_text(json.dumps(JOB))
     r = _run([], _env(tiny_llama), tmp_path)
