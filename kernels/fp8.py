@@ -188,9 +188,10 @@ def fp8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor
 
 def fp8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dequantize both operands, then a float matmul. x [..., K], wq [N, K], w_scale [N, 1] -> [..., N]."""
+    """The fp8 products accumulated in fp32, then scaled per token and per channel, as the GEMM kernels do
+    (and cheaper on CPU than dequantizing the weights first). x [..., K], wq [N, K], w_scale [N, 1] -> [..., N]."""
     xq, x_scale = quant_rows_ref(x.reshape(-1, x.shape[-1]))  # [T, K], [T, 1]
-    y = (xq.float() * x_scale) @ (wq.float() * w_scale).t()  # [T, N]
+    y = (xq.float() @ wq.float().t()) * x_scale * w_scale.t()  # [T, N]
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], wq.shape[0])
