@@ -282,6 +282,11 @@ def render(res, cat, sizes, sha, rounds, conv_rounds, cmd, machine, load: str) -
               f"- Target: ≤ 0.5x HF. HF's figure is {hf:.2f} s (import torch + transformers, from_pretrained, "
               "generate to the first new token), for the plain prompt. A chat job there would add its "
               "apply_chat_template call, ~5 ms once the tokenizer is loaded.",
+              "- The chat job's first token includes `import transformers` for its chat renderer (~0.45 s, "
+              "most of it transformers scanning its own model files at import); transformers' tokenizer itself "
+              "loads only after the first step. fp8's first token is slower on CPU because fp8 matmuls are "
+              "emulated there (weights converted to fp32 in every layer, every step); on a GPU they are "
+              "`torch._scaled_mm`.",
               "- \"weight read\" is the loader (engine/loader.py: reader threads, mmap views faulted in ahead of "
               "the consumer) plus the copy into the fused parameters; with fp8 also the per-channel quantization "
               "of each layer and writing the snapshot. \"fp8 snapshot load\" includes checking the snapshot's "
