@@ -130,3 +130,4 @@ def test_engine_loads_transformers_only_after_its_first_step(smollm2_path):
     llm.generate("Hi", SamplingParams(max_tokens=1))
     assert tok._thread is not None
     assert llm.tokenizer is tok.hf and tok._hf is not None
+    assert not tok._use_hf_chat and not tok._use_hf_encode  # its checks agreed with both fast paths
