@@ -128,7 +128,7 @@ class LLMEngine:
                 self.model.load_snapshot(fp8_snapshot.load(snap, self.device))
                 error = None
             except Exception as e:  # noqa: BLE001 - a damaged file or header: rebuild, as for a bad hash
-                error = e
+                error = f"{type(e).__name__}: {e}"  # not the exception: its traceback would keep the model alive
             if hash_ok() and error is None:
                 log.info("fp8 weights from snapshot %s", snap)
                 return "fp8 snapshot"

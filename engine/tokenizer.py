@@ -24,6 +24,9 @@ from engine.loader import read_json
 
 log = logging.getLogger("engine")
 
+# One import of transformers at a time: its lazy module breaks when two threads import it at once (a chat
+# render's renderer import racing the background tokenizer load raised ImportError in both).
+_IMPORT_LOCK = threading.Lock()
 PROBE = "Hello world! <s> </s> <|im_start|>user\n Grüße, 世界 😀  spaces\tand\nlines 12345"
 # transformers' SpecialTokensMixin.SPECIAL_TOKENS_ATTRIBUTES: what its apply_chat_template hands the template
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -66,9 +69,11 @@ class Tokenizer:
 
             self.backend = RustTokenizer.from_file(str(self.folder / "tokenizer.json"))
             self.eos_token_id = self._token_id(_content(cfg.get("eos_token")))
-            stm = read_json(self.folder / "special_tokens_map.json")
-            self.special_tokens = {k: v for k in SPECIAL_TOKENS
-                                   if (v := _content(cfg.get(k) or stm.get(k))) is not None}
+            # as transformers 5 reads them: special_tokens_map.json is legacy, read (and overriding the config)
+            # only when tokenizer_config.json has no added_tokens_decoder
+            src = cfg if "added_tokens_decoder" in cfg else \
+                {**cfg, **read_json(self.folder / "special_tokens_map.json")}
+            self.special_tokens = {k: v for k in SPECIAL_TOKENS if (v := _content(src.get(k))) is not None}
             self.chat_template = _chat_templates(self.folder, cfg)
         else:
             self._load_hf()
@@ -91,7 +96,8 @@ class Tokenizer:
 
     def _load_hf(self) -> None:
         try:
-            from transformers import AutoTokenizer  # tokenization and chat templates only
+            with _IMPORT_LOCK:
+                from transformers import AutoTokenizer  # tokenization and chat templates only
 
             hf = AutoTokenizer.from_pretrained(str(self.folder))
             if getattr(self, "backend", None) is not None and not self._use_hf_encode:
@@ -141,7 +147,8 @@ class Tokenizer:
                 messages, tools=tools, documents=documents, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 tokenize=False, **kwargs)
-        from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+        with _IMPORT_LOCK:
+            from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
 
         if not messages:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")

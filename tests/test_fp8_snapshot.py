@@ -57,6 +57,32 @@ def test_snapshot_round_trip_and_corruption(tiny_models, tmp_path):
     assert _run(path, tmp_path) == ("fp8 snapshot", first)
 
 
+def test_a_snapshot_that_fails_to_load_is_freed_before_the_rebuild(tiny_models, tmp_path, monkeypatch):
+    """On a GPU two copies of the weights may not fit: the model the snapshot half-filled must be gone (no
+    reference left, not even from a kept exception's traceback) before the rebuild allocates a new one."""
+    import gc
+    import weakref
+
+    from engine.models.llama import LlamaForCausalLM
+
+    path = tiny_models["llama"]
+    _run(path, tmp_path)  # writes the snapshot
+    first = []
+
+    def damaged(self, weights):
+        first.append(weakref.ref(self))
+        raise ValueError("damaged tensor")
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_snapshot", damaged)
+    gc.disable()  # reference counting alone must free it
+    try:
+        src, _ = _run(path, tmp_path)
+        assert first and first[0]() is None
+    finally:
+        gc.enable()
+    assert src == "checkpoint, quantized online"
+
+
 def test_snapshot_is_half_the_bytes(tiny_models, tmp_path):
     path = tiny_models["llama"]
     _run(path, tmp_path)

@@ -131,3 +131,60 @@ def test_engine_loads_transformers_only_after_its_first_step(smollm2_path):
     assert tok._thread is not None
     assert llm.tokenizer is tok.hf and tok._hf is not None
     assert not tok._use_hf_chat and not tok._use_hf_encode  # its checks agreed with both fast paths
+
+
+@pytest.mark.parametrize("case", ["legacy-map-overrides", "decoder-ignores-map"])
+def test_special_tokens_come_from_where_transformers_reads_them(case, smollm2_path, tmp_path):
+    """transformers 5 reads special_tokens_map.json (overriding tokenizer_config.json) only when the config has no
+    added_tokens_decoder. The fast path must render the same tokens before transformers is ever loaded."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / case
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(smollm2_path / f, folder / f)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}[{{ unk_token }}]"
+    if case == "decoder-ignores-map":
+        cfg["added_tokens_decoder"] = {"0": {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
+                                             "rstrip": False, "single_word": False, "special": True}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "unk_token": "<|im_start|>"}))
+    tok, hf = Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert tok.special_tokens == hf.special_tokens_map
+    assert tok.apply_chat_template(CHATS[0], add_generation_prompt=False) == \
+        _hf_render(hf, CHATS[0], add_generation_prompt=False)
+    assert tok._hf is None
+
+
+def test_a_chat_render_racing_the_background_load(smollm2_path):
+    """Cold start with a chat job and a prompt job at once: the render's first import of transformers and the
+    tokenizer load that the first step starts run together. Both must work (a fresh process: transformers must
+    not be imported yet)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import threading
+from engine import LLM, SamplingParams
+llm = LLM(model={str(smollm2_path)!r}, dtype="float32", log_stats_interval=0)
+tok, errors = llm.engine.tok, []
+def chat():
+    try:
+        tok.apply_chat_template([{{"role": "user", "content": "hi"}}])
+    except Exception as e:
+        errors.append(repr(e))
+t = threading.Thread(target=chat)
+t.start()
+llm.generate("Hi", SamplingParams(max_tokens=1))
+t.join()
+tok._thread.join()
+assert not errors and tok._hf_error is None, (errors, tok._hf_error)
+print("ok", llm.tokenizer is not None)
+"""
+    for _ in range(2):  # the race hit 3 runs in 4 before the import lock
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok True"), r.stderr[-2000:]
