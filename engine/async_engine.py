@@ -50,6 +50,10 @@ class AsyncEngine:
         """Validated prompt token ids (raises InvalidRequestError), as generate() would compute them."""
         return self.engine.tokenize(prompt)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Validate params against this engine (n, stop_token_ids) now; raises InvalidRequestError."""
+        self.engine.check_params(params)
+
     def resolve_lora(self, lora: LoRARequest):
         """Validate an adapter request now (raises InvalidRequestError naming the field)."""
         return self.engine.resolve_lora(lora)
@@ -75,6 +79,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise EngineError(f"request id {request_id!r} is already in use")
         ids = self.engine.tokenize(prompt)  # validates; raises InvalidRequestError
+        self.check_params(params)
         if lora is not None:
             self.engine.resolve_lora(lora)  # a bad adapter name or bucket fails here, before queueing
         loop = asyncio.get_running_loop()

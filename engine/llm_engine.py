@@ -180,6 +180,11 @@ class LLMEngine:
                 raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'", field="prompt")
             ids = list(prompt["prompt_token_ids"])
         elif isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone UTF-16 surrogate ("\ud800") from a JSON escape
+                raise InvalidRequestError(f"the prompt is not valid Unicode text: {e.reason} at character "
+                                          f"{e.start}", field="prompt") from None
             ids = self.tok.encode(prompt)
         else:
             raise InvalidRequestError(f"prompt must be a str or a dict, not {type(prompt).__name__}",
@@ -201,10 +206,21 @@ class LLMEngine:
             raise InvalidRequestError("this worker does not serve LoRA adapters; set ENABLE_LORA=true", field="lora")
         return self.lora.resolve(lora.name, lora.s3_uri)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone, against this engine; raises InvalidRequestError."""
+        if params.n > self.cfg.max_num_seqs:  # n sequences must fit one batch (and n loops run on this thread)
+            raise InvalidRequestError(f"n={params.n} is more than this worker runs at once (max_num_seqs="
+                                      f"{self.cfg.max_num_seqs})", field="n")
+        bad = [t for t in params.stop_token_ids if t >= self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
+                                      f"{self.spec.vocab_size})", field="stop_token_ids")
+
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, lora: LoRARequest | None = None) -> None:
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
+        self.check_params(params)
         lora_key = self.lora.request(self.resolve_lora(lora)) if lora is not None else None
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         seqs, detoks = [], []

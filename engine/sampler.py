@@ -99,7 +99,7 @@ class Sampler:
     def _top_k_top_p(self, logits, top_k, top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         v = logits.shape[-1]
-        k = torch.tensor([t if t else v for t in top_k], device=self.device).clamp(max=v)
+        k = torch.tensor([min(t, v) if t else v for t in top_k], device=self.device)  # any top_k >= v: all
         pos = torch.arange(v, device=self.device)[None, :]
         drop = pos >= k[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)

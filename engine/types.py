@@ -55,6 +55,9 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative integers"),
+            # torch.Generator.manual_seed takes 64 bits; sequence i of n uses seed + i
+            ("seed", self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63),
+             "must be an integer in [-2**63, 2**63)"),
         ]
         for name, ok, why in checks:
             if not ok:

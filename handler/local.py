@@ -35,6 +35,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -194,13 +195,18 @@ class Emulator:
             return Response(status_code=204)
         batch = "/job-take-batch/" in request.url.path
         n = max(1, int(request.query_params.get("batch_size", 1))) if batch else 1
-        taken = []
-        while self.queue and len(taken) < n:
-            job = self.jobs[self.queue.popleft()]
+        jobs = [self.jobs[self.queue.popleft()] for _ in range(min(n, len(self.queue)))]
+        payload = [{"id": job.id, "input": job.input} for job in jobs]
+        try:  # serialize before marking them taken: a job that cannot be sent must not sit IN_PROGRESS forever
+            response = JSONResponse(payload if batch else payload[0])
+        except ValueError as e:
+            for job in jobs:
+                self.finish(job, "FAILED", error=f"the emulator could not send this job to the worker: {e}")
+            return Response(status_code=204)
+        for job in jobs:
             job.status, job.started = "IN_PROGRESS", time.monotonic()
             job.changed.fire()
-            taken.append({"id": job.id, "input": job.input})
-        return JSONResponse(taken if batch else taken[0])
+        return response
 
     async def job_stop(self, request: Request) -> Response:
         self.counts["job-stop"] += 1
@@ -249,10 +255,12 @@ class Emulator:
     # ------------------------------------------------------------ public API
     async def _new_job(self, request: Request, prefix: str) -> Job | Response:
         self.counts[prefix.rstrip("-") or "run"] += 1
-        with contextlib.suppress(ValueError):
-            body = await request.json()
-            if isinstance(body, dict) and "input" in body:
-                return self.submit(body["input"], prefix)
+        try:
+            body = await _json_body(request)
+        except ValueError as e:
+            return JSONResponse({"error": f"the request body is not valid JSON: {e}"}, 400)
+        if isinstance(body, dict) and "input" in body:
+            return self.submit(body["input"], prefix)
         return JSONResponse({"error": "the request body must be JSON with an 'input' key"}, 400)
 
     def _lookup(self, job_id: str, kind: str) -> Job | Response:
@@ -320,9 +328,9 @@ class Emulator:
         body: Any = {}
         if request.method == "POST":
             try:
-                body = await request.json()
-            except ValueError:
-                return error_response({"message": "the body is not valid JSON", "type": "BadRequestError"})
+                body = await _json_body(request)
+            except ValueError as e:
+                return error_response({"message": f"the body is not valid JSON: {e}", "type": "BadRequestError"})
         job = self.submit({"openai_route": route, "openai_input": body})
         if not (isinstance(body, dict) and body.get("stream")):
             await self.wait_done(job, None, request)
@@ -361,6 +369,22 @@ class Emulator:
         if isinstance(out, dict) and ("error" in out or out.get("object") == "error"):
             return error_response(out)
         return JSONResponse(out)
+
+
+async def _json_body(request: Request) -> Any:
+    """Strict JSON, as an HTTP API should take it: NaN, Infinity, 1e400 and lone surrogates ("\\ud800") are
+    refused here (ValueError), not accepted and then impossible to pass on to the worker."""
+    def finite(text: str) -> float:
+        if not math.isfinite(x := float(text)):
+            raise ValueError(f"{text} is out of range for a JSON number")
+        return x
+
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    body = json.loads(await request.body(), parse_float=finite, parse_constant=constant)
+    json.dumps(body, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+    return body
 
 
 def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: int = 8000,

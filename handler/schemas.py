@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 100  # worker-vllm's default when a native job omits max_tokens; stated in the output
 
@@ -22,6 +22,9 @@ class JobError(Exception):
         return {"error": {"type": self.type, "message": self.message, "param": self.param, "code": self.code}}
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
 def parse(model: type[BaseModel], data: Any, where: str = ""):
     """Validate `data`, turning the first pydantic error into a JobError that names the field."""
     if not isinstance(data, dict):
@@ -30,7 +33,9 @@ def parse(model: type[BaseModel], data: Any, where: str = ""):
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(p) for p in ((where,) if where else ()) + tuple(err["loc"]))
+        # pydantic adds the union member it tried ("str", "list[str]") to the location: not a field name
+        path = [p for p in err["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+        loc = ".".join(str(p) for p in ([where] if where else []) + path)
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
         raise JobError(f"{loc}: {msg}", param=loc or None) from None
 
@@ -53,6 +58,13 @@ class Message(_Strict):
                 raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
             return "".join(p["text"] for p in v)
         return v
+
+    @model_validator(mode="after")
+    def _content_needed(self):
+        # an assistant turn may be content-less (OpenAI sends null with tool calls); the rest need text
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class NativeSamplingParams(_Strict):
@@ -105,7 +117,7 @@ class StreamOptions(_Strict):
 
 class _OpenAIBase(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)  # null: all the room the context leaves
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
@@ -142,7 +154,7 @@ class _OpenAIBase(_Strict):
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -165,9 +177,24 @@ class ChatCompletionRequest(_OpenAIBase):
             raise ValueError("tools are not supported")
         return v
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none", "auto"):  # "required" or a named function: there are no tools to call
+            raise ValueError("tool_choice other than 'none' or 'auto' needs tools, which are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
 
 class CompletionRequest(_OpenAIBase):
     prompt: Union[str, list[int], list[str]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's and vLLM's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

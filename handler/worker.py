@@ -109,6 +109,11 @@ class Worker:
             outcome = f"failed ({e})"
             yield {"error": json.dumps(JobError(str(e), param=getattr(e, "field", None), type="server_error",
                                                 code=502).to_dict()["error"])}
+        except Exception as e:  # noqa: BLE001 - a bug of ours: this job gets an error object, the worker serves on
+            outcome = f"failed ({type(e).__name__})"
+            log.exception("job %s failed", job_id)
+            yield {"error": json.dumps(JobError(f"internal error: {type(e).__name__}: {e}", type="server_error",
+                                                code=500).to_dict()["error"])}
         finally:
             self.in_flight -= 1
             self._log_end(job_id, outcome)
@@ -192,9 +197,14 @@ class Worker:
         return job.prompt
 
     async def _chat_prompt(self, messages: list[dict], param: str, add_generation_prompt: bool = True,
-                           **kw) -> str:
+                           template_kwargs: dict | None = None) -> str:
         """Rendered on a thread: the first call imports transformers' renderer (or waits for its tokenizer),
-        which must not stall the other jobs' streams."""
+        which must not stall the other jobs' streams. template_kwargs: the request's chat_template_kwargs."""
+        kw = dict(template_kwargs or {})
+        taken = sorted(kw.keys() & _RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise JobError(f"chat_template_kwargs may not set {taken}: the request sets them",
+                           param=f"openai_input.chat_template_kwargs.{taken[0]}")
         try:
             return await asyncio.to_thread(
                 self.engine.tok.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
@@ -213,7 +223,7 @@ class Worker:
             req = parse(ChatCompletionRequest, body, "openai_input")
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             prompt = await self._chat_prompt(messages, "openai_input.messages", req.add_generation_prompt,
-                                       **(req.chat_template_kwargs or {}))
+                                             req.chat_template_kwargs)
             shapes, max_tokens = oa.ChatShapes(self.served_name), req.max_completion_tokens or req.max_tokens
             top_n = req.top_logprobs or 0 if req.logprobs else None
         elif route == "/v1/completions":
@@ -237,7 +247,9 @@ class Worker:
                   "skip_special_tokens", "include_stop_str_in_output")
         params = _sampling({**{f: getattr(req, f) for f in fields}, "logprobs": top_n,
                             "max_tokens": max_tokens or 1}, "openai_input")
-        prompt, params = self._fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens)
+        prompt, params = self._fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens,
+                                   prompt_param="openai_input.messages" if route == "/v1/chat/completions" else
+                                   "openai_input.prompt")
         chat = not isinstance(shapes, oa.CompletionShapes)
         cold: list = []
         gen = self._generate(prompt, params, rid, lora, cold)
@@ -295,13 +307,19 @@ class Worker:
         events.append(oa.SSE_DONE)
         yield "".join(events)
 
-    def _fit(self, prompt, params: SamplingParams, param: str, default_room: bool = False):
+    def _fit(self, prompt, params: SamplingParams, param: str, default_room: bool = False,
+             prompt_param: str | None = None):
         """Tokenize once and check the context: a max_tokens the context cannot hold is an error (as in
-        vLLM's OpenAI server); with no max_tokens on OpenAI routes, use all the room left."""
+        vLLM's OpenAI server); with no max_tokens on OpenAI routes, use all the room left. param: the
+        max_tokens field's path; prompt_param: the field the prompt came from (default: the engine's name)."""
         try:
             ids = self.engine.tokenize(prompt)
         except InvalidRequestError as e:
-            raise JobError(str(e), param=e.field) from None
+            raise JobError(str(e), param=prompt_param or e.field) from None
+        try:
+            self.engine.check_params(params)  # n, stop_token_ids: limits of this engine
+        except InvalidRequestError as e:
+            raise JobError(str(e), param=f"{param.rsplit('.', 1)[0]}.{e.field}") from None
         room = self.engine.max_model_len - len(ids)
         if default_room:
             params.max_tokens = room
@@ -309,6 +327,11 @@ class Worker:
             raise JobError(f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
                            f"context is {self.engine.max_model_len}, leaving room for {room}", param=param)
         return {"prompt_token_ids": ids}, params
+
+
+# apply_chat_template's own arguments, which the request sets: a template kwarg cannot override them
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "chat_template",
+                                       "tokenize"})
 
 
 def _native_chunk(pending: list[list[str]], n_input: int, n_output: int, finish=None) -> dict:
@@ -328,10 +351,14 @@ def _sampling(kw: dict, where: str) -> SamplingParams:
         raise JobError(str(e), param=where) from None
 
 
-async def run_test_job(worker: Worker, job: dict, out) -> int:
+async def run_test_job(worker: Worker, job: Any, out) -> int:
     """runpod's --test_input contract, which the SDK breaks for generator handlers: run the job through
     our handler, print each chunk and the aggregate output; 0 on success, 1 on error."""
     chunks, t0 = [], time.perf_counter()
+    if not isinstance(job, dict):
+        error = JobError(f"the test job must be a JSON object with an 'input', not {type(job).__name__}")
+        print(json.dumps({"status": "FAILED", "error": json.dumps(error.to_dict()["error"])}), file=out, flush=True)
+        return 1
     async for chunk in worker.handle({"id": job.get("id", "local_test"), "input": job.get("input")}):
         print(f"--- chunk {len(chunks)}: {json.dumps(chunk, ensure_ascii=False)}", file=out, flush=True)
         chunks.append(chunk)

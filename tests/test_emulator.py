@@ -172,3 +172,21 @@ def test_cancel_frees_kv_blocks(emu):
     m = emu.wait_for(rf"job {r['id']} cancelled .*KV blocks free (\d+)/(\d+), running (\d+)", 30)
     assert m.group(1) == m.group(2) and m.group(3) == "0"
     assert requests.get(f"{emu.base}/status/{r['id']}").json()["status"] == "CANCELLED"
+
+
+def test_non_json_numbers_and_lone_surrogates_are_refused_at_the_door(emu):
+    """NaN, Infinity, 1e400 and "\\ud800" parse in Python but cannot be sent on to the worker: they used to be
+    queued, then break the job-take that carried them (and lose the good jobs in the same batch)."""
+    bodies = ['{"input": {"prompt": "hi", "sampling_params": {"temperature": NaN}}}',
+              '{"input": {"prompt": "hi", "sampling_params": {"temperature": 1e400}}}',
+              '{"input": {"prompt": "bad \\ud800"}}']
+    for body in bodies:
+        r = requests.post(f"{emu.base}/run", data=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"], (body, r.text)
+    r = requests.post(f"{emu.base}/openai/v1/chat/completions", data='{"messages": [{"role": "user", "content": '
+                      '"hi"}], "temperature": Infinity}', headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    # and the queue still serves
+    ok = requests.post(f"{emu.base}/runsync", json={"input": {"prompt": "hi", "sampling_params": {"max_tokens": 2}}},
+                       timeout=120).json()
+    assert ok["status"] == "COMPLETED", ok

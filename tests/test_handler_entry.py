@@ -69,6 +69,8 @@ def test_test_input_json_file_and_bad_job_exit_code(tiny_llama, tmp_path):
     assert r.returncode == 1
     final = json.loads(r.stdout.strip().splitlines()[-1])
     assert final["status"] == "FAILED" and "top_p" in final["error"]
+    r = _run(["--test_input", "[1]"], _env(tiny_llama), tmp_path)  # not a job object: an error, not a traceback
+    assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1])["status"] == "FAILED", r.stderr[-500:]
 
 
 def test_failed_start_reports_on_every_job(tmp_path):

@@ -145,6 +145,23 @@ BAD_JOBS = [
     ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "temperature": "hot"}},
      "openai_input.temperature"),
     ({"openai_route": "/v1/completions", "openai_input": "x"}, "openai_input"),
+    # found by probing a running worker: each of these once failed the engine for every job, hung it, or
+    # escaped as a raw traceback
+    ({"prompt": "x", "sampling_params": {"min_tokens": 1, "stop_token_ids": [60000]}},
+     "sampling_params.stop_token_ids"),
+    ({"prompt": "x", "sampling_params": {"n": 20000}}, "sampling_params.n"),
+    ({"prompt": "x", "sampling_params": {"seed": 2 ** 64}}, "sampling_params.seed"),
+    ({"prompt": "bad \ud800 surrogate"}, "prompt"),
+    ({"messages": [{"role": "user"}]}, "messages.0"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "chat_template_kwargs": {"messages": []}}},
+     "openai_input.chat_template_kwargs.messages"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "top_logprobs": 2}}, "openai_input.top_logprobs"),
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
+                                                               "tool_choice": "required"}}, "openai_input.tool_choice"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "max_tokens": 0}}, "openai_input.max_tokens"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "n": 10 ** 6}}, "openai_input.n"),
 ]
 
 
@@ -168,6 +185,24 @@ def test_bad_jobs_get_clear_errors_while_good_jobs_run(worker):
         assert err is not None, f"{inp!r} was accepted: {chunks}"
         assert err["message"] and err["type"]
         assert param in (err["param"] or "") or param in err["message"], (inp, err)
+    assert worker.fault is None
+
+
+def test_error_params_are_field_paths(worker):
+    err = error_of(run_job(worker, {"prompt": "x", "sampling_params": {"stop": 5}}))
+    assert err["param"] == "sampling_params.stop"  # not pydantic's union member ("...stop.str")
+    err = error_of(run_job(worker, {"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 10 ** 7]}}))
+    assert err["param"] == "openai_input.prompt"
+
+
+def test_edge_values_that_are_valid(worker):
+    # any top_k at or past the vocabulary means "no top-k" (it once overflowed a tensor and failed the engine)
+    out = run_job(worker, {"prompt": "Hi", "sampling_params": {"max_tokens": 3, "top_k": 2 ** 63, "seed": 7}})
+    assert error_of(out) is None and out[-1]["usage"]["output"] == 3
+    # /v1/completions without max_tokens: 16 tokens, as OpenAI and vLLM
+    out = run_job(worker, {"openai_route": "/v1/completions", "openai_input": {"prompt": "1, 2, 3,",
+                                                                               "ignore_eos": True}})
+    assert out[-1]["usage"]["completion_tokens"] == 16
     assert worker.fault is None
 
 
