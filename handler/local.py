@@ -35,7 +35,6 @@ import collections
 import contextlib
 import json
 import logging
-import math
 import os
 import shlex
 import signal
@@ -48,7 +47,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from handler.local_jobs import EP, Job, Pulse, error_response, pdeathsig, sse, worker_env
+from handler.local_jobs import EP, Job, Pulse, error_response, json_body, openai_result, pdeathsig, sse, worker_env
 
 log = logging.getLogger("handler.local")
 
@@ -256,7 +255,7 @@ class Emulator:
     async def _new_job(self, request: Request, prefix: str) -> Job | Response:
         self.counts[prefix.rstrip("-") or "run"] += 1
         try:
-            body = await _json_body(request)
+            body = json_body(await request.body())
         except ValueError as e:
             return JSONResponse({"error": f"the request body is not valid JSON: {e}"}, 400)
         if isinstance(body, dict) and "input" in body:
@@ -328,18 +327,18 @@ class Emulator:
         body: Any = {}
         if request.method == "POST":
             try:
-                body = await _json_body(request)
+                body = json_body(await request.body())
             except ValueError as e:
                 return error_response({"message": f"the body is not valid JSON: {e}", "type": "BadRequestError"})
         job = self.submit({"openai_route": route, "openai_input": body})
         if not (isinstance(body, dict) and body.get("stream")):
             await self.wait_done(job, None, request)
-            return self._openai_result(job)
+            return openai_result(job)
         while not job.chunks and not job.done:  # hold the headers until we know it is not an error
             if not await job.changed.wait(1.0) and await request.is_disconnected():
                 self.cancel(job)
         if not job.chunks:
-            return self._openai_result(job)
+            return openai_result(job)
         return StreamingResponse(self._sse_stream(job), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -360,31 +359,6 @@ class Emulator:
                 log.info("stream client went away: cancelling %s", job.id)
                 self.cancel(job)
 
-    def _openai_result(self, job: Job) -> Response:
-        if job.status == "CANCELLED":
-            return error_response({"message": "the request was cancelled", "type": "CancelledError", "code": 499})
-        if job.status != "COMPLETED":
-            return error_response(job.error)
-        out = job.output[0] if isinstance(job.output, list) and len(job.output) == 1 else job.output
-        if isinstance(out, dict) and ("error" in out or out.get("object") == "error"):
-            return error_response(out)
-        return JSONResponse(out)
-
-
-async def _json_body(request: Request) -> Any:
-    """Strict JSON, as an HTTP API should take it: NaN, Infinity, 1e400 and lone surrogates ("\\ud800") are
-    refused here (ValueError), not accepted and then impossible to pass on to the worker."""
-    def finite(text: str) -> float:
-        if not math.isfinite(x := float(text)):
-            raise ValueError(f"{text} is out of range for a JSON number")
-        return x
-
-    def constant(name: str):
-        raise ValueError(f"{name} is not JSON")
-
-    body = json.loads(await request.body(), parse_float=finite, parse_constant=constant)
-    json.dumps(body, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
-    return body
 
 
 def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: int = 8000,

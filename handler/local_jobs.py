@@ -1,11 +1,12 @@
 """The emulator's job records and the pieces it shares with its routes: job state, wake-ups, the
-worker's environment, SSE framing, and OpenAI error responses."""
+worker's environment, strict JSON bodies, SSE framing, and OpenAI responses."""
 from __future__ import annotations
 
 import ast
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import sys
 import time
@@ -115,3 +116,31 @@ def error_response(err: Any, default_code: int = 400) -> JSONResponse:
     code = err.get("code")
     status = code if isinstance(code, int) and 400 <= code < 600 else default_code
     return JSONResponse({"error": {k: v for k, v in err.items() if k != "object"}}, status)
+
+
+def json_body(raw: bytes) -> Any:
+    """Strict JSON, as an HTTP API should take it: NaN, Infinity, 1e400 and lone surrogates ("\\ud800") are
+    refused here (ValueError), not accepted and then impossible to pass on to the worker."""
+    def finite(text: str) -> float:
+        if not math.isfinite(x := float(text)):
+            raise ValueError(f"{text} is out of range for a JSON number")
+        return x
+
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    body = json.loads(raw, parse_float=finite, parse_constant=constant)
+    json.dumps(body, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+    return body
+
+
+def openai_result(job: Job) -> JSONResponse:
+    """A finished (non-streamed) OpenAI job as its HTTP response: the body, or the error in OpenAI's shape."""
+    if job.status == "CANCELLED":
+        return error_response({"message": "the request was cancelled", "type": "CancelledError", "code": 499})
+    if job.status != "COMPLETED":
+        return error_response(job.error)
+    out = job.output[0] if isinstance(job.output, list) and len(job.output) == 1 else job.output
+    if isinstance(out, dict) and ("error" in out or out.get("object") == "error"):
+        return error_response(out)
+    return JSONResponse(out)
