@@ -14,24 +14,12 @@ from typing import Any, AsyncIterator
 
 from engine import AsyncEngine, EngineError, EngineFault, InvalidRequestError, LoRARequest, SamplingParams, Timeline
 from handler import openai_compat as oa
+from handler.pacing import BatchSizer, paced
 from handler.schemas import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, JobError, NativeJob,
                              parse)
 from handler.settings import Settings
 
 log = logging.getLogger("handler")
-
-
-class BatchSizer:
-    """Tokens (or SSE events) per yield: min, min*g, min*g^2, ... capped at max (1, 3, 9, 27, 50, ...).
-    Each yield is one HTTP POST on Runpod, so early yields are small (fast first token) and later ones big."""
-
-    def __init__(self, min_size: int, growth: float, max_size: int):
-        self.size, self.growth, self.max = max(1, min(min_size, max_size)), growth, max_size
-
-    def next(self) -> int:
-        cur = self.size
-        self.size = min(self.max, max(cur + 1, int(cur * self.growth))) if self.growth > 1 else cur
-        return cur
 
 
 class Worker:
@@ -161,20 +149,20 @@ class Worker:
                            job.max_batch_size or s.DEFAULT_BATCH_SIZE)
         n = params.n
         pending: list[list[str]] = [[] for _ in range(n)]
-        n_pending, batch, out_tokens, finish = 0, sizer.next(), 0, [None] * n
-        n_input, metrics = 0, None
+        out_tokens, finish, n_input, metrics = 0, [None] * n, 0, None
         cold: list = []
-        async for out in self._generate(prompt, params, rid, lora, cold):
-            n_input, metrics = len(out.prompt_token_ids), out.metrics
-            for c in out.outputs:
-                if c.delta_text:
-                    pending[c.index].append(c.delta_text)
-                n_pending += len(c.delta_token_ids)
-                out_tokens += len(c.delta_token_ids)
-                finish[c.index] = c.finish_reason
-            if job.stream and n_pending >= batch and not out.finished:
+        gen = self._generate(prompt, params, rid, lora, cold)
+        async for group in (self._paced(gen, sizer) if job.stream else _whole(gen)):
+            for out in group:
+                n_input, metrics = len(out.prompt_token_ids), out.metrics
+                for c in out.outputs:
+                    if c.delta_text:
+                        pending[c.index].append(c.delta_text)
+                    out_tokens += len(c.delta_token_ids)
+                    finish[c.index] = c.finish_reason
+            if not group[-1].finished:
                 yield _native_chunk(pending, n_input, out_tokens)
-                pending, n_pending, batch = [[] for _ in range(n)], 0, sizer.next()
+                pending = [[] for _ in range(n)]
         final = _native_chunk(pending, n_input, out_tokens, finish)
         if metrics is not None:  # worker-vllm's usage, extended
             final["usage"]["cached_input"] = metrics.cached_prompt_tokens
@@ -278,30 +266,34 @@ class Worker:
         """OpenAI's logprobs object for these tokens (chat or completions shape)."""
         return (oa.chat_logprobs if chat else oa.completion_logprobs)(self.engine.tok, token_ids, lps, top_n)
 
+    def _paced(self, gen, sizer: BatchSizer):
+        return paced(gen, sizer, self.settings.STREAM_FLUSH_MS / 1000)
+
     async def _openai_stream(self, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
         s = self.settings
         sizer = BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
-        events, batch, n_in, n_out, cached = [], sizer.next(), 0, 0, 0
+        events, n_in, n_out, cached = [], 0, 0, 0
         if chat:
             events += [oa.sse(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
-        async for out in gen:
-            n_in = len(out.prompt_token_ids)
-            if out.finished:
-                cached = out.metrics.cached_prompt_tokens
-            for c in out.outputs:
-                n_out += len(c.delta_token_ids)
-                if not (c.delta_text or c.finish_reason or c.delta_token_ids):
-                    continue
-                lp = None
-                if top_n is not None and c.delta_token_ids and c.logprobs:
-                    lp = self._logprobs(chat, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):], top_n)
-                if c.delta_text or lp is not None:
-                    events.append(oa.sse(shapes.chunk(c.index, {"content": c.delta_text}, None, lp)))
-                if c.finish_reason:
-                    events.append(oa.sse(shapes.chunk(c.index, {}, c.finish_reason)))
-            if len(events) >= batch and not out.finished:
+        async for group in self._paced(gen, sizer):
+            for out in group:
+                n_in = len(out.prompt_token_ids)
+                if out.finished:
+                    cached = out.metrics.cached_prompt_tokens
+                for c in out.outputs:
+                    n_out += len(c.delta_token_ids)
+                    if not (c.delta_text or c.finish_reason or c.delta_token_ids):
+                        continue
+                    lp = None
+                    if top_n is not None and c.delta_token_ids and c.logprobs:
+                        lp = self._logprobs(chat, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):], top_n)
+                    if c.delta_text or lp is not None:
+                        events.append(oa.sse(shapes.chunk(c.index, {"content": c.delta_text}, None, lp)))
+                    if c.finish_reason:
+                        events.append(oa.sse(shapes.chunk(c.index, {}, c.finish_reason)))
+            if events and not group[-1].finished:
                 yield "".join(events)
-                events, batch = [], sizer.next()
+                events = []
         if req.stream_options and req.stream_options.include_usage:
             events.append(oa.sse(shapes.usage_chunk(oa.usage(n_in, n_out, cached))))
         events.append(oa.SSE_DONE)
@@ -332,6 +324,11 @@ class Worker:
 # apply_chat_template's own arguments, which the request sets: a template kwarg cannot override them
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "chat_template",
                                        "tokenize"})
+
+
+async def _whole(gen) -> AsyncIterator[list]:
+    """A non-streamed job's outputs as one group (paced()'s shape)."""
+    yield [out async for out in gen]
 
 
 def _native_chunk(pending: list[list[str]], n_input: int, n_output: int, finish=None) -> dict:

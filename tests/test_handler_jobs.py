@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 
 from engine import AsyncEngine, EngineConfig
 from handler.settings import load_settings
-from handler.worker import BatchSizer, Worker
+from handler.worker import Worker
 
 
 
@@ -34,13 +34,9 @@ def error_of(chunks) -> dict | None:
     return None
 
 
-def test_batch_sizes_grow_like_worker_vllm():
-    s = BatchSizer(1, 3, 50)
-    assert [s.next() for _ in range(7)] == [1, 3, 9, 27, 50, 50, 50]
-
-
 def test_native_stream_batches_and_usage(worker):
-    chunks = run_job(worker, {"prompt": "The capital of France is", "stream": True,
+    counts_only = Worker(load_settings({"STREAM_FLUSH_MS": "3600000"}), worker.engine)  # the count bound alone
+    chunks = run_job(counts_only, {"prompt": "The capital of France is", "stream": True,
                               "sampling_params": {"temperature": 0, "max_tokens": 20, "ignore_eos": True}})
     sizes = [len(c["choices"][0]["tokens"]) for c in chunks]
     assert sizes[:3] == [1, 3, 9] and sum(sizes) <= 20 and len(chunks) == 4
@@ -50,6 +46,24 @@ def test_native_stream_batches_and_usage(worker):
     assert 0 <= m["queue_time"] <= m["ttft"] <= m["e2e_time"] and 0 < m["mean_itl"] <= m["max_itl"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "".join(t for c in chunks for t in c["choices"][0]["tokens"]).startswith(" Paris.")
+
+
+def test_streams_flush_on_time_native_and_openai(worker):
+    """With a 1 ms flush interval nearly every engine step is its own yield (count alone: 1, 3, 9, 17 tokens in
+    4 yields), and the streamed text is the same as unstreamed."""
+    fast = Worker(load_settings({"STREAM_FLUSH_MS": "1"}), worker.engine)
+    sp = {"temperature": 0, "max_tokens": 30, "ignore_eos": True}
+    chunks = run_job(fast, {"prompt": "The capital of France is", "stream": True, "sampling_params": sp})
+    whole = run_job(fast, {"prompt": "The capital of France is", "sampling_params": sp})
+    assert len(chunks) > 10 and all(c["choices"][0]["tokens"] for c in chunks[:-1])
+    assert "".join(t for c in chunks for t in c["choices"][0]["tokens"]) == "".join(whole[0]["choices"][0]["tokens"])
+    body = {"prompt": "The capital of France is", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    sse = run_job(fast, {"openai_route": "/v1/completions", "openai_input": body})
+    assert len(sse) > 10 and sse[-1].endswith("data: [DONE]\n\n")
+    texts = [json.loads(e[6:])["choices"][0]["text"] for s in sse for e in s.split("\n\n")
+             if e.startswith("data: {")]
+    assert "".join(texts) == "".join(whole[0]["choices"][0]["tokens"])
 
 
 def test_native_default_max_tokens_is_stated(worker):
