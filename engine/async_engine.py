@@ -102,10 +102,13 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(("abort", request_id, None))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort and wait until the engine thread has freed the request's blocks."""
+    async def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort and wait until the engine thread has freed the request's blocks. With `error`, the request's
+        generate() raises it (after the outputs already made) instead of waiting for more."""
         done = threading.Event()
         self._inbox.put(("abort", request_id, done))
+        if error is not None:
+            self._send(request_id, error)
         await asyncio.get_running_loop().run_in_executor(None, done.wait)
 
     def stats(self) -> dict:

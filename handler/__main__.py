@@ -22,35 +22,6 @@ from pathlib import Path  # noqa: E402
 log = logging.getLogger("handler")
 
 
-def _cheap_cpuinfo() -> None:
-    """`import runpod` spends ~1.1 s in cpuinfo.get_cpu_info() (rp_debugger reads the CPU brand once).
-    Answer it from /proc/cpuinfo instead: same field, microseconds, before runpod is imported."""
-    if "cpuinfo" in sys.modules:
-        return
-    import types
-
-    brand = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                brand = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    shim = types.ModuleType("cpuinfo")
-    shim.get_cpu_info = lambda: {"brand_raw": brand}
-    sys.modules["cpuinfo"] = shim
-
-
-def _fix_occupancy() -> None:
-    """runpod 1.12's JobScaler counts a taken job twice (in its queue and in progress) until its task
-    starts, so after taking 4 of 8 jobs it thinks it is full and sleeps 1 s. The in-progress set already
-    holds queued jobs: count it alone. Measured with 8 concurrent 1 s jobs: 2.1 s -> all started in 34 ms."""
-    from runpod.serverless.modules import rp_scale
-
-    rp_scale.JobScaler.current_occupancy = lambda self: self.job_progress.get_job_count()
-
-
 def _test_input(argv: list[str]) -> dict | None:
     if "--test_input" in argv:
         i = argv.index("--test_input")
@@ -101,10 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         worker.ready()
         return asyncio.run(run_test_job(worker, test_job, sys.stdout))
 
-    _cheap_cpuinfo()
+    from handler import runpod_sdk
+
+    runpod_sdk.cheap_cpuinfo()
     import runpod
 
-    _fix_occupancy()
+    grace = worker.settings.SHUTDOWN_GRACE_S
+    runpod_sdk.install(grace, lambda: worker.end_all(
+        f"the worker is shutting down (SIGTERM) and this job did not finish within its {grace:g} s grace "
+        "period; send it again"))
     worker.ready()  # the cold-start table, before the first job-take
 
     config = {"handler": worker.handle, "return_aggregate_stream": True,

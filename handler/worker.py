@@ -33,9 +33,21 @@ class Worker:
         self.served_name = settings.OPENAI_SERVED_MODEL_NAME_OVERRIDE or settings.MODEL_NAME or "SmolLM2-135M-Instruct"
         self.rp_config: dict | None = None  # runpod's start() config; set refresh_worker on engine faults
         self.fault: str | None = None
-        self.in_flight = 0
         self.max_in_flight = 0
         self._ids = itertools.count()
+        self._running: dict[str, str] = {}  # engine request id -> job id, for jobs in flight
+        self.stop_error: JobError | None = None  # set when the worker ends its jobs (shutdown)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def end_all(self, reason: str) -> None:
+        """End every job in flight, and any that starts later, with a server error (the SDK reports each one
+        FAILED). Called when the shutdown grace period is over."""
+        self.stop_error = JobError(reason, type="server_error", code=503)
+        for rid in list(self._running):
+            asyncio.ensure_future(self.engine.abort(rid, self.stop_error))
 
     def concurrency(self, current: int) -> int:
         return self.settings.MAX_CONCURRENCY
@@ -49,6 +61,8 @@ class Worker:
     async def _generate(self, prompt, params: SamplingParams, rid: str, lora, cold: list):
         """engine.generate; for the worker's first job it also marks the cold start's "first token" and puts the
         timeline into `cold` (that job returns it in its metrics)."""
+        if self.stop_error is not None:
+            raise self.stop_error
         claim = self.timeline is not None and not self._cold_start_claimed
         self._cold_start_claimed = True
         async for out in self.engine.generate(prompt, params, request_id=rid, lora=lora):
@@ -64,7 +78,7 @@ class Worker:
         inp = job.get("input")
         job_id = job.get("id")
         rid = f"{job_id}#{next(self._ids)}"  # engine request id: unique even if a job id repeats
-        self.in_flight += 1
+        self._running[rid] = job_id
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         log.info("job %s started (in flight: %d)", job_id, self.in_flight)
         outcome = "cancelled"
@@ -72,6 +86,8 @@ class Worker:
             if self.engine is None or self.fault:
                 raise JobError(f"the worker could not serve: {self.fault or self.start_error}", type="server_error",
                                code=500)
+            if self.stop_error is not None:
+                raise self.stop_error
             if isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
                 gen = self._openai(inp, rid)
             else:
@@ -103,7 +119,7 @@ class Worker:
             yield {"error": json.dumps(JobError(f"internal error: {type(e).__name__}: {e}", type="server_error",
                                                 code=500).to_dict()["error"])}
         finally:
-            self.in_flight -= 1
+            self._running.pop(rid, None)
             self._log_end(job_id, outcome)
 
     def _log_end(self, job_id, outcome: str) -> None:

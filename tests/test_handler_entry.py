@@ -30,7 +30,7 @@ def _run(args, env, cwd, timeout=120):
 
 
 def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
-    r = _run(["--test_input", json.dumps(JOB)], _env(tiny_llama), tmp_path)
+    r = _run(["--test_input", json.dumps(JOB)], {**_env(tiny_llama), "STREAM_FLUSH_MS": "600000"}, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
     assert sum(ln.startswith("--- chunk") for ln in lines) == 3  # 1, 3, then the rest of 6 tokens
@@ -91,7 +91,8 @@ def _free_port() -> int:
 def test_rp_serve_api_runsync_returns_aggregate(tiny_llama, tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "handler", "--rp_serve_api", "--rp_api_port", str(port)],
-                            env=_env(tiny_llama), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env={**_env(tiny_llama), "STREAM_FLUSH_MS": "600000"},  # the count bound alone
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 90
         while True:
