@@ -38,12 +38,12 @@ class AsyncEngine:
 
     @property
     def tokenizer(self):
-        """transformers' tokenizer (waits for its load; see LLMEngine.tokenizer)."""
+        """transformers' tokenizer, loaded on the first call (see LLMEngine.tokenizer)."""
         return self.engine.tokenizer
 
     @property
     def tok(self):
-        """The engine's own tokenizer: encode, decode and apply_chat_template without waiting for transformers."""
+        """The engine's own tokenizer: encode, decode and apply_chat_template without transformers."""
         return self.engine.tok
 
     def tokenize(self, prompt: str | dict) -> list[int]:

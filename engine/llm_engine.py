@@ -58,7 +58,7 @@ class LLMEngine:
         if cfg.dtype == "auto" and self.device.type == "cuda" and hf_cfg.get("torch_dtype") == "float16":
             self.dtype = torch.float16
 
-        self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust now; transformers after the first step
+        self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
         eos = set(self.spec.eos_token_ids)
         if self.tok.eos_token_id is not None:
             eos.add(self.tok.eos_token_id)
@@ -168,8 +168,8 @@ class LLMEngine:
 
     @property
     def tokenizer(self):
-        """transformers' tokenizer (as vLLM's get_tokenizer()); loaded after the first step, so this may wait
-        for it. The engine itself uses `tok` (engine/tokenizer.py), which never does on the fast path."""
+        """transformers' tokenizer (as vLLM's get_tokenizer()), loaded on the first call. The engine itself uses
+        `tok` (engine/tokenizer.py), which needs no transformers."""
         return self.tok.hf
 
     # ---- requests ---------------------------------------------------------------------------
@@ -295,8 +295,6 @@ class LLMEngine:
         if out.empty:
             return failed
         sampled, logprobs = self.runner.execute(out)
-        if self.num_generated_tokens == 0:  # the first step is out: now transformers' tokenizer may load
-            self.tok.start_background_load()
         for req, lp in logprobs.items():
             req.logprobs.append(lp)
         self.scheduler.update(out, sampled)

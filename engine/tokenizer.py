@@ -1,32 +1,29 @@
-"""The engine's tokenizer: the Rust `tokenizers` library from tokenizer.json, chat templates rendered by
-transformers' own jinja renderer, and transformers' full tokenizer only after the first step.
+"""The engine's tokenizer: the Rust `tokenizers` library from tokenizer.json, and chat templates rendered by
+engine/chat_template.py (jinja2, as transformers renders them). Nothing on the serving path imports transformers.
 
-A cold start pays for everything on the path to the first token, and transformers' tokenizer is the costliest
-optional part: `import transformers` + AutoTokenizer.from_pretrained is ~2 s of GIL-bound Python. Loaded on a
-thread at start, it slowed the weight read and the first step (2-core box: 1.65 s -> 2.2-2.6 s to the first
-token), and a first chat job waited for it (4.2-4.7 s). So:
-- encoding and decoding are the Rust tokenizer's (transformers' fast tokenizers wrap the same object);
-- apply_chat_template() calls transformers.utils.chat_template_utils.render_jinja_template (the function
-  transformers' apply_chat_template calls; ~0.6 s to import, once) with the template files and the special
-  tokens of tokenizer_config.json;
-- transformers' tokenizer loads on a background thread once the engine has run its first step
-  (start_background_load), or at once when something needs it (`hf`). When it is in, it checks both fast paths:
-  a probe text must encode alike, and its chat templates and special tokens must equal ours. On a difference,
-  that path switches to transformers for good, and a warning says so.
-Without a tokenizer.json (slow-only tokenizers) transformers loads synchronously, as before."""
+Why: `import transformers` + AutoTokenizer.from_pretrained is ~2 s of GIL-bound Python. Loaded at start it slowed
+the cold start; loaded in the background after the first step it stalled the requests running then (a second
+call with a cached 1.5k-token prefix took 470 ms instead of 55); imported for a first chat job's render it cost
+that job ~0.45 s. transformers' fast tokenizers wrap the same Rust object, so encoding and decoding agree; the
+templates see the special tokens of tokenizer_config.json as transformers reads them.
+
+transformers' tokenizer is still there for whoever asks for it (`hf`, the engine's `tokenizer` property; loaded
+then, synchronously), and where only it can answer: a tokenizer without tokenizer.json (loaded at start), a
+template that uses a special token tokenizer_config.json does not name (loaded at start when the model's own
+template does), and apply_chat_template options the fast path does not implement. `compare_with_transformers`
+checks both paths against transformers for a model folder; `python -m warmup` runs it when it prepares a volume,
+and the tests run it on every tokenizer they use."""
 from __future__ import annotations
 
 import logging
 import threading
 from pathlib import Path
 
+from engine.chat_template import compile_template, render as render_chat
 from engine.loader import read_json
 
 log = logging.getLogger("engine")
 
-# One import of transformers at a time: its lazy module breaks when two threads import it at once (a chat
-# render's renderer import racing the background tokenizer load raised ImportError in both).
-_IMPORT_LOCK = threading.Lock()
 PROBE = "Hello world! <s> </s> <|im_start|>user\n Grüße, 世界 😀  spaces\tand\nlines 12345"
 # transformers' SpecialTokensMixin.SPECIAL_TOKENS_ATTRIBUTES: what its apply_chat_template hands the template
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -59,10 +56,7 @@ class Tokenizer:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self._hf = None
-        self._hf_error: BaseException | None = None
-        self._use_hf_encode = self._use_hf_chat = False
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._hf_lock = threading.Lock()
         cfg = read_json(self.folder / "tokenizer_config.json")
         if (self.folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as RustTokenizer
@@ -75,57 +69,36 @@ class Tokenizer:
                 {**cfg, **read_json(self.folder / "special_tokens_map.json")}
             self.special_tokens = {k: v for k in SPECIAL_TOKENS if (v := _content(src.get(k))) is not None}
             self.chat_template = _chat_templates(self.folder, cfg)
-        else:
-            self._load_hf()
-            if self._hf_error is not None:
-                raise self._hf_error
-            self.backend = self._hf.backend_tokenizer if hasattr(self._hf, "backend_tokenizer") else None
-            self.eos_token_id = self._hf.eos_token_id
-            self._use_hf_encode = self._use_hf_chat = True
+            own = self.chat_template.values() if isinstance(self.chat_template, dict) else [self.chat_template]
+            for t in own:  # compiled now (~20 ms with jinja2's import), so no request pays for it
+                if t is None:
+                    continue
+                if self._pick_template(t, None) is None:
+                    log.info("the chat template uses special tokens tokenizer_config.json does not name: loading "
+                             "transformers' tokenizer now to render it")
+                    self.hf  # noqa: B018 - at start, so no request pays for it
+                    break
+                compile_template(t)
+        else:  # a slow-only tokenizer: transformers does everything, loaded now
+            self.backend = None
+            self.eos_token_id = self.hf.eos_token_id
 
     def _token_id(self, tok: str | None) -> int | None:
         return self.backend.token_to_id(tok) if isinstance(tok, str) else None
 
-    def start_background_load(self) -> None:
-        """Load transformers' tokenizer on a thread, unless it is loaded or loading. The engine calls this after
-        its first step, so the load never competes with the cold start's critical path."""
-        with self._lock:
-            if self._thread is None and self._hf is None and self._hf_error is None:
-                self._thread = threading.Thread(target=self._load_hf, name="tokenizer-load", daemon=True)
-                self._thread.start()
-
-    def _load_hf(self) -> None:
-        try:
-            with _IMPORT_LOCK:
-                from transformers import AutoTokenizer  # tokenization and chat templates only
-
-            hf = AutoTokenizer.from_pretrained(str(self.folder))
-            if getattr(self, "backend", None) is not None and not self._use_hf_encode:
-                if hf(PROBE).input_ids != self.backend.encode(PROBE).ids:
-                    log.warning("tokenizer.json and transformers' tokenizer disagree on a probe text: encoding "
-                                "with transformers from now on")
-                    self._use_hf_encode = True
-                if (hf.chat_template, hf.special_tokens_map) != (self.chat_template, self.special_tokens):
-                    log.warning("transformers found other chat templates or special tokens than the fast path "
-                                "did: rendering chat templates with transformers' tokenizer from now on")
-                    self._use_hf_chat = True
-            self._hf = hf
-        except BaseException as e:  # noqa: BLE001 - re-raised to whoever needs transformers' tokenizer
-            self._hf_error = e
-
     @property
     def hf(self):
-        """transformers' tokenizer; starts the load if nothing has yet, and waits for it."""
-        self.start_background_load()
-        if self._thread is not None:
-            self._thread.join()
-        if self._hf_error is not None:
-            raise self._hf_error
-        return self._hf
+        """transformers' tokenizer, loaded on first use (this call waits for it)."""
+        with self._hf_lock:
+            if self._hf is None:
+                from transformers import AutoTokenizer  # tokenization and chat templates only
+
+                self._hf = AutoTokenizer.from_pretrained(str(self.folder))
+            return self._hf
 
     def encode(self, text: str) -> list[int]:
         """Token ids as transformers' tokenizer(text).input_ids gives them (special tokens added as configured)."""
-        if self._use_hf_encode:
+        if self.backend is None:
             return self.hf(text).input_ids
         return self.backend.encode(text).ids
 
@@ -140,25 +113,16 @@ class Tokenizer:
                             **kwargs) -> str:
         """The prompt text, as transformers' apply_chat_template(messages, tokenize=False, ...) renders it;
         kwargs are template variables (chat_template_kwargs). A template may be a name among the model's."""
-        template = None if self._use_hf_chat or _HF_ONLY_KWARGS & kwargs.keys() else \
+        template = None if self.backend is None or _HF_ONLY_KWARGS & kwargs.keys() else \
             self._pick_template(chat_template, tools)
-        if template is None:  # the slow path: transformers' tokenizer, exactly
+        if template is None:  # transformers' tokenizer, exactly (and its error for a model without a template)
             return self.hf.apply_chat_template(
                 messages, tools=tools, documents=documents, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 tokenize=False, **kwargs)
-        with _IMPORT_LOCK:
-            from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
-
-        if not messages:
-            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
-        rendered, _ = render_jinja_template(
-            conversations=[_normalize_chat_messages(messages)], tools=tools, documents=documents,
-            chat_template=template, continue_final_message=continue_final_message,
-            add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **kwargs})
-        return rendered[0]
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                           documents=documents, continue_final_message=continue_final_message,
+                           **{**self.special_tokens, **kwargs})
 
     def _pick_template(self, chat_template: str | None, tools) -> str | None:
         """transformers' get_chat_template; None where only transformers can answer: no template (its error
@@ -177,3 +141,18 @@ class Tokenizer:
                                         if k not in self.special_tokens):
             return None
         return chat_template
+
+
+def compare_with_transformers(tok: Tokenizer) -> list[str]:
+    """Where the fast paths differ from transformers' tokenizer for this tokenizer's folder (empty: nowhere): a
+    probe text's ids, the chat templates and the special tokens. Loads transformers; for preparation and tests."""
+    if tok.backend is None:
+        return []  # transformers does everything already
+    hf, out = tok.hf, []
+    if hf(PROBE).input_ids != tok.backend.encode(PROBE).ids:
+        out.append("tokenizer.json encodes a probe text differently from transformers' tokenizer")
+    if hf.chat_template != tok.chat_template:
+        out.append("transformers finds other chat templates than tokenizer_config.json / *.jinja give")
+    if hf.special_tokens_map != tok.special_tokens:
+        out.append(f"special tokens differ: transformers {hf.special_tokens_map}, ours {tok.special_tokens}")
+    return out

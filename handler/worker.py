@@ -202,7 +202,7 @@ class Worker:
 
     async def _chat_prompt(self, messages: list[dict], param: str, add_generation_prompt: bool = True,
                            template_kwargs: dict | None = None) -> str:
-        """Rendered on a thread: the first call imports transformers' renderer (or waits for its tokenizer),
+        """Rendered on a thread: a template that only transformers can render loads its tokenizer on first use,
         which must not stall the other jobs' streams. template_kwargs: the request's chat_template_kwargs."""
         kw = dict(template_kwargs or {})
         taken = sorted(kw.keys() & _RESERVED_TEMPLATE_KWARGS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import PROBE, Tokenizer
+from engine.tokenizer import PROBE, Tokenizer, compare_with_transformers
 
 TEXTS = [PROBE, "The capital of France is", "  leading spaces and trailing  ", "<|im_start|>system\nHi<|im_end|>",
          "def f(x):\n\treturn x ** 2  # ünïcödé", ""]
@@ -21,22 +21,20 @@ def test_encodes_like_transformers(which, tiny_llama, smollm2_path):
     assert tok.eos_token_id == hf.eos_token_id
     ids = hf(PROBE).input_ids
     assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
-    assert tok.hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) if which == "smollm2" \
-        else tok.hf is not None
-    assert not tok._use_hf_encode
+    assert compare_with_transformers(tok) == []
 
 
-def test_switches_to_transformers_on_disagreement(tiny_llama):
+def test_compare_with_transformers_names_a_disagreement(tiny_llama):
     tok = Tokenizer(tiny_llama)
-    want = tok.hf(PROBE).input_ids
 
-    class Wrong:  # a backend that disagrees with transformers
+    class Wrong:  # a tokenizer.json that encodes otherwise than transformers
         def encode(self, text):
             return type("E", (), {"ids": [1, 2, 3]})()
 
     tok.backend = Wrong()
-    tok._load_hf()  # what the background thread does
-    assert tok._use_hf_encode and tok.encode(PROBE) == want
+    tok.special_tokens = {**tok.special_tokens, "bos_token": "<wrong>"}
+    diffs = compare_with_transformers(tok)
+    assert len(diffs) == 2 and "probe text" in diffs[0] and "special tokens" in diffs[1], diffs
 
 
 # ---- chat templates: transformers' renderer without transformers' tokenizer -------------------------------
@@ -69,7 +67,7 @@ def test_chat_template_renders_like_transformers_without_loading_it(smollm2_path
                    {"add_generation_prompt": False, "continue_final_message": True},
                    {"add_generation_prompt": True, "chat_template": custom, "extra": "!"}):
             assert tok.apply_chat_template(msgs, **kw) == _hf_render(hf, msgs, **kw), (msgs, kw)
-    assert tok._hf is None and tok._thread is None  # the fast path never touched transformers' tokenizer
+    assert tok._hf is None  # the fast path never touched transformers' tokenizer
     with pytest.raises(ValueError, match="empty conversation"):
         tok.apply_chat_template([])
 
@@ -113,26 +111,6 @@ def test_chat_falls_back_to_transformers_where_it_must(tiny_llama, tmp_path):
         Tokenizer(tiny_llama).apply_chat_template(CHATS[0])
 
 
-def test_chat_switches_to_transformers_when_templates_or_tokens_disagree(smollm2_path):
-    tok = Tokenizer(smollm2_path)
-    tok.special_tokens = {**tok.special_tokens, "bos_token": "<wrong>"}
-    tok._load_hf()  # what the background thread does
-    assert tok._use_hf_chat and not tok._use_hf_encode
-    assert tok.apply_chat_template(CHATS[0]) == _hf_render(tok.hf, CHATS[0], add_generation_prompt=True)
-
-
-def test_engine_loads_transformers_only_after_its_first_step(smollm2_path):
-    from engine import LLM, SamplingParams
-
-    llm = LLM(model=str(smollm2_path), dtype="bfloat16", log_stats_interval=0)
-    tok = llm.engine.tok
-    assert tok._thread is None and tok._hf is None  # nothing competes with the cold start
-    llm.generate("Hi", SamplingParams(max_tokens=1))
-    assert tok._thread is not None
-    assert llm.tokenizer is tok.hf and tok._hf is not None
-    assert not tok._use_hf_chat and not tok._use_hf_encode  # its checks agreed with both fast paths
-
-
 @pytest.mark.parametrize("case", ["legacy-map-overrides", "decoder-ignores-map"])
 def test_special_tokens_come_from_where_transformers_reads_them(case, smollm2_path, tmp_path):
     """transformers 5 reads special_tokens_map.json (overriding tokenizer_config.json) only when the config has no
@@ -160,31 +138,56 @@ def test_special_tokens_come_from_where_transformers_reads_them(case, smollm2_pa
     assert tok._hf is None
 
 
-def test_a_chat_render_racing_the_background_load(smollm2_path):
-    """Cold start with a chat job and a prompt job at once: the render's first import of transformers and the
-    tokenizer load that the first step starts run together. Both must work (a fresh process: transformers must
-    not be imported yet)."""
+
+
+FEATURES = (  # what Hub templates use from transformers' environment
+    "{%- set ns = namespace(n=0, last='') -%}{%- for m in messages -%}{%- if m.role == 'system' -%}{%- continue -%}"
+    "{%- endif -%}{%- set ns.n = ns.n + 1 -%}{%- set ns.last = m.role -%}"
+    "{%- if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+    "{%- else %}{{ m.role }}: {{ m.content | tojson }}{% endif %}{% if ns.n > 9 %}{% break %}{% endif %}\n"
+    "{%- endfor %}{{ ns.n }}|{{ ns.last }}|{{ dict(a=1) | tojson }}|{{ tools | tojson(indent=1) }}"
+    "{% if messages[-1].reasoning_content is defined %}|R:{{ messages[-1].reasoning_content }}{% endif %}"
+    "{% if add_generation_prompt %}\nassistant:{% endif %}"
+)
+
+
+def test_chat_template_features_render_like_transformers(smollm2_path):
+    import jinja2
+    from transformers import AutoTokenizer
+
+    tok, hf = Tokenizer(smollm2_path), AutoTokenizer.from_pretrained(str(smollm2_path))
+    chats = CHATS + [[{"role": "user", "content": "<b>&</b> \"q\" é"},
+                      {"role": "assistant", "content": None, "thinking": "hmm"}]]
+    for msgs in chats:
+        for kw in ({"add_generation_prompt": True, "tools": TOOLS}, {"add_generation_prompt": False}):
+            assert tok.apply_chat_template(msgs, chat_template=FEATURES, **kw) == \
+                _hf_render(hf, msgs, chat_template=FEATURES, **kw), (msgs, kw)
+    date = "{{ strftime_now('%Y-%m-%d') }}"
+    assert tok.apply_chat_template(CHATS[0], chat_template=date) == _hf_render(hf, CHATS[0], chat_template=date)
+    with pytest.raises(jinja2.TemplateError, match="no system role"):
+        tok.apply_chat_template(CHATS[0], chat_template="{{ raise_exception('no system role') }}")
+    for escape in ("{{ ''.__class__.__mro__ }}", "{% set ns = namespace() %}{% set ns._x = 1 %}",
+                   "{{ messages.append(1) }}"):  # the sandbox holds, as in transformers
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            tok.apply_chat_template(CHATS[0], chat_template=escape)
+    assert tok._hf is None
+
+
+def test_the_engine_never_imports_transformers(smollm2_path):
+    """A fresh process: an engine start, a chat render and a generation leave transformers unimported (its import
+    holds the GIL for ~0.5 s, its tokenizer's load for ~2 s more: requests running then would stall)."""
     import subprocess
     import sys
 
     code = f"""
-import threading
+import sys
 from engine import LLM, SamplingParams
 llm = LLM(model={str(smollm2_path)!r}, dtype="float32", log_stats_interval=0)
-tok, errors = llm.engine.tok, []
-def chat():
-    try:
-        tok.apply_chat_template([{{"role": "user", "content": "hi"}}])
-    except Exception as e:
-        errors.append(repr(e))
-t = threading.Thread(target=chat)
-t.start()
-llm.generate("Hi", SamplingParams(max_tokens=1))
-t.join()
-tok._thread.join()
-assert not errors and tok._hf_error is None, (errors, tok._hf_error)
-print("ok", llm.tokenizer is not None)
+prompt = llm.engine.tok.apply_chat_template([{{"role": "user", "content": "hi"}}])
+out = llm.generate([prompt, "Hi"], SamplingParams(max_tokens=3))
+assert "transformers" not in sys.modules, "transformers was imported"
+assert llm.tokenizer.decode(out[1].outputs[0].token_ids) == out[1].outputs[0].text  # loaded when asked for
+print("ok")
 """
-    for _ in range(2):  # the race hit 3 runs in 4 before the import lock
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and r.stdout.strip().endswith("ok True"), r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -3,7 +3,7 @@
 Settings come from the environment through handler.settings (the only env reader), as the worker reads them,
 so a volume prepared here is the one the worker looks for. Steps, each timed: resolve the model in the HF
 caches (download it when missing and a network is plausible), convert the default model, check the
-checkpoint, build the fp8 snapshot (QUANTIZATION=fp8), compile the Triton kernels (CUDA only).
+checkpoint (and that the worker's transformers-free tokenizer agrees with transformers' on it), build the fp8 snapshot (QUANTIZATION=fp8), compile the Triton kernels (CUDA only).
 
 --check writes nothing and uses no network: it says what is missing. Exit codes: 0 ready, 1 not ready or
 failed, 2 bad settings. User errors are one line on stderr, never a traceback."""
@@ -74,6 +74,7 @@ def check(cfg) -> int:
         missing.append(_one_line(e))
     if path is not None:
         spec = _check_model(path)
+        _check_tokenizer(cfg, path)
         snap = _snapshot(cfg, path, spec)
         if snap is not None and not fp8_snapshot.valid(snap):
             missing.append(f"QUANTIZATION=fp8: no valid fp8 snapshot at {snap}")
@@ -105,6 +106,7 @@ def prepare(settings, cfg, tl: Timeline) -> int:
             path = resolve_model_path(cfg)
     with tl.phase("model check"):
         spec = _check_model(path)
+        _check_tokenizer(cfg, path)
     snap = _snapshot(cfg, path, spec)
     need_snapshot = snap is not None and not fp8_snapshot.valid(snap)
 
@@ -175,6 +177,15 @@ def _check_model(path: Path):
 
     safetensors_files(path)
     return ModelSpec.from_hf(read_json(path / "config.json"))
+
+
+def _check_tokenizer(cfg, path: Path) -> None:
+    """The worker encodes and renders chat templates without transformers; say where that would differ from
+    transformers for this model (here, where loading transformers costs no request anything)."""
+    from engine.tokenizer import Tokenizer, compare_with_transformers
+
+    for diff in compare_with_transformers(Tokenizer(cfg.tokenizer or path)):
+        print(f"warning: tokenizer: {diff}")
 
 
 def _snapshot(cfg, path: Path, spec) -> Path | None:
