@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def default_cache_root() -> str:
     """A per-user cache dir. On Runpod, handler/settings.py passes BASE_PATH instead."""
     return str(Path.home() / ".cache" / "rp-llm-worker")
+
+
+def writable_dir(path: str | Path) -> bool:
+    """Whether this process could create files under `path` (creating it if missing), checked without
+    writing anything: the nearest existing ancestor must be a directory we may write (a read-only mount
+    says no, as does a non-root user's /runpod-volume that does not exist)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
 
 
 def default_hf_cache_dirs() -> tuple[str, ...]:

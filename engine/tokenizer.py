@@ -19,7 +19,6 @@ import logging
 import threading
 from pathlib import Path
 
-from engine.chat_template import compile_template, render as render_chat
 from engine.loader import read_json
 
 log = logging.getLogger("engine")
@@ -78,6 +77,8 @@ class Tokenizer:
                              "transformers' tokenizer now to render it")
                     self.hf  # noqa: B018 - at start, so no request pays for it
                     break
+                from engine.chat_template import compile_template
+
                 compile_template(t)
         else:  # a slow-only tokenizer: transformers does everything, loaded now
             self.backend = None
@@ -120,9 +121,11 @@ class Tokenizer:
                 messages, tools=tools, documents=documents, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 tokenize=False, **kwargs)
-        return render_chat(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           documents=documents, continue_final_message=continue_final_message,
-                           **{**self.special_tokens, **kwargs})
+        from engine.chat_template import render
+
+        return render(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                      documents=documents, continue_final_message=continue_final_message,
+                      **{**self.special_tokens, **kwargs})
 
     def _pick_template(self, chat_template: str | None, tools) -> str | None:
         """transformers' get_chat_template; None where only transformers can answer: no template (its error

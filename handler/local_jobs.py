@@ -76,7 +76,8 @@ def worker_env(base: str) -> dict:
                RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
                RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
                RUNPOD_WEBHOOK_PING=f"{base}/ping/$RUNPOD_POD_ID?gpu=local",
-               RUNPOD_POD_ID=WORKER_ID, RUNPOD_AI_API_KEY="local")
+               RUNPOD_POD_ID=WORKER_ID, RUNPOD_AI_API_KEY="local",
+               LOCAL_EMULATOR="1")  # Runpod's protocol, but not Runpod: caches stay in the user's, no /runpod-volume
     for key, value in (("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "true"), ("RUNPOD_SKIP_GPU_CHECK", "true"),
                        ("RUNPOD_PING_INTERVAL", "5000"), ("RUNPOD_LOG_LEVEL", "INFO"), ("PYTHONUNBUFFERED", "1")):
         env.setdefault(key, value)

@@ -3,13 +3,16 @@ builds the frozen EngineConfig. An invalid value fails fast with a message namin
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from engine import EngineConfig
+from engine import EngineConfig, default_cache_root, writable_dir
+
+log = logging.getLogger("handler")
 
 
 class SettingsError(ValueError):
@@ -31,6 +34,7 @@ class Settings(BaseModel):
     HF_TOKEN: SecretStr | None = None  # gated models, for python -m warmup (never logged)
     TRITON_CACHE_DIR: str | None = None  # read by triton itself; here only so warmup can report it
     RUNPOD_POD_ID: str | None = None
+    LOCAL_EMULATOR: bool = False  # set by python -m handler.local for its worker: Runpod's protocol, not Runpod
     RUNPOD_ENDPOINT_ID: str | None = None
     MAX_MODEL_LEN: int | None = Field(default=None, ge=1)
     DTYPE: str = "auto"
@@ -113,10 +117,11 @@ class Settings(BaseModel):
 
     @property
     def on_runpod(self) -> bool:
-        return bool(self.RUNPOD_POD_ID or self.RUNPOD_ENDPOINT_ID)
+        return bool(self.RUNPOD_POD_ID or self.RUNPOD_ENDPOINT_ID) and not self.LOCAL_EMULATOR
 
     def cache_root(self) -> str | None:
-        """Where converted models live: BASE_PATH when set or on Runpod; else the engine's user cache."""
+        """Where the worker's caches live (converted default model, fp8 snapshots, LoRA adapters): BASE_PATH when
+        set, /runpod-volume on Runpod; None: the engine's user cache (~/.cache/rp-llm-worker)."""
         if self.BASE_PATH:
             return self.BASE_PATH
         return "/runpod-volume" if self.on_runpod else None
@@ -138,9 +143,14 @@ class Settings(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         kw = {field: getattr(self, env) for env, field in ENGINE_FIELDS.items()}
-        kw["hf_cache_dirs"] = self.hf_cache_dirs()
-        if self.cache_root():
-            kw["cache_root"] = self.cache_root()
+        kw["hf_cache_dirs"] = self.hf_cache_dirs()  # the volume's HF cache is read even when it cannot be written
+        root = self.cache_root()
+        if root and not writable_dir(root):
+            log.warning("%s cannot be written by this user (read-only, or missing and not creatable): caches go to "
+                        "%s instead, and are lost with the container. Make the volume writable to keep them.",
+                        root, default_cache_root())
+        elif root:
+            kw["cache_root"] = root
         try:
             return EngineConfig(**kw)
         except ValueError as e:

@@ -10,22 +10,25 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
 PORT_WAIT = 180
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Emulator:
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, **popen):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}/v2/local"
         self.lines: list[str] = []
         self.proc = subprocess.Popen([sys.executable, "-m", "handler.local", "--port", str(self.port)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     **{"cwd": str(REPO), **popen})
         threading.Thread(target=self._pump, daemon=True).start()
         self.wait_for(r"ready", PORT_WAIT)
 

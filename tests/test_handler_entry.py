@@ -46,8 +46,9 @@ def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
 
 
 def test_heavy_imports_stay_off_the_cold_start_path(tiny_llama, tmp_path):
-    """`import handler` loads no torch, and a worker is ready without transformers, jinja2, boto3 or runpod: they
-    load when a job needs them (chat template, LoRA, the SDK loop), or after the first step."""
+    """`import handler` loads no torch, and a worker is ready without transformers, boto3 or runpod: they load
+    when something needs them (LoRA, the SDK loop; transformers only when asked for). jinja2 loads at start for
+    a model with a chat template (compiled then, so no job pays for it); this tiny model has none."""
     code = ("import sys, handler\n"
             "assert 'torch' not in sys.modules\n"
             "from handler.__main__ import build_worker\n"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import default_cache_root, writable_dir
 from handler.settings import SettingsError, load_settings
 
 
@@ -12,11 +13,24 @@ def test_defaults_locally_and_on_runpod():
     assert cfg.model is None and cfg.dtype == "auto" and ".cache" in cfg.cache_root
     pod = load_settings({"RUNPOD_POD_ID": "abc", "MODEL_NAME": "org/m", "MAX_MODEL_LEN": "4096", "DTYPE": "half"})
     cfg = pod.engine_config()
-    assert cfg.cache_root == "/runpod-volume" and cfg.model == "org/m" and cfg.max_model_len == 4096
-    assert cfg.dtype == "float16"
-    assert "/runpod-volume/huggingface-cache/hub" in cfg.hf_cache_dirs
+    assert cfg.model == "org/m" and cfg.max_model_len == 4096 and cfg.dtype == "float16"
+    # the volume when this user may write it (root here), else the user cache (test_cache_root_falls_back)
+    assert cfg.cache_root == ("/runpod-volume" if writable_dir("/runpod-volume") else default_cache_root())
+    assert "/runpod-volume/huggingface-cache/hub" in cfg.hf_cache_dirs  # read either way
+    emulated = load_settings({"RUNPOD_POD_ID": "local-worker", "LOCAL_EMULATOR": "1"})  # handler.local's worker
+    assert not emulated.on_runpod and emulated.engine_config().cache_root == default_cache_root()
     assert load_settings({"BASE_PATH": "/vol", "HF_HOME": "/hf"}).engine_config().hf_cache_dirs[:2] == (
         "/hf/hub", "/vol/huggingface-cache/hub")
+
+
+def test_cache_root_falls_back_when_the_volume_cannot_be_written(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a path under a regular file can never be created, even by root
+    with caplog.at_level("WARNING", logger="handler"):
+        cfg = load_settings({"BASE_PATH": str(blocker / "volume"), "RUNPOD_POD_ID": "abc"}).engine_config()
+    assert cfg.cache_root == default_cache_root() and "cannot be written" in caplog.text
+    assert str(blocker / "volume" / "huggingface-cache" / "hub") in cfg.hf_cache_dirs  # still searched for models
+    assert writable_dir(tmp_path / "new" / "deeper") and not writable_dir(blocker / "x")
 
 
 @pytest.mark.parametrize("env,name", [
