@@ -127,7 +127,9 @@ class Emulator:
             log.info("worker started (pid %d): %s", self.proc.pid, shlex.join(self.worker_cmd))
             code = await self.proc.wait()
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its heartbeat process, if orphaned
+                os.killpg(self.proc.pid, 0)  # raises when the worker's process group is gone, as it should be
+                log.warning("the worker left processes behind: killing them")
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.state = "exited"
             (log.info if self.shutting_down else log.error)("worker exited with code %s", code)
             restart = self.restart and not self.shutting_down
