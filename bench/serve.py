@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -57,6 +58,9 @@ class Result:
     latency: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    job_id: str = ""  # the emulator's job (X-Job-Id), for its worker-side numbers
+    posts: int = 0  # the worker's job-stream POSTs for this job (emulator only)
+    exec_s: float = 0.0  # the job's execution time on the worker (emulator only)
 
 
 def load_tokenizer(path: str | None):
@@ -101,6 +105,7 @@ async def one(client, args, model: str, prompt: str, n_prompt: int, max_tokens: 
             stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
         else:
             stream = await client.completions.create(prompt=prompt, **kw)
+        r.job_id = stream.response.headers.get("x-job-id", "")
         async for ch in stream:
             c = ch.choices[0] if ch.choices else None
             text = c and (c.delta.content if args.endpoint == "chat" else c.text)
@@ -139,10 +144,14 @@ def stats(xs: list[float]) -> dict:
     return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
 
 
-def summarize(rate: float, results: list[Result], duration: float) -> dict:
+def summarize(rate: float, results: list[Result], duration: float, flush_ms: float | None = None) -> dict:
     ok = [r for r in results if r.ok]
     out = sum(r.output_tokens for r in ok)
-    return {"rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+    posts = {}
+    if flush_ms is not None and any(r.posts for r in ok):  # the target: posts <= duration / flush + 5, per job
+        excess = [r.posts - r.exec_s * 1000 / flush_ms for r in ok]
+        posts = {"posts_per_job": float(np.mean([r.posts for r in ok])), "posts_max_excess": float(max(excess))}
+    return {"rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration, **posts,
             "short": sum(r.output_tokens < r.max_tokens for r in ok),  # server ignored ignore_eos?
             "request_per_s": len(ok) / duration, "output_tok_per_s": out / duration,
             "total_tok_per_s": (out + sum(r.prompt_tokens for r in ok)) / duration,
@@ -152,36 +161,35 @@ def summarize(rate: float, results: list[Result], duration: float) -> dict:
             "errors": sorted({r.error for r in results if r.error})[:3]}
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: dict[str, list[dict]]) -> str:
     f = lambda s: f"{s['mean']:.0f} / {s['median']:.0f} / {s['p99']:.0f}"  # noqa: E731
-    lines = ["| request rate | done / failed | req/s | output tok/s | TTFT ms mean / med / p99 | "
-             "TPOT ms mean / med / p99 | ITL ms mean / med / p99 |", "|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['rate']:g} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
-              f"{r['output_tok_per_s']:.1f} | {f(r['ttft_ms'])} | {f(r['tpot_ms'])} | {f(r['itl_ms'])} |" for r in rows]
+    lines = ["| config | request rate | done / failed | req/s | output tok/s | TTFT ms mean / med / p99 | "
+             "TPOT ms mean / med / p99 | ITL ms mean / med / p99 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {label} | {r['rate']:g} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
+              f"{r['output_tok_per_s']:.1f} | {f(r['ttft_ms'])} | {f(r['tpot_ms'])} | {f(r['itl_ms'])} |"
+              for label, rs in rows.items() for r in rs]
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], png: Path, title: str) -> None:
+def plot(rows: dict[str, list[dict]], png: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x, labels = range(len(rows)), [f"{r['rate']:g}" for r in rows]  # categorical x: inf has a place too
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    # ITL's median is ~0 (chunks arrive in bursts), so only its p99 is drawn
-    series = {0: [("ttft_ms", "median"), ("ttft_ms", "p99")],
-              1: [("tpot_ms", "median"), ("tpot_ms", "p99"), ("itl_ms", "p99")]}
-    for i, name in ((0, "TTFT"), (1, "TPOT / ITL")):
-        ax = axes[i]
-        for key, q in series[i]:
-            ax.plot(x, [r[key][q] for r in rows], "-o" if q == "median" else "--^", label=f"{key[:-3].upper()} {q}",
-                    color={"ttft_ms": "tab:blue", "tpot_ms": "tab:green", "itl_ms": "tab:orange"}[key])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for k, (label, rs) in enumerate(rows.items()):
+        x, labels = range(len(rs)), [f"{r['rate']:g}" for r in rs]  # categorical x: inf has a place too
+        color = f"C{k}"
+        axes[0].plot(x, [r["ttft_ms"]["median"] for r in rs], "-o", color=color, label=f"{label}: TTFT median")
+        axes[1].plot(x, [r["itl_ms"]["p99"] for r in rs], "-o", color=color, label=f"{label}: ITL p99")
+        axes[1].plot(x, [r["tpot_ms"]["median"] for r in rs], ":^", color=color, label=f"{label}: TPOT median")
+    for ax, name in ((axes[0], "TTFT"), (axes[1], "gap between streamed events / TPOT")):
         ax.set_xticks(list(x), labels)
         ax.set_xlabel("request rate (req/s; inf = all at once)")
         ax.set_ylabel(f"{name} ms (lower is better)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -192,14 +200,18 @@ class Emulator:
     """`python -m handler.local` on a free port with the embedded default model, bf16, offline (as
     bench/serving.py runs it); ready once /health reports the worker's first job-take."""
 
+    def __init__(self, argv: list[str] | None = None, **env):
+        self.argv = argv or ["-m", "handler.local"]  # after the interpreter; --port is appended
+        self.extra_env = env
+
     def __enter__(self):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k != "MODEL_NAME"}
-        env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **self.extra_env)
         self.log = tempfile.TemporaryFile("w+")  # its log, shown if it fails to start
-        self.proc = subprocess.Popen([sys.executable, "-m", "handler.local", "--port", str(self.port)], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, *self.argv, "--port", str(self.port)], cwd=REPO,
                                      env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         import httpx
 
@@ -220,6 +232,10 @@ class Emulator:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
 
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v2/local"
+
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         try:
@@ -229,32 +245,87 @@ class Emulator:
         self.log.close()
 
 
-async def bench(args, base_url: str) -> tuple[str, list[dict], list[list[Result]]]:
+@dataclass
+class Target:
+    """One server under test: its OpenAI base URL; for an emulator we launched, its flush setting and API root."""
+    label: str
+    base_url: str
+    flush_ms: float | None = None  # STREAM_FLUSH_MS (math.inf: the count bound alone, as worker-vllm)
+    api: str | None = None  # http://h:p/v2/local: /status/{id} gives the job's POSTs and execution time
+
+
+async def worker_side(target: Target, results: list[Result]) -> None:
+    """Fill each result's POST count and execution time from the emulator's job record."""
+    if target.api is None:
+        return
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        for r in results:
+            if r.job_id:
+                st = (await http.get(f"{target.api}/status/{r.job_id}")).json()
+                r.posts, r.exec_s = st.get("streamPosts", 0), st.get("executionTime", 0) / 1000
+
+
+async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]], dict[str, list[list[Result]]]]:
+    """Each rate runs on every target in turn, with the same prompts (targets are separate servers: no shared
+    prefix cache), so targets are compared under the same conditions, interleaved against machine drift."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
-                         max_retries=0, timeout=args.timeout)
-    model = args.model or (await client.models.list()).data[0].id
+    key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+    clients = {t.label: AsyncOpenAI(base_url=t.base_url, api_key=key, max_retries=0, timeout=args.timeout)
+               for t in targets}
+    model = args.model or (await clients[targets[0].label].models.list()).data[0].id
     tok = None if args.approx_words else load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
     lens = [(rng.randint(args.input_len_min, args.input_len_max), rng.randint(args.output_len_min,
                                                                                args.output_len_max))
             for _ in range(args.num_prompts)]
-    warm = await one(client, args, model, "Hello, my name is", 5, 4)
-    if not warm.ok:
-        raise SystemExit(f"warm-up request failed: {warm.error}")
-    rows, per_rate = [], []
+    for t in targets:
+        warm = await one(clients[t.label], args, model, "Hello, my name is", 5, 4)
+        if not warm.ok:
+            raise SystemExit(f"warm-up request to {t.label} failed: {warm.error}")
+    rows: dict[str, list[dict]] = {t.label: [] for t in targets}
+    per_rate: dict[str, list[list[Result]]] = {t.label: [] for t in targets}
     for i, rate in enumerate(args.request_rate):
         prompts = make_prompts(tok, lens, random.Random(f"{args.seed}-prompts-{i}"))
-        results, duration = await run_rate(client, args, model, prompts, rate, random.Random(f"{args.seed}-{i}"))
-        rows.append(summarize(rate, results, duration))
-        per_rate.append(results)
-        r = rows[-1]
-        print(f"  rate {rate:g}: {r['completed']} ok, {r['failed']} failed in {duration:.1f} s, "
-              f"{r['output_tok_per_s']:.1f} output tok/s, TTFT median {r['ttft_ms']['median']:.0f} ms"
-              + (f"; errors: {r['errors']}" if r["errors"] else ""), flush=True)
-    await client.close()
+        for t in targets:
+            results, duration = await run_rate(clients[t.label], args, model, prompts, rate,
+                                               random.Random(f"{args.seed}-{i}"))
+            await worker_side(t, results)
+            rows[t.label].append(r := summarize(rate, results, duration, t.flush_ms))
+            per_rate[t.label].append(results)
+            print(f"  {t.label}, rate {rate:g}: {r['completed']} ok, {r['failed']} failed in {duration:.1f} s, "
+                  f"{r['output_tok_per_s']:.1f} output tok/s, TTFT median {r['ttft_ms']['median']:.0f} ms, ITL p99 "
+                  f"{r['itl_ms']['p99']:.0f} ms" + (f"; errors: {r['errors']}" if r["errors"] else ""), flush=True)
+    for c in clients.values():
+        await c.close()
     return model, rows, per_rate
+
+
+def compare(targets: list[Target], rows: dict[str, list[dict]]) -> str:
+    """The streaming targets per rate: p99 gap <= flush + 2 x TPOT (median), POSTs per job <= its duration /
+    flush + 5, and output tok/s against the first target (the count-only baseline)."""
+    base = rows[targets[0].label]
+    lines = ["| config | request rate | ITL p99 ms | TPOT median ms | bound: flush + 2 x TPOT ms | p99 within | "
+             "POSTs per job (mean) | most POSTs over duration / flush | output tok/s vs count only |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for t in targets:
+        for r, b in zip(rows[t.label], base):
+            finite = t.flush_ms is not None and math.isfinite(t.flush_ms)
+            bound = t.flush_ms + 2 * r["tpot_ms"]["median"] if finite else float("nan")
+            within = ("yes" if r["itl_ms"]["p99"] <= bound else "**no**") if finite else "–"
+            excess = f"{r['posts_max_excess']:+.1f}" if finite and "posts_max_excess" in r else "–"
+            lines.append(f"| {t.label} | {r['rate']:g} | {r['itl_ms']['p99']:.0f} | {r['tpot_ms']['median']:.0f} | "
+                         f"{bound:.0f} | {within} | {r.get('posts_per_job', float('nan')):.1f} | {excess} | "
+                         f"{r['output_tok_per_s'] / b['output_tok_per_s']:.3f} |")
+    for t in targets[1:]:  # throughput over the whole run: total tokens / total time, against the baseline's
+        tok = sum(r["output_tok_per_s"] * r["duration_s"] for r in rows[t.label])
+        secs = sum(r["duration_s"] for r in rows[t.label])
+        b_tok = sum(r["output_tok_per_s"] * r["duration_s"] for r in base)
+        b_secs = sum(r["duration_s"] for r in base)
+        lines.append(f"| {t.label}, all rates | | | | | | | | **{tok / secs / (b_tok / b_secs):.3f}** |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -277,6 +348,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
     ap.add_argument("--launch-emulator", action="store_true", help="run against a fresh `python -m handler.local`")
+    ap.add_argument("--flush-ms", type=float, nargs="+", default=[math.inf, 50, 100],
+                    help="with --launch-emulator: one emulator per STREAM_FLUSH_MS value, compared in one run; inf = "
+                         "the count bound alone, as worker-vllm (default: inf 50 100)")
+    ap.add_argument("--worker-env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="with --launch-emulator: more settings for every worker (e.g. LONG_PREFILL_TOKEN_THRESHOLD=128)")
     ap.add_argument("--json", type=Path, help="write the summary and per-request results here")
     ap.add_argument("--plot", type=Path, help="write latency vs request rate here (PNG)")
     ap.add_argument("--write-docs", action="store_true", help="write the `serve` section of docs/benchmarks.md "
@@ -290,12 +366,20 @@ def main() -> None:
 
     t_all, load = now(), os.getloadavg()[0]
     if args.launch_emulator:
-        with Emulator() as emu:
-            print(f"emulator ready on {emu.base_url} after {now() - t_all:.1f} s", flush=True)
-            model, rows, per_rate = asyncio.run(bench(args, emu.base_url))
-        server = "the local emulator (`python -m handler.local`, default model, bfloat16, CPU)"
+        with contextlib.ExitStack() as stack:
+            targets = []
+            for f in args.flush_ms:
+                label = "count only" if math.isinf(f) else f"flush {f:g} ms"
+                env = dict(kv.split("=", 1) for kv in args.worker_env)
+                emu = stack.enter_context(Emulator(STREAM_FLUSH_MS=f"{f if math.isfinite(f) else 1e12:g}", **env))
+                targets.append(Target(label, emu.base_url, f, emu.api))
+            print(f"{len(targets)} emulator(s) ready after {now() - t_all:.1f} s", flush=True)
+            model, rows, per_rate = asyncio.run(bench(args, targets))
+        server = "the local emulator (`python -m handler.local`, default model, bfloat16, CPU" + \
+            (f"; {', '.join(args.worker_env)}" if args.worker_env else "") + ")"
     else:
-        model, rows, per_rate = asyncio.run(bench(args, args.base_url))
+        targets = [Target(args.base_url, args.base_url)]
+        model, rows, per_rate = asyncio.run(bench(args, targets))
         server = f"`{args.base_url}`"
     argv = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--api-key")
             and not (i and sys.argv[i] == "--api-key")]  # never print or write the key
@@ -311,17 +395,23 @@ def main() -> None:
         f"{args.input_len_max}], output tokens in [{args.output_len_min}, {args.output_len_max}] "
         f"(ignore_eos{'' if args.ignore_eos else ' off'}), greedy, streamed. Method: the docstring of "
         "`bench/serve.py` (`vllm bench serve`'s).", "", table(rows), "",
+        *(["Streaming targets ([latency] #12): the gap between streamed events (ITL p99) against STREAM_FLUSH_MS + "
+           "2 x TPOT; the worker's POSTs per job against its execution time / STREAM_FLUSH_MS + 5 (the column is "
+           "the largest POSTs - duration / flush over the jobs: at most 5 meets it); output tok/s as a ratio to the "
+           "count-only run at the same rate.", "", compare(targets, rows), ""] if len(targets) > 1 else []),
         "Notes:", "- TTFT includes queueing: at a rate above the server's capacity requests wait, and TTFT grows "
         "with the queue. TPOT and ITL are per generated token once running.",
-        "- The worker streams in batched yields (1, 3, 9, 27, 50 tokens per yield), so content chunks arrive in "
-        "bursts: most ITL gaps are near 0 and the p99 is the gap between bursts.", "",
+        "- count only: worker-vllm's yield batching (1, 3, 9, 27, 50 tokens per yield) alone, so content chunks "
+        "arrive in bursts and the p99 gap is the gap between bursts. flush N ms: a yield also goes out N ms after "
+        "the last one when a token is pending (STREAM_FLUSH_MS).", "",
         "![Latency vs request rate](serve.png)"])
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": model, "args": {k: v if not isinstance(v, Path) else str(v)
                                                                   for k, v in vars(args).items() if k != "api_key"},
-                                         "summary": rows, "requests": [[asdict(r) for r in rs] for rs in per_rate]},
+                                         "summary": rows, "requests": {k: [[asdict(r) for r in rs] for rs in v]
+                                                                       for k, v in per_rate.items()}},
                                         indent=1, default=str))
     title = f"{model}: {args.num_prompts} requests per rate"
     if args.plot:

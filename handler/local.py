@@ -9,8 +9,9 @@ and the ``openai`` client (``base_url="http://H:P/v2/local/openai/v1"``) work un
   POST /v2/local/cancel/{id} | /purge-queue    GET /v2/local/health
   POST .../openai/v1/chat/completions | /completions, GET .../openai/v1/models become jobs with input
   {"openai_route": "/v1/...", "openai_input": body ({} for models)}. With "stream": true the job's chunks
-  (SSE text) pass through verbatim; else the single yielded object is the body. Error objects come back in
-  OpenAI's shape with their "code" as HTTP status (else 400; crashes 500). A client that leaves cancels.
+  (SSE text) pass through verbatim, with the job's id in an X-Job-Id header; else the single yielded object is
+  the body. Error objects come back in OpenAI's shape with their "code" as HTTP status (else 400; crashes 500).
+  A client that leaves cancels. /status adds "streamPosts": the worker's job-stream POSTs for the job so far.
 
 Back: the worker subprocess runs runpod-python's JobScaler, pointed here by ``worker_env``'s
 RUNPOD_WEBHOOK_* templates (the SDK fills in $ID / $RUNPOD_POD_ID and appends "&k=v"):
@@ -342,7 +343,7 @@ class Emulator:
         if not job.chunks:
             return openai_result(job)
         return StreamingResponse(self._sse_stream(job), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job.id})
 
     async def _sse_stream(self, job: Job):
         pos = 0

@@ -61,7 +61,8 @@ class Job:
         now = time.monotonic()
         out = {"id": self.id, "status": self.status, "delayTime": int(((self.started or now) - self.created) * 1e3)}
         if self.started is not None:
-            out |= {"executionTime": int(((self.finished or now) - self.started) * 1e3), "workerId": WORKER_ID}
+            out |= {"executionTime": int(((self.finished or now) - self.started) * 1e3), "workerId": WORKER_ID,
+                    "streamPosts": len(self.chunks)}  # an emulator extension: one chunk per job-stream POST
         if self.output is not None:
             out["output"] = self.output
         if self.error is not None:
