@@ -53,6 +53,10 @@ from handler.local_jobs import EP, Job, Pulse, error_response, json_body, openai
 log = logging.getLogger("handler.local")
 
 
+def _ok() -> Response:
+    return Response(b"{}", media_type="application/json")
+
+
 class Emulator:
     def __init__(self, worker_cmd: list[str], base_url: str, *, runsync_wait: float = 90.0,
                  stream_wait: float = 1.0, poll_hold: float = 10.0,
@@ -221,7 +225,8 @@ class Emulator:
         log.info("job-stop -> worker: %s", ", ".join(ids))
         return JSONResponse({"jobsToStop": ids})
 
-    async def job_result(self, request: Request, job_id: str) -> dict:
+    async def job_result(self, request: Request) -> Response:
+        job_id = request.path_params["job_id"]
         final = "/job-done/" in request.url.path
         self.counts["job-done" if final else "job-stream"] += 1
         raw = await request.body()
@@ -235,7 +240,7 @@ class Emulator:
             self.stops.append(job.id)  # it was taken but not started when cancelled: stop it again
             self.stop_pulse.fire()
         if job is None or job.done:  # unknown, or cancelled: ignored
-            return {}
+            return _ok()
         if final:
             if payload.get("error") is not None:
                 self.finish(job, "FAILED", payload.get("output"), payload["error"])
@@ -244,15 +249,15 @@ class Emulator:
         elif "output" in payload:
             job.chunks.append(payload["output"])
             job.changed.fire()
-        return {}
+        return _ok()
 
-    async def ping(self, request: Request) -> dict:
+    async def ping(self, request: Request) -> Response:
         self.counts["ping"] += 1
         self.last_ping = time.monotonic()
         if request.query_params.get("status") == "unhealthy":
             log.error("worker unhealthy: %s: %s", request.query_params.get("check"),
                       request.query_params.get("reason"))
-        return {}
+        return _ok()
 
     # ------------------------------------------------------------ public API
     async def _new_job(self, request: Request, prefix: str) -> Job | Response:
@@ -387,13 +392,18 @@ def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: in
               ("GET", "/status/{job_id}", emu.status), ("GET", "/stream/{job_id}", emu.stream),
               ("POST", "/cancel/{job_id}", emu.cancel_route), ("POST", "/purge-queue", emu.purge_queue),
               ("GET", "/health", emu.health), ("POST", "/openai/v1/chat/completions", emu.openai),
-              ("POST", "/openai/v1/completions", emu.openai), ("GET", "/openai/v1/models", emu.openai),
-              ("GET", "/job-take/{worker_id}", emu.job_take), ("GET", "/job-take-batch/{worker_id}", emu.job_take),
-              ("GET", "/job-stop/{worker_id}", emu.job_stop), ("GET", "/ping/{worker_id}", emu.ping),
-              ("POST", "/job-stream/{worker_id}/{job_id}", emu.job_result),
-              ("POST", "/job-done/{worker_id}/{job_id}", emu.job_result)]
+              ("POST", "/openai/v1/completions", emu.openai), ("GET", "/openai/v1/models", emu.openai)]
     for method, path, endpoint in routes:
         app.add_api_route(f"/v2/{EP}{path}", endpoint, methods=[method])
+    # The worker-facing routes are plain Starlette routes (request in, Response out): a streaming worker POSTs
+    # once per yield, so FastAPI's per-request validation and serialization would be paid hundreds of times a
+    # second, on the cores the worker computes on.
+    for method, path, endpoint in [
+            ("GET", "/job-take/{worker_id}", emu.job_take), ("GET", "/job-take-batch/{worker_id}", emu.job_take),
+            ("GET", "/job-stop/{worker_id}", emu.job_stop), ("GET", "/ping/{worker_id}", emu.ping),
+            ("POST", "/job-stream/{worker_id}/{job_id}", emu.job_result),
+            ("POST", "/job-done/{worker_id}/{job_id}", emu.job_result)]:
+        app.router.add_route(f"/v2/{EP}{path}", endpoint, methods=[method])
     return app
 
 

@@ -46,8 +46,16 @@ def cheap_cpuinfo() -> None:
 
 
 def install(grace_s: float, on_grace_expired: Callable[[], None]) -> None:
-    """Make runpod's worker loop use `Scaler` with this drain policy."""
+    """Make runpod's worker loop use `Scaler` with this drain policy, on uvloop where it is installed (the loop
+    handles a POST per streamed yield; uvloop does it in about half the CPU time, off the engine's GIL)."""
     from runpod.serverless.modules import rp_scale
+
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # runpod's asyncio.run() makes the loop
+    except ImportError:
+        pass
 
     base = getattr(rp_scale, "_sdk_job_scaler", rp_scale.JobScaler)
     rp_scale._sdk_job_scaler = base

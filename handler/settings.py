@@ -51,7 +51,7 @@ class Settings(BaseModel):
     DEFAULT_MIN_BATCH_SIZE: int = Field(default=1, ge=1)
     DEFAULT_BATCH_SIZE_GROWTH_FACTOR: float = Field(default=3.0, ge=1)
     SHUTDOWN_GRACE_S: float = Field(default=8.0, ge=0)  # after SIGTERM, in-flight jobs get this long to finish
-    STREAM_FLUSH_MS: float = Field(default=50.0, gt=0)  # a streamed yield waits at most this for its count
+    STREAM_FLUSH_MS: float = Field(default=100.0, gt=0)  # a streamed yield waits at most this for its count
     OPENAI_SERVED_MODEL_NAME_OVERRIDE: str | None = None
     CUSTOM_CHAT_TEMPLATE: str | None = None
     RUNPOD_WEBHOOK_GET_JOB: str | None = None  # set on Runpod (and by handler.local); unset = local test mode
