@@ -58,10 +58,10 @@ def trace_emulator() -> None:
                 emit("taken", job["id"])
         return response
 
-    async def traced_result(self, request, job_id):
+    async def traced_result(self, request):
         if "/job-stream/" in request.url.path:
-            emit("post_in", job_id)
-        return await result(self, request, job_id)
+            emit("post_in", request.path_params["job_id"])
+        return await result(self, request)
 
     emu.submit, emu.job_take, emu.job_result = traced_submit, traced_take, traced_result
     emu._sse_stream = first_yield(emu._sse_stream, lambda a: None, lambda a: emit("sse_out", a[1].id))

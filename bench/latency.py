@@ -71,7 +71,7 @@ def repeat_prefix() -> dict:
 def first_job(kind: str) -> float:
     from openai import OpenAI
 
-    with Emulator(DTYPE="bfloat16") as emu:
+    with Emulator() as emu:
         client = OpenAI(base_url=emu.base_url, api_key="local", max_retries=0)
         kw = dict(model="SmolLM2-135M-Instruct", max_tokens=16, temperature=0, stream=True)
         t = now()

@@ -209,7 +209,7 @@ class Emulator:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k != "MODEL_NAME"}
-        env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **self.extra_env)
+        env |= {"DTYPE": "bfloat16", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.extra_env}
         self.log = tempfile.TemporaryFile("w+")  # its log, shown if it fails to start
         self.proc = subprocess.Popen([sys.executable, *self.argv, "--port", str(self.port)], cwd=REPO,
                                      env=env, stdout=subprocess.DEVNULL, stderr=self.log)
