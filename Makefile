@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 SETUP_STAMP := .venv/.setup-done
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test lint bench
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml
@@ -25,5 +25,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# ruff (pinned in the test extras, configured in pyproject.toml): lint, and the format check
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
 bench: setup
-	$(PY) bench/throughput.py
+	$(PY) -m bench.throughput

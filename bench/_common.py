@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import re
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,25 @@ LOW_ID = 20  # SmolLM2's special tokens sit below this id
 def default_model_path() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted to an HF-loadable bf16 folder (once, cached)."""
     from engine.config import default_cache_root
-    from warmup.default_model import ensure_default_model
+    from engine.weights.default_model import ensure_default_model
 
     return ensure_default_model(Path(default_cache_root()))
+
+
+def cat_seconds(files: list[Path]) -> float:
+    """Seconds for `cat` to read `files` (the disk's speed for them, cold or warm as the page cache is)."""
+    t = time.perf_counter()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - t
+
+
+def cpu_pressure() -> str:
+    """/proc/pressure/cpu 'some avg60': the share of time something waited for a CPU (other processes too)."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return next(f.split("=")[1] for f in line.split() if f.startswith("avg60=")) + " %"
+    except (OSError, IndexError, StopIteration):
+        return "n/a"
 
 
 def sync(device: str) -> None:

@@ -1,7 +1,7 @@
 """Timestamps along a job's path to its first token, for bench/latency.py.
 
-    python bench/_trace.py emulator --port P [--worker-cmd ...]    # handler.local, traced
-    python bench/_trace.py worker                                   # python -m handler, traced
+    python -m bench._trace emulator --port P [--worker-cmd ...]    # handler.local, traced
+    python -m bench._trace worker                                   # python -m handler, traced
 
 Each entry point is the real one; this only wraps a few functions on the path and appends
 `[event, job id, time.time()]` JSON lines to $TRACE_FILE (the processes share the machine's clock). With
@@ -15,9 +15,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def emit(event: str, key) -> None:
@@ -68,8 +65,8 @@ def trace_emulator() -> None:
 
 
 def trace_worker() -> None:
-    from handler import worker as w
     from handler import runpod_sdk
+    from handler import worker as w
 
     W = w.Worker
     W.handle = first_yield(W.handle, lambda a: emit("handler_start", a[1]["id"]),

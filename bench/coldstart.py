@@ -24,8 +24,8 @@ against a plain sequential `cat` of the same files to /dev/null timed right befo
 warm-page-cache numbers (the files were read moments before), so this is the loader's overhead over a read,
 not the disk. The fp8 snapshot phase includes the snapshot's sha256 check (timed separately here too).
 
-Usage: python bench/coldstart.py           # ~3-4 min; writes docs/benchmarks.md (coldstart) + docs/coldstart.png
-       python bench/coldstart.py --quick   # 1 round, prints only
+Usage: python -m bench.coldstart           # ~3-4 min; writes docs/benchmarks.md (coldstart) + docs/coldstart.png
+       python -m bench.coldstart --quick   # 1 round, prints only
 """
 from __future__ import annotations
 
@@ -135,15 +135,9 @@ def run_worker(base: Path, env: dict, fp8: bool, job: dict = JOB) -> dict:
 
 
 def run_hf(model_dir: Path, env: dict) -> dict:
-    r = launch([sys.executable, __file__, "--hf-child", str(model_dir)], env, "FIRST")
+    r = launch([sys.executable, "-m", "bench.coldstart", "--hf-child", str(model_dir)], env, "FIRST")
     out = json.loads(r["lines"][-1])
     return {"first": r["first"], "total": out["total_s"], "phases": out["phases"], "first_token": out["first_token"]}
-
-
-def cat_seconds(files: list[Path]) -> float:
-    t = now()
-    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-    return now() - t
 
 
 def weights_phase(res: dict) -> dict | None:
@@ -163,12 +157,11 @@ def main() -> None:
     drop = ("MODEL_NAME", "QUANTIZATION", "BASE_PATH", "TRITON_CACHE_DIR", "KV_CACHE_DTYPE", "HF_HOME", "HF_HUB_CACHE")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k not in drop}
     env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    from bench._common import cat_seconds, cpu_pressure
+
     load, pressure, t_all = os.getloadavg()[0], cpu_pressure(), now()
-
-    sys.path.insert(0, str(REPO))
-    from warmup.default_model import ensure_default_model, sha256_file
-
     from engine.config import default_cache_root
+    from engine.weights.default_model import ensure_default_model, sha256_file
 
     src = ensure_default_model(Path(default_cache_root()))  # converted once, in the user cache
     work = Path(tempfile.mkdtemp(prefix="coldstart-"))
@@ -211,10 +204,9 @@ def main() -> None:
         got = {weights_phase(x)["name"] for x in res[c]}
         assert got == {want}, f"{c}: weight phase {got}, wanted {want}"
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import machine_line, write_section
+    from bench._common import machine_line, write_section
 
-    cmd = ("python bench/coldstart.py " + " ".join(sys.argv[1:])).strip()
+    cmd = ("python -m bench.coldstart " + " ".join(sys.argv[1:])).strip()
     md = render(res, cat, sizes, sha, rounds, conv_rounds, cmd, machine_line("cpu"),
                 f"load average {load:.2f}, CPU pressure {pressure} at start; {cpu_pressure()} at the end")
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
@@ -222,15 +214,6 @@ def main() -> None:
         write_section(docs / "benchmarks.md", "coldstart", md)
         plot(res, docs / "coldstart.png")
         print(f"\nwrote {docs / 'benchmarks.md'} and {docs / 'coldstart.png'}")
-
-
-def cpu_pressure() -> str:
-    """/proc/pressure/cpu 'some avg60': the share of time something waited for a CPU (other processes too)."""
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-        return next(f.split("=")[1] for f in line.split() if f.startswith("avg60=")) + " %"
-    except (OSError, IndexError, StopIteration):
-        return "n/a"
 
 
 def med(xs) -> float:
@@ -287,8 +270,8 @@ def render(res, cat, sizes, sha, rounds, conv_rounds, cmd, machine, load: str) -
               "loads only after the first step. fp8's first token is slower on CPU because fp8 matmuls are "
               "emulated there (weights converted to fp32 in every layer, every step); on a GPU they are "
               "`torch._scaled_mm`.",
-              "- \"weight read\" is the loader (engine/loader.py: reader threads, mmap views faulted in ahead of "
-              "the consumer) plus the copy into the fused parameters; with fp8 also the per-channel quantization "
+              "- \"weight read\" is the loader (engine/weights/reader.py: reader threads, mmap views faulted in "
+              "ahead of the consumer) plus the copy into the fused parameters; with fp8 also the per-channel quantization "
               "of each layer and writing the snapshot. \"fp8 snapshot load\" includes checking the snapshot's "
               f"sha256 against its manifest, which alone takes {med(sha):.3f} s here (timed in the bench process "
               f"on the same file).",
@@ -321,7 +304,7 @@ def plot(res: dict, png: Path) -> None:
     cmap = plt.get_cmap("tab20")
     color = {n: cmap(i % 20) for i, n in enumerate(names)}
     fig, ax = plt.subplots(figsize=(10, 3.8))
-    for y, (c, ph) in enumerate(rows):
+    for y, (_, ph) in enumerate(rows):
         left = 0.0
         for n, s in ph:
             ax.barh(y, s, left=left, color=color[n], edgecolor="white", linewidth=0.5,

@@ -6,7 +6,7 @@ bench/gpu_check.sh runs this last, in the time the 8-minute check has left. Step
    disk. Full 32 layers would be 16 GB; to fit the check's budget the default is 8 of the 32 layers (~5.6 GB:
    embeddings and lm_head are full size). `--layers 32` gives the full model when time allows.
 2. Read floor: `cat` of the shards to /dev/null, cold (page cache dropped: fsync + POSIX_FADV_DONTNEED per file)
-   and warm. The loader alone (engine.loader.iter_weights, the consumer dropping each tensor): device=cuda
+   and warm. The loader alone (engine.weights.iter_weights, the consumer dropping each tensor): device=cuda
    (reader threads, pinned staging buffers, non_blocking copies on per-reader streams), cold and warm; and
    device=cpu with the consumer moving each tensor to the GPU (the engine's path if it does not pass its
    device), warm. Check: every tensor of the CUDA path is bit-identical to the CPU path's.
@@ -36,87 +36,11 @@ import tempfile  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from bench.synthetic_model import LLAMA3_8B, PROMPT, TINY, write_model  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "kernels.md"
-PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention keeps KV blocks in a pool."
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 vocab_size=128256, num_hidden_layers=32)
-TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
-            num_hidden_layers=2)
 now = time.perf_counter
-
-
-# ---- the model on disk ----------------------------------------------------------------------------------------
-def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30) -> list[Path]:
-    """Random bf16 weights, HF names, sharded about every `shard_bytes`; returns the shard paths."""
-    import torch
-    from safetensors.torch import save_file
-
-    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    d = h // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-    tensors: list[tuple[str, tuple]] = [("model.embed_tokens.weight", (v, h))]
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                    (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                    (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                    (p + "mlp.down_proj.weight", (h, inter))]
-    tensors += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
-    gen = torch.Generator(device).manual_seed(0)
-    shards, cur, cur_bytes, weight_map = [], {}, 0, {}
-
-    def flush() -> None:
-        nonlocal cur, cur_bytes
-        name = f"model-{len(shards) + 1:05d}.safetensors"
-        save_file(cur, str(out / name))
-        weight_map.update({k: name for k in cur})
-        shards.append(out / name)
-        cur, cur_bytes = {}, 0
-
-    for name, shp in tensors:
-        t = torch.empty(shp, dtype=torch.bfloat16, device=device)
-        if name.endswith("norm.weight"):
-            t.fill_(1.0)
-        else:
-            t.normal_(0, 0.02, generator=gen)
-        cur[name] = t.cpu()
-        cur_bytes += t.numel() * 2
-        if cur_bytes >= shard_bytes:
-            flush()
-    if cur:
-        flush()
-    total = sum(f.stat().st_size for f in shards)
-    final = []  # HF's names say how many shards there are: rename now that we know
-    for i, f in enumerate(shards):
-        dst = out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        f.rename(dst)
-        final.append(dst)
-    weight_map = {k: f"{Path(v).stem}-of-{len(shards):05d}.safetensors" for k, v in weight_map.items()}
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, **shape}))
-    _tokenizer(out)
-    return final
-
-
-def _tokenizer(out: Path) -> None:
-    """A byte-level BPE trained on two sentences (the model is random: any tokenizer will do)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([PROMPT] * 10, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="</s>").save_pretrained(str(out))
 
 
 def drop_cache(files) -> None:
@@ -130,18 +54,12 @@ def drop_cache(files) -> None:
             os.close(fd)
 
 
-def cat_seconds(files) -> float:
-    t = now()
-    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-    return now() - t
-
-
 # ---- the loader alone ------------------------------------------------------------------------------------------
 def loader_seconds(model_dir: Path, device: str, to: str | None = None) -> tuple[float, int]:
     """Drain iter_weights (each tensor dropped at once, moved to `to` first if given); seconds, tensor count."""
     import torch
 
-    from engine.loader import iter_weights
+    from engine.weights import iter_weights
 
     cuda = device.startswith("cuda") or (to or "").startswith("cuda")
     if cuda:
@@ -160,7 +78,7 @@ def cuda_path_matches(model_dir: Path) -> tuple[int, list[str]]:
     """Every tensor of the CUDA path against the CPU path's, byte for byte; (tensors compared, mismatches)."""
     import torch
 
-    from engine.loader import iter_weights
+    from engine.weights import iter_weights
 
     bad, n = [], 0
     for (a, x), (b, y) in zip(iter_weights(model_dir, device="cuda"), iter_weights(model_dir, device="cpu")):
@@ -194,12 +112,12 @@ def engine_child(spec: dict) -> None:
         eng.step()
     tl.mark("first token", "the first forward: Triton compiles or loads its kernels here")
     print(json.dumps({"timeline": tl.as_dict(), "source": eng.weights_source, "loader_device": devices,
-                      "snapshot": str(getattr(eng, "snapshot_path", "")), "device": str(eng.device)}), flush=True)
+                      "snapshot": str(eng.weights.snapshot or ""), "device": str(eng.device)}), flush=True)
 
 
 def run_engine(spec: dict, env: dict, timeout: float) -> dict:
     t = now()
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO, env=env,
+    p = subprocess.run([sys.executable, "-m", "bench.coldstart_gpu", "--child", json.dumps(spec)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=timeout)
     wall = now() - t
     if p.returncode != 0:
@@ -279,11 +197,9 @@ def main() -> None:
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout` sends TERM: still clean up the files
 
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
 
-    from _common import write_section
+    from bench._common import cat_seconds, write_section
 
     if not args.tiny:
         assert torch.cuda.is_available(), "bench/coldstart_gpu.py needs a CUDA device (or --tiny)"
@@ -336,7 +252,7 @@ def main() -> None:
         if device == "cuda":
             loads.append(("iter_weights device=cpu + .to(cuda) in the consumer, warm", "cpu", "cuda"))
         for label, dev_, to in loads:
-            got = attempt(label, lambda: loader_seconds(model_dir, dev_, to)[0])
+            got = attempt(label, lambda dev_=dev_, to=to: loader_seconds(model_dir, dev_, to)[0])
             if got is not None:
                 reads.append((label, got))
         check = attempt("CUDA path check", lambda: cuda_path_matches(model_dir)) if device == "cuda" else None
@@ -349,14 +265,14 @@ def main() -> None:
                     device=device)
         if args.tiny:
             base["num_kv_blocks"] = 64
-        from warmup.default_model import sha256_file
+        from engine.weights.default_model import sha256_file
 
         for name, spec in (("fp8, first start", base | {"quantization": "fp8"}),
                            ("fp8 from snapshot", base | {"quantization": "fp8"}),
                            ("bf16", base)):
             snaps = sorted(cache_root.glob("fp8-snapshots/*/*.safetensors"))
             drop_cache(shards + snaps)
-            r = attempt(f"engine start '{name}'", lambda: run_engine(spec, env, args.child_timeout))
+            r = attempt(f"engine start '{name}'", lambda spec=spec: run_engine(spec, env, args.child_timeout))
             if r is None:
                 publish(reads, check, starts)
                 continue

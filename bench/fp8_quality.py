@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import default_model_path, machine_line, write_section  # noqa: E402
-
+from bench._common import default_model_path, machine_line, write_section
 from engine import LLM, SamplingParams  # noqa: E402
 
 CONFIGS = {"bf16": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 KV": {"kv_cache_dtype": "fp8"},
@@ -128,7 +125,7 @@ def main() -> None:
         del llm
     base_ppl = rows[0][1]
     lines = ["## FP8 quality and memory (SmolLM2, CPU)", "",
-             f"`python bench/fp8_quality.py` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}. "
+             f"`python -m bench.fp8_quality` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}. "
              f"Perplexity over {args.windows} windows x {args.window} tokens of `pydoc_data.topics`; greedy agreement "
              f"over {args.prompts} prompts x {args.tokens} tokens; KL(bf16 || config) over the perplexity positions. "
              "Bytes are measured from the allocated tensors.", "",
@@ -142,7 +139,8 @@ def main() -> None:
     lines += ["", "Time to a ready engine (model already converted; a fresh snapshot folder):", "",
               "| start | seconds |", "|---|---:|"] + [f"| {n} | {s:.2f} |" for n, s in starts]
     lines += ["", "Target ([fp8]): perplexity within +2 % of bf16. fp8 weights are W8A8 (per-channel weight scales, "
-              "dynamic per-token activation scales), computed on CPU in fp32 from the fp8 values (correct, slow). On a 135M model "
+              "dynamic per-token activation scales), computed on CPU in fp32 from the fp8 values (correct, slow). "
+              "On a 135M model "
               "the snapshot's win is small; it grows with the weight bytes (half of bf16, and no quantization pass).",
               "", "Precision of these figures: per-token activation quantization is discontinuous, so a one-ulp "
               "change anywhere (even reordering the same fp32 arithmetic) moves later tokens' fp8 values. With 4 "

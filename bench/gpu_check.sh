@@ -22,12 +22,12 @@ left() {  # min($1, seconds to the deadline), at least 1 (`timeout 0` would mean
   local l=$((DEADLINE - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo "$l"; }
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 timeout "$(left 210)" $PY -m pytest -q tests/kernels -p no:cacheprovider 2>&1 | tail -n 25
-timeout "$(left 250)" $PY bench/kernel_bench.py
+timeout "$(left 250)" $PY -m bench.kernel_bench
 if [ -n "${OUT:-}" ]; then cp docs/kernels.md "$OUT/"; fi
 T=$(left 200)
 if [ "$T" -ge 90 ]; then
   echo "== cold start (${T} s left): Llama-3-8B shape, 8 of 32 layers (shrunk to fit the 8-minute budget)"
-  timeout "$T" $PY bench/coldstart_gpu.py --layers 8 --child-timeout $((T - 30))
+  timeout "$T" $PY -m bench.coldstart_gpu --layers 8 --child-timeout $((T - 30))
 else
   echo "== cold start skipped: only ${T} s left of the 8-minute budget"
 fi

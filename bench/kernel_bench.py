@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import timed, write_section  # noqa: E402
+from bench._common import timed, write_section
 
 H, KVH, D, B, BS = 32, 8, 128, 64, 16  # Llama-3-8B attention geometry, batch 64, block 16
 HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
@@ -59,9 +56,9 @@ def rows(dtype=torch.bfloat16):
             qsl = torch.arange(B + 1, device="cuda", dtype=torch.int32)
             scale = torch.tensor(1.0, device="cuda")
             # bind this iteration's tensors now: a closure would see the loop's last ones
-            fn = (lambda q=q, kc=kc, vc=vc, tables=tables, lens=lens, qsl=qsl, scale=scale:
-                  paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, k_scale=scale, v_scale=scale,
-                                  max_query_len=1))
+            def fn(q=q, kc=kc, vc=vc, tables=tables, lens=lens, qsl=qsl, scale=scale):
+                return paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, k_scale=scale, v_scale=scale,
+                                       max_query_len=1)
             kv_bytes = 2 * B * ctx * KVH * D * kc.element_size()
             out.append((f"decode attention ctx {ctx}, KV {str(kv_dtype).split('.')[-1]}", fn,
                         kv_bytes + 2 * q.numel() * el, 0.70))

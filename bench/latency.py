@@ -12,7 +12,7 @@
    warm-up job, on two emulators side by side, interleaved: our worker loop, and the runpod SDK's own
    JobScaler.run (which looks at its job queue every 100 ms). Medians per stage.
 
-Usage: python bench/latency.py [--write-docs]     (~3 min on 2 cores)
+Usage: python -m bench.latency [--write-docs]     (~3 min on 2 cores)
 """
 from __future__ import annotations
 
@@ -26,10 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-from serve import Emulator  # noqa: E402
+from bench.procs import REPO, Emulator, emulator_env
 
 PREFIX = ("You are a careful assistant for a lighthouse keepers' guild. " +
           " ".join(f"Rule {i}: log the lamp, the weather and every ship seen at hour {i % 24}." for i in range(100)))
@@ -63,7 +60,7 @@ def repeat_prefix_child() -> None:
 
 
 def repeat_prefix() -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, capture_output=True, text=True, check=True,
+    r = subprocess.run([sys.executable, "-m", "bench.latency", "--child"], cwd=REPO, capture_output=True, text=True, check=True,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -71,7 +68,7 @@ def repeat_prefix() -> dict:
 def first_job(kind: str) -> float:
     from openai import OpenAI
 
-    with Emulator() as emu:
+    with Emulator(emulator_env(DTYPE="bfloat16")) as emu:
         client = OpenAI(base_url=emu.base_url, api_key="local", max_retries=0)
         kw = dict(model="SmolLM2-135M-Instruct", max_tokens=16, temperature=0, stream=True)
         t = now()
@@ -87,8 +84,8 @@ def first_job(kind: str) -> float:
 
 
 def _rendered_chat() -> str:
+    from bench._common import default_model_path
     from engine.tokenizer import Tokenizer
-    from _common import default_model_path
 
     return Tokenizer(default_model_path()).apply_chat_template(CHAT)
 
@@ -99,10 +96,10 @@ def breakdown(jobs: int) -> dict[str, dict[str, float]]:
     from openai import OpenAI
 
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
-    argv = ["bench/_trace.py", "emulator", "--worker-cmd", f"{sys.executable} bench/_trace.py worker"]
+    argv = ["-m", "bench._trace", "emulator", "--worker-cmd", f"{sys.executable} -m bench._trace worker"]
     client_events: list[tuple[str, str, float]] = []
-    with Emulator(argv, TRACE_FILE=str(trace)) as ours, \
-            Emulator(argv, TRACE_FILE=str(trace), TRACE_SDK_LOOP="original") as sdk:
+    with Emulator(emulator_env(DTYPE="bfloat16", TRACE_FILE=str(trace)), argv=argv) as ours, \
+            Emulator(emulator_env(DTYPE="bfloat16", TRACE_FILE=str(trace), TRACE_SDK_LOOP="original"), argv=argv) as sdk:
         configs = {"ours": ours, "runpod SDK loop": sdk}
         job_config: dict[str, str] = {}
         for i in range(jobs + 1):
@@ -159,7 +156,7 @@ def main() -> None:
     bd = breakdown(args.jobs)
     print(json.dumps(bd, indent=1), flush=True)
 
-    from _common import machine_line, write_section
+    from bench._common import machine_line, write_section
 
     rows = ["| call | s | ÷ call 10 |", "|---:|---:|---:|"]
     rows += [f"| {i + 1} | {t:.3f} | {t / tenth:.2f} |" for i, t in enumerate(rp["times"])]
@@ -175,7 +172,7 @@ def main() -> None:
               " | ".join(f"**{bd[n]['total']:.1f}**" for n in names) + " |")
     md = "\n".join([
         "## Latency: the first requests and the path to the first token", "",
-        f"`python bench/latency.py` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}; load average {load:.2f} "
+        f"`python -m bench.latency` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}; load average {load:.2f} "
         "at start. SmolLM2-135M-Instruct, bfloat16, CPU. Method: the docstring of `bench/latency.py`.", "",
         f"Repeated {rp['prefix_tokens']}-token prefix in a fresh `LLM` (the first call computes the prefix; the "
         f"rest hit the prefix cache). Calls 2-5 at most {worst:.2f} x call 10 (target 1.2); transformers imported: "

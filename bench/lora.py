@@ -8,28 +8,22 @@
 3. No stall while downloading: 4 base streams decode while a rank-64 adapter is fetched for a fifth request;
    the streams' ITL before and during the fetch.
 
-Usage: python bench/lora.py [--quick]   (full: ~5 min; writes docs/benchmarks.md)
+Usage: python -m bench.lora [--quick]   (full: ~5 min; writes docs/benchmarks.md)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import default_model_path, machine_line, make_workload, write_section  # noqa: E402
-
+from bench._common import default_model_path, machine_line, make_workload, write_section
+from bench.procs import MotoServer
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.lora.adapter import module_shapes  # noqa: E402
 from engine.models.llama import ModelSpec  # noqa: E402
@@ -58,20 +52,11 @@ def write_adapter(folder: Path, spec: ModelSpec, r: int, seed: int) -> int:
     return (folder / "adapter_model.safetensors").stat().st_size
 
 
-class Moto:
-    def __init__(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(self.url + "/moto-api/", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+class Moto(MotoServer):
+    """The S3 server with one bucket, `bench`, that adapters are uploaded to."""
+
+    def __init__(self, log_path: Path):
+        super().__init__(log_path)
         import boto3
 
         self.s3 = boto3.client("s3", endpoint_url=self.url)
@@ -80,10 +65,6 @@ class Moto:
     def upload(self, name: str, folder: Path) -> None:
         for f in ("adapter_config.json", "adapter_model.safetensors"):
             self.s3.put_object(Bucket="bench", Key=f"adapters/{name}/{f}", Body=(folder / f).read_bytes())
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 def llm(path, root: Path, moto: Moto, **kw) -> LLM:
@@ -165,7 +146,7 @@ def no_stall(path, root, moto, spec) -> dict:
 def render(tp, cold, stall, args) -> str:
     ratio = tp["lora"] / tp["base"]
     lines = ["## Multi-LoRA (SmolLM2, CPU)", "",
-             f"`python bench/lora.py{' --quick' if args.quick else ''}` on {time.strftime('%Y-%m-%d')}: "
+             f"`python -m bench.lora{' --quick' if args.quick else ''}` on {time.strftime('%Y-%m-%d')}: "
              f"{machine_line('cpu')}. bf16; adapters in a local moto S3 server (own process, real HTTP).", "",
              f"**Throughput** ({args.n} requests, prompts 32-256, outputs 32-128, ignore_eos; best of 2, alternated):",
              "", "| requests | output tok/s | vs base |", "|---|---:|---:|",
@@ -204,18 +185,14 @@ def main() -> None:
         os.environ.setdefault(k, v)  # moto accepts any credentials
     path = default_model_path()
     spec = ModelSpec.from_hf(json.loads((path / "config.json").read_text()))
-    moto = Moto()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            tp = throughput(path, root, moto, spec, args.adapters, args.n)
-            print("throughput", tp, flush=True)
-            cold = cold_ttft(path, root, moto, spec, (8,) if args.quick else (8, 32, 64))
-            print("cold", cold, flush=True)
-            stall = no_stall(path, root, moto, spec)
-            print("stall", stall, flush=True)
-    finally:
-        moto.close()
+    with tempfile.TemporaryDirectory() as tmp, Moto(Path(tmp) / "moto.log") as moto:
+        root = Path(tmp)
+        tp = throughput(path, root, moto, spec, args.adapters, args.n)
+        print("throughput", tp, flush=True)
+        cold = cold_ttft(path, root, moto, spec, (8,) if args.quick else (8, 32, 64))
+        print("cold", cold, flush=True)
+        stall = no_stall(path, root, moto, spec)
+        print("stall", stall, flush=True)
     body = render(tp, cold, stall, args)
     print(body)
     if not args.quick:

@@ -13,22 +13,18 @@
    LONG_PREFILL_TOKEN_THRESHOLD caps. Target: p99 ITL <= 2x the median with chunking.
    Also: the time the block manager spends (hashing, lookups, LRU) as a share of the zero-hit runs.
 
-Usage: python bench/prefix.py [--quick]   (full: ~6 min; writes docs/benchmarks.md and docs/prefix_itl.png)
+Usage: python -m bench.prefix [--quick]   (full: ~6 min; writes docs/benchmarks.md and docs/prefix_itl.png)
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import default_model_path, machine_line, make_workload, write_section  # noqa: E402
-
+from bench._common import default_model_path, machine_line, make_workload, write_section
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 
@@ -146,7 +142,7 @@ def render(sp, zh, itl, args, default_budget) -> str:
     zcost = 1 - zh["on"] / zh["off"]
     lines = [
         "## Prefix caching and chunked prefill (SmolLM2, CPU)", "",
-        f"`python bench/prefix.py{' --quick' if args.quick else ''}` on {time.strftime('%Y-%m-%d')}: "
+        f"`python -m bench.prefix{' --quick' if args.quick else ''}` on {time.strftime('%Y-%m-%d')}: "
         f"{machine_line('cpu')}. bf16, LLMEngine's step loop.", "",
         f"**Shared system prompt** ({sp['prompt_len']}-token prompts: one {sp['prompt_len'] - 20}-token system "
         f"prompt, a distinct 20-token user turn; {len(sp['on'])} requests one after another, caching on and off "

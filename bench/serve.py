@@ -15,10 +15,10 @@ ignore_eos (vLLM's extra_body field), so that every request generates exactly th
 One short warm-up request runs first, untimed.
 
 Usage:
-  python bench/serve.py --base-url https://api.runpod.ai/v2/ENDPOINT/openai/v1 --api-key $RUNPOD_API_KEY \\
+  python -m bench.serve --base-url https://api.runpod.ai/v2/ENDPOINT/openai/v1 --api-key $RUNPOD_API_KEY \\
       --model MODEL --tokenizer /path/to/tokenizer_dir
-  python bench/serve.py --launch-emulator                 # the local emulator on SmolLM2 (2-core CPU: ~6 min)
-  python bench/serve.py --launch-emulator --write-docs    # ... and write docs/benchmarks.md + docs/serve.png
+  python -m bench.serve --launch-emulator                 # the local emulator on SmolLM2 (2-core CPU: ~6 min)
+  python -m bench.serve --launch-emulator --write-docs    # ... and write docs/benchmarks.md + docs/serve.png
 """
 from __future__ import annotations
 
@@ -29,17 +29,14 @@ import json
 import math
 import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
+from bench.procs import REPO, Emulator, emulator_env
+from bench.serve_report import Result, Target, compare, plot, summarize, table
 
-REPO = Path(__file__).resolve().parents[1]
 now = time.perf_counter
 # ~1 token each with a leading space in GPT-style BPE vocabularies; random order, so no shared prefixes
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
@@ -48,27 +45,11 @@ WORDS = ("time year people way day man thing woman life child world school state
          "side kind head house service friend father power hour game line end member law car city name team").split()
 
 
-@dataclass
-class Result:
-    prompt_tokens: int
-    max_tokens: int
-    ok: bool = False
-    error: str = ""
-    ttft: float = 0.0
-    latency: float = 0.0
-    output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    job_id: str = ""  # the emulator's job (X-Job-Id), for its worker-side numbers
-    posts: int = 0  # the worker's job-stream POSTs for this job (emulator only)
-    exec_s: float = 0.0  # the job's execution time on the worker (emulator only)
-
-
 def load_tokenizer(path: str | None):
     from tokenizers import Tokenizer  # the fast tokenizer alone: no transformers import, no download
 
     if path is None:  # the embedded default model (converted once, cached)
-        sys.path.insert(0, str(REPO / "bench"))
-        from _common import default_model_path
+        from bench._common import default_model_path
         path = str(default_model_path())
     p = Path(path)
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
@@ -137,123 +118,6 @@ async def run_rate(client, args, model, prompts, rate: float, rng: random.Random
     return results, now() - t0
 
 
-def stats(xs: list[float]) -> dict:
-    if not xs:
-        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
-    a = np.asarray(xs) * 1000  # ms
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
-
-
-def summarize(rate: float, results: list[Result], duration: float, flush_ms: float | None = None) -> dict:
-    ok = [r for r in results if r.ok]
-    out = sum(r.output_tokens for r in ok)
-    posts = {}
-    if flush_ms is not None and any(r.posts for r in ok):  # the target: posts <= duration / flush + 5, per job
-        excess = [r.posts - r.exec_s * 1000 / flush_ms for r in ok]
-        posts = {"posts_per_job": float(np.mean([r.posts for r in ok])), "posts_max_excess": float(max(excess))}
-    return {"rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration, **posts,
-            "short": sum(r.output_tokens < r.max_tokens for r in ok),  # server ignored ignore_eos?
-            "request_per_s": len(ok) / duration, "output_tok_per_s": out / duration,
-            "total_tok_per_s": (out + sum(r.prompt_tokens for r in ok)) / duration,
-            "ttft_ms": stats([r.ttft for r in ok]),
-            "tpot_ms": stats([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-            "itl_ms": stats([x for r in ok for x in r.itl]),
-            "errors": sorted({r.error for r in results if r.error})[:3]}
-
-
-def table(rows: dict[str, list[dict]]) -> str:
-    f = lambda s: f"{s['mean']:.0f} / {s['median']:.0f} / {s['p99']:.0f}"  # noqa: E731
-    lines = ["| config | request rate | done / failed | req/s | output tok/s | TTFT ms mean / med / p99 | "
-             "TPOT ms mean / med / p99 | ITL ms mean / med / p99 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {label} | {r['rate']:g} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
-              f"{r['output_tok_per_s']:.1f} | {f(r['ttft_ms'])} | {f(r['tpot_ms'])} | {f(r['itl_ms'])} |"
-              for label, rs in rows.items() for r in rs]
-    return "\n".join(lines)
-
-
-def plot(rows: dict[str, list[dict]], png: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for k, (label, rs) in enumerate(rows.items()):
-        x, labels = range(len(rs)), [f"{r['rate']:g}" for r in rs]  # categorical x: inf has a place too
-        color = f"C{k}"
-        axes[0].plot(x, [r["ttft_ms"]["median"] for r in rs], "-o", color=color, label=f"{label}: TTFT median")
-        axes[1].plot(x, [r["itl_ms"]["p99"] for r in rs], "-o", color=color, label=f"{label}: ITL p99")
-        axes[1].plot(x, [r["tpot_ms"]["median"] for r in rs], ":^", color=color, label=f"{label}: TPOT median")
-    for ax, name in ((axes[0], "TTFT"), (axes[1], "gap between streamed events / TPOT")):
-        ax.set_xticks(list(x), labels)
-        ax.set_xlabel("request rate (req/s; inf = all at once)")
-        ax.set_ylabel(f"{name} ms (lower is better)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-
-
-class Emulator:
-    """`python -m handler.local` on a free port with the embedded default model, bf16, offline (as
-    bench/serving.py runs it); ready once /health reports the worker's first job-take."""
-
-    def __init__(self, argv: list[str] | None = None, **env):
-        self.argv = argv or ["-m", "handler.local"]  # after the interpreter; --port is appended
-        self.extra_env = env
-
-    def __enter__(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k != "MODEL_NAME"}
-        env |= {"DTYPE": "bfloat16", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.extra_env}
-        self.log = tempfile.TemporaryFile("w+")  # its log, shown if it fails to start
-        self.proc = subprocess.Popen([sys.executable, *self.argv, "--port", str(self.port)], cwd=REPO,
-                                     env=env, stdout=subprocess.DEVNULL, stderr=self.log)
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/v2/local/health", timeout=5).json()["workers"]["ready"]:
-                    return self
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.2)
-        self.__exit__()
-        self.log.seek(0)
-        tail = "".join(self.log.readlines()[-20:])
-        raise RuntimeError(f"the emulator did not become ready (exited or 300 s passed):\n{tail}")
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v2/local"
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-@dataclass
-class Target:
-    """One server under test: its OpenAI base URL; for an emulator we launched, its flush setting and API root."""
-    label: str
-    base_url: str
-    flush_ms: float | None = None  # STREAM_FLUSH_MS (math.inf: the count bound alone, as worker-vllm)
-    api: str | None = None  # http://h:p/v2/local: /status/{id} gives the job's POSTs and execution time
-
-
 async def worker_side(target: Target, results: list[Result]) -> None:
     """Fill each result's POST count and execution time from the emulator's job record."""
     if target.api is None:
@@ -269,7 +133,8 @@ async def worker_side(target: Target, results: list[Result]) -> None:
 
 async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]], dict[str, list[list[Result]]]]:
     """Each rate runs on every target in turn, with the same prompts (targets are separate servers: no shared
-    prefix cache), so targets are compared under the same conditions, interleaved against machine drift."""
+    prefix cache), so targets are compared under the same conditions, interleaved against machine drift; the
+    order rotates from one rate to the next, so no target always runs first."""
     from openai import AsyncOpenAI
 
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
@@ -289,7 +154,7 @@ async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]]
     per_rate: dict[str, list[list[Result]]] = {t.label: [] for t in targets}
     for i, rate in enumerate(args.request_rate):
         prompts = make_prompts(tok, lens, random.Random(f"{args.seed}-prompts-{i}"))
-        for t in targets:
+        for t in targets[i % len(targets):] + targets[:i % len(targets)]:  # each target first in turn
             results, duration = await run_rate(clients[t.label], args, model, prompts, rate,
                                                random.Random(f"{args.seed}-{i}"))
             await worker_side(t, results)
@@ -301,31 +166,6 @@ async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]]
     for c in clients.values():
         await c.close()
     return model, rows, per_rate
-
-
-def compare(targets: list[Target], rows: dict[str, list[dict]]) -> str:
-    """The streaming targets per rate: p99 gap <= flush + 2 x TPOT (median), POSTs per job <= its duration /
-    flush + 5, and output tok/s against the first target (the count-only baseline)."""
-    base = rows[targets[0].label]
-    lines = ["| config | request rate | ITL p99 ms | TPOT median ms | bound: flush + 2 x TPOT ms | p99 within | "
-             "POSTs per job (mean) | most POSTs over duration / flush | output tok/s vs count only |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for t in targets:
-        for r, b in zip(rows[t.label], base):
-            finite = t.flush_ms is not None and math.isfinite(t.flush_ms)
-            bound = t.flush_ms + 2 * r["tpot_ms"]["median"] if finite else float("nan")
-            within = ("yes" if r["itl_ms"]["p99"] <= bound else "**no**") if finite else "–"
-            excess = f"{r['posts_max_excess']:+.1f}" if finite and "posts_max_excess" in r else "–"
-            lines.append(f"| {t.label} | {r['rate']:g} | {r['itl_ms']['p99']:.0f} | {r['tpot_ms']['median']:.0f} | "
-                         f"{bound:.0f} | {within} | {r.get('posts_per_job', float('nan')):.1f} | {excess} | "
-                         f"{r['output_tok_per_s'] / b['output_tok_per_s']:.3f} |")
-    for t in targets[1:]:  # throughput over the whole run: total tokens / total time, against the baseline's
-        tok = sum(r["output_tok_per_s"] * r["duration_s"] for r in rows[t.label])
-        secs = sum(r["duration_s"] for r in rows[t.label])
-        b_tok = sum(r["output_tok_per_s"] * r["duration_s"] for r in base)
-        b_secs = sum(r["duration_s"] for r in base)
-        lines.append(f"| {t.label}, all rates | | | | | | | | **{tok / secs / (b_tok / b_secs):.3f}** |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -352,7 +192,8 @@ def main() -> None:
                     help="with --launch-emulator: one emulator per STREAM_FLUSH_MS value, compared in one run; inf = "
                          "the count bound alone, as worker-vllm (default: inf 50 100)")
     ap.add_argument("--worker-env", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="with --launch-emulator: more settings for every worker (e.g. LONG_PREFILL_TOKEN_THRESHOLD=128)")
+                    help="with --launch-emulator: more settings for every worker "
+                         "(e.g. LONG_PREFILL_TOKEN_THRESHOLD=128)")
     ap.add_argument("--json", type=Path, help="write the summary and per-request results here")
     ap.add_argument("--plot", type=Path, help="write latency vs request rate here (PNG)")
     ap.add_argument("--write-docs", action="store_true", help="write the `serve` section of docs/benchmarks.md "
@@ -371,7 +212,8 @@ def main() -> None:
             for f in args.flush_ms:
                 label = "count only" if math.isinf(f) else f"flush {f:g} ms"
                 env = dict(kv.split("=", 1) for kv in args.worker_env)
-                emu = stack.enter_context(Emulator(STREAM_FLUSH_MS=f"{f if math.isfinite(f) else 1e12:g}", **env))
+                emu = stack.enter_context(Emulator(emulator_env(DTYPE="bfloat16", **env,
+                    STREAM_FLUSH_MS=f"{f if math.isfinite(f) else 1e12:g}")))
                 targets.append(Target(label, emu.base_url, f, emu.api))
             print(f"{len(targets)} emulator(s) ready after {now() - t_all:.1f} s", flush=True)
             model, rows, per_rate = asyncio.run(bench(args, targets))
@@ -383,9 +225,8 @@ def main() -> None:
         server = f"`{args.base_url}`"
     argv = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--api-key")
             and not (i and sys.argv[i] == "--api-key")]  # never print or write the key
-    cmd = "python bench/serve.py " + " ".join(argv)
-    sys.path.insert(0, str(REPO / "bench"))
-    from _common import machine_line
+    cmd = "python -m bench.serve " + " ".join(argv)
+    from bench._common import machine_line
 
     md = "\n".join([
         "## Serving: latency vs request rate", "",
@@ -417,7 +258,7 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot, title)
     if args.write_docs:
-        from _common import write_section
+        from bench._common import write_section
 
         write_section(REPO / "docs" / "benchmarks.md", "serve", md)
         plot(rows, REPO / "docs" / "serve.png", title)

@@ -19,26 +19,26 @@ HF_HUB_OFFLINE=1, through the real entry points, one measurement at a time (2 co
    emulator starts. Output tok/s = output tokens / (last token - submit); best of 2 runs. "worker POSTs" is
    the emulator's job-stream count for the job: one HTTP POST per handler yield (1, 3, 9, 27, 50, ... tokens).
 
-Usage: python bench/serving.py            # full run (~2-3 min), writes docs/benchmarks.md + docs/serving.png
-       python bench/serving.py --quick    # max_tokens 64, 1 run of each; prints only (smoke test)
+Usage: python -m bench.serving            # full run (~2-3 min), writes docs/benchmarks.md + docs/serving.png
+       python -m bench.serving --quick    # max_tokens 64, 1 run of each; prints only (smoke test)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import requests
 from openai import OpenAI
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.procs import REPO, Emulator
+
+READY = "ready: the worker made"  # the emulator's log line at the worker's first job-take
 PROMPT = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
 IMPORTS = {"python -c pass": "pass", "import handler": "import handler", "import runpod": "import runpod",
@@ -79,39 +79,11 @@ def direct_child(max_tokens: int, runs: int) -> None:
     eng.shutdown()
 
 
-class Emulator:
-    """`python -m handler.local` in a subprocess; stamps the log lines we care about (seconds from launch)."""
-
-    def __init__(self, env: dict):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.base, self.marks, self.tail = f"http://127.0.0.1:{port}/v2/local", {}, []
-        self.t0 = now()
-        self.proc = subprocess.Popen([sys.executable, "-m", "handler.local", "--port", str(port)], cwd=REPO,
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stderr:
-            self.tail = (self.tail + [line.rstrip()])[-30:]
-            for key, text in (("spawn", "worker started (pid"), ("engine ready", "engine ready in"),
-                              ("ready", "ready: the worker made")):
-                if text in line:
-                    self.marks.setdefault(key, now() - self.t0)
-
-    def posts(self, http, fn) -> dict:
-        """fn()'s result plus the job-stream POSTs the worker made meanwhile (from /health's counters)."""
-        count = lambda: http.get(f"{self.base}/health", timeout=10).json()["localWorker"]["requests"]  # noqa: E731
-        before = count().get("job-stream", 0)
-        return fn() | {"posts": count().get("job-stream", 0) - before}
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def posts(http, emu: Emulator, fn) -> dict:
+    """fn()'s result plus the job-stream POSTs the worker made meanwhile (from /health's counters)."""
+    count = lambda: http.get(f"{emu.api}/health", timeout=10).json()["localWorker"]["requests"]  # noqa: E731
+    before = count().get("job-stream", 0)
+    return fn() | {"posts": count().get("job-stream", 0) - before}
 
 
 def native_job(http, emu: Emulator, max_tokens: int) -> dict:
@@ -125,7 +97,7 @@ def native_job(http, emu: Emulator, max_tokens: int) -> dict:
             break
         except requests.ConnectionError:
             if emu.proc.poll() is not None:
-                raise RuntimeError("emulator exited:\n" + "\n".join(emu.tail))
+                raise RuntimeError("emulator exited:\n" + emu.tail(30)) from None
             time.sleep(0.01)
     first = last = None
     n, reads, r = 0, 0, {"status": "IN_QUEUE"}
@@ -224,7 +196,7 @@ def main() -> None:
 
     imp = import_times(n_imp, env)
     print("  " + ", ".join(f"{k} {v:.3f} s" for k, v in imp.items()), flush=True)
-    dres = json.loads(subprocess.run([sys.executable, __file__, "--direct-child", str(mt), str(n_stream)], cwd=REPO,
+    dres = json.loads(subprocess.run([sys.executable, "-m", "bench.serving", "--direct-child", str(mt), str(n_stream)], cwd=REPO,
                                      env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     best_direct = min(dres["runs"], key=lambda r: r["s"])
     print(f"  direct: {[round(r['n'] / r['s'], 1) for r in dres['runs']]} tok/s", flush=True)
@@ -232,20 +204,21 @@ def main() -> None:
     http, colds, emu = requests.Session(), [], None
     try:
         for i in range(n_cold):
-            emu = emu and emu.close() or Emulator(env)
+            emu = emu and emu.close() or Emulator(env, wait=False)
             r = native_job(http, emu, mt)
-            while "ready" not in emu.marks and emu.proc.poll() is None:
+            while emu.mark(READY) is None and emu.proc.poll() is None:
                 time.sleep(0.05)
+            nan = float("nan")
             colds.append({"server accepts the job": r["accepted"] - emu.t0,
-                          "emulator spawns the worker": emu.marks.get("spawn", float("nan")),
-                          "worker logs engine ready": emu.marks.get("engine ready", float("nan")),
-                          "emulator logs ready (first job-take)": emu.marks["ready"],
+                          "emulator spawns the worker": emu.mark("worker started (pid") or nan,
+                          "worker logs engine ready": emu.mark("engine ready in") or nan,
+                          "emulator logs ready (first job-take)": emu.mark(READY),
                           "first streamed token": r["accepted"] - emu.t0 + r["ttft"]})
             print(f"  cold start {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in colds[-1].items()), flush=True)
         oai = OpenAI(base_url=f"{emu.base}/openai/v1", api_key="local", max_retries=0, timeout=120)
         model = oai.models.list().data[0].id
-        natives = [emu.posts(http, lambda: native_job(http, emu, mt)) for _ in range(n_stream)]
-        oais = [emu.posts(http, lambda: openai_job(oai, model, mt)) for _ in range(n_stream)]
+        natives = [posts(http, emu, lambda: native_job(http, emu, mt)) for _ in range(n_stream)]
+        oais = [posts(http, emu, lambda: openai_job(oai, model, mt)) for _ in range(n_stream)]
     finally:
         if emu is not None:
             emu.close()
@@ -255,10 +228,9 @@ def main() -> None:
     assert not bad, f"output tokens {bad}, wanted {mt} each"
     cold = {k: [c[k] for c in colds] for k in colds[0]}
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import machine_line, write_section
+    from bench._common import machine_line, write_section
 
-    cmd = "python bench/serving.py " + " ".join(sys.argv[1:])
+    cmd = "python -m bench.serving " + " ".join(sys.argv[1:])
     md = render(imp, cold, n_cold, stream, {"imports": n_imp, "stream": n_stream}, mt, dres["prompt_tokens"],
                 cmd.strip(), machine_line("cpu"), load)
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")

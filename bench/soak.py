@@ -11,7 +11,7 @@ hang-ups, watching the worker's memory and the engine's KV pool ([latency] #12).
 Checks: RSS after minute 2 never above 1.05 x its value at minute 2; all KV blocks free at the end; every job
 that completed produced exactly its max_tokens; no request failed.
 
-Usage: python bench/soak.py [--minutes 10] [--load 0.7] [--write-docs]
+Usage: python -m bench.soak [--minutes 10] [--load 0.7] [--write-docs]
 """
 from __future__ import annotations
 
@@ -26,10 +26,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-from serve import WORDS, Emulator  # noqa: E402
+from bench.procs import REPO, Emulator, emulator_env
+from bench.serve import WORDS
 
 now = time.monotonic
 
@@ -136,8 +134,7 @@ async def soak(emu: Emulator, rate: float, minutes: float, seed: int) -> tuple[S
 
 
 def kv_at_end(emu: Emulator) -> tuple[int, int]:
-    emu.log.seek(0)
-    found = re.findall(r"KV blocks free (\d+)/(\d+)", emu.log.read())
+    found = re.findall(r"KV blocks free (\d+)/(\d+)", "\n".join(emu.lines))
     return tuple(map(int, found[-1])) if found else (-1, -1)
 
 
@@ -149,7 +146,7 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     t_all, load = time.perf_counter(), os.getloadavg()[0]
-    with Emulator() as emu:
+    with Emulator(emulator_env(DTYPE="bfloat16")) as emu:
         sat = asyncio.run(capacity(emu))
         rate = args.load * sat
         print(f"saturating rate {sat:.2f} req/s: soaking at {rate:.2f} req/s for {args.minutes:g} min", flush=True)
@@ -162,11 +159,11 @@ def main() -> None:
     ok = growth <= 0.05 and free == total and not s.counts["failed"] and not s.counts["wrong length"]
     print(f"counts {s.counts}; RSS at 2 min {at2:.0f} MB, max after {max(after):.0f} MB ({growth:+.1%}); "
           f"KV free {free}/{total}; errors {s.errors[:5]}")
-    from _common import machine_line, write_section
+    from bench._common import machine_line, write_section
 
     md = "\n".join([
         "## Soak: 70 % load with cancels and hang-ups", "",
-        f"`python bench/soak.py --minutes {args.minutes:g} --load {args.load:g}` on {time.strftime('%Y-%m-%d')}: "
+        f"`python -m bench.soak --minutes {args.minutes:g} --load {args.load:g}` on {time.strftime('%Y-%m-%d')}: "
         f"{machine_line('cpu')}; load average {load:.2f} at start. The local emulator, SmolLM2-135M-Instruct, "
         "bfloat16, CPU. Method: the docstring of `bench/soak.py`.", "",
         "| saturating rate req/s | soak rate req/s | completed | cancelled | hung up | failed | wrong length | "

@@ -25,9 +25,9 @@ overhead = 1 - forward / step.
 On a shared 2-core machine, 2 torch threads oversubscribe the cores and every peer slows several-fold: run
 when the machine is idle, or pass --threads 1.
 
-Usage: python bench/throughput.py                 # full run, writes docs/benchmarks.md + docs/throughput.png
-       python bench/throughput.py --quick         # 8 short requests, prints only (smoke test)
-       python bench/throughput.py --tune          # also tries hf-cb at several max_batch_tokens
+Usage: python -m bench.throughput                 # full run, writes docs/benchmarks.md + docs/throughput.png
+       python -m bench.throughput --quick         # 8 short requests, prints only (smoke test)
+       python -m bench.throughput --tune          # also tries hf-cb at several max_batch_tokens
 """
 from __future__ import annotations
 
@@ -41,12 +41,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (Workload, default_model_path, gemm_gflops, machine_line, make_workload,  # noqa: E402
-                     sync, timed, write_section)
-
-from engine.loader import read_json  # noqa: E402
+from bench._common import (
+    Workload,
+    default_model_path,
+    gemm_gflops,
+    machine_line,
+    make_workload,
+    sync,
+    timed,
+    write_section,
+)
 from engine.models.llama import ModelSpec  # noqa: E402
+from engine.weights import read_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -265,7 +271,7 @@ def main() -> None:
     if bad := set(peers) - set(PEERS):
         ap.error(f"unknown peers {sorted(bad)}; choose from {PEERS}")
     docs = args.docs_dir or (None if args.quick else REPO / "docs")
-    cmd = "python bench/throughput.py " + " ".join(sys.argv[1:])
+    cmd = "python -m bench.throughput " + " ".join(sys.argv[1:])
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -305,7 +311,7 @@ def main() -> None:
                        pad_token_id=PAD_ID)  # warmup
         for bs in (64, 16):
             if f"hf-pad{bs}" in peers:
-                record(f"hf-pad{bs}", timed(lambda: hf_padded(model, wl, bs, device), device))
+                record(f"hf-pad{bs}", timed(lambda bs=bs: hf_padded(model, wl, bs, device), device))
         if "hf-cb" in peers:
             for mbt in sorted({args.cb_max_batch_tokens, *(TUNE_MBT if args.tune else ())}):
                 record("hf-cb" + (f" mbt={mbt}" if args.tune else ""), hf_cb(model, wl, mbt, device))

@@ -1,14 +1,25 @@
-"""Public API of the inference engine. The handler imports only from here."""
+"""Public API of the inference engine. handler/ and warmup/ import only from here (tests/test_structure.py).
+
+`weights` is the model-files API (find a model, its safetensors, the fp8 snapshot) that `python -m warmup` uses."""
+from engine import weights
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, default_cache_root, writable_dir
-from engine.errors import (ConfigError, EngineError, EngineFault, InvalidRequestError, ModelNotFoundError,
-                           UnsupportedModelError)
+from engine.errors import (
+                           ConfigError,
+                           EngineError,
+                           EngineFault,
+                           InvalidRequestError,
+                           ModelNotFoundError,
+                           UnsupportedModelError,
+)
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.models.llama import ModelSpec
+from engine.timeline import Timeline
+from engine.tokenizer import Tokenizer, compare_with_transformers
 from engine.types import CompletionOutput, LoRARequest, RequestMetrics, RequestOutput, SamplingParams
-from warmup.timeline import Timeline
 
 __all__ = ["AsyncEngine", "CompletionOutput", "ConfigError", "EngineConfig", "EngineError", "EngineFault",
-           "InvalidRequestError", "LLM", "LLMEngine", "LoRARequest", "ModelNotFoundError", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "Timeline", "UnsupportedModelError", "default_cache_root",
-           "writable_dir"]
+           "InvalidRequestError", "LLM", "LLMEngine", "LoRARequest", "ModelNotFoundError", "ModelSpec",
+           "RequestMetrics", "RequestOutput", "SamplingParams", "Timeline", "Tokenizer", "UnsupportedModelError",
+           "compare_with_transformers", "default_cache_root", "weights", "writable_dir"]

@@ -11,13 +11,13 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineFault
 from engine.llm_engine import LLMEngine
+from engine.timeline import Timeline
 from engine.types import LoRARequest, RequestOutput, SamplingParams
-from warmup.timeline import Timeline
 
 log = logging.getLogger("engine")
 
@@ -118,8 +118,7 @@ class AsyncEngine:
         self._closed = True
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
-        if self.engine.lora is not None:
-            self.engine.lora.shutdown()
+        self.engine.shutdown()
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -153,13 +152,12 @@ class AsyncEngine:
             except Exception as e:  # a bug or a device error, not user input: fail everything, promptly
                 log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
                 self.fault = EngineFault(f"engine step failed: {e!r}")
-                for rid in list(eng._groups):
-                    eng.abort(rid)
+                eng.abort_all()
                 for rid in list(self._streams):
                     self._send(rid, EngineFault(str(self.fault)))
                 continue
             self._stats = eng.stats()
-            self._stalled = not outputs and not eng.scheduler.running
+            self._stalled = not outputs and not self._stats["running"]
             for out in outputs:
                 self._send(out.request_id, out.error if out.error is not None else out)
             interval = eng.cfg.log_stats_interval

@@ -96,5 +96,5 @@ class EngineConfig:
         object.__setattr__(self, "lora_modules", tuple((str(n), str(p)) for n, p in self.lora_modules))
         object.__setattr__(self, "lora_allowed_buckets", tuple(self.lora_allowed_buckets))
 
-    def replace(self, **changes) -> "EngineConfig":
+    def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

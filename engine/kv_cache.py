@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.models.llama import ModelSpec
+from kernels import FP8_MAX
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,6 @@ CALIBRATION_TEXT = (
     "on his uncle Claudius, who murdered Hamlet's father to seize the throne. His hesitation and feigned "
     "madness lead to a chain of deaths, including his own. 3.14159 2.71828 1.41421 | {\"key\": [1, 2, 3]}"
 )
-FP8_MAX = 448.0
 
 
 class CalibrationAttention:

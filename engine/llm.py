@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

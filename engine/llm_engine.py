@@ -1,42 +1,28 @@
-"""LLMEngine: owns the model, KV pool, scheduler and detokenizers. `step()` = schedule, run, postprocess."""
+"""LLMEngine: the model, KV pool, scheduler and output processor. `step()` = schedule, run, update, outputs."""
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import CALIBRATION_TEXT, KVCapacity, allocate, calibrate_kv_scales, plan_capacity
 from engine.layers.attention import TorchAttention, TritonAttention
-from engine.loader import iter_weights, read_json, resolve_model_path, safetensors_files
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
+from engine.output import OutputProcessor
 from engine.scheduler import Scheduler
+from engine.timeline import Timeline
 from engine.tokenizer import Tokenizer
-from engine.types import CompletionOutput, LoRARequest, Request, RequestMetrics, RequestOutput, SamplingParams
-
-from warmup.timeline import Timeline  # generic; python -m warmup times its steps with it too
+from engine.types import LoRARequest, Request, RequestOutput, SamplingParams
+from engine.weights import load_model, read_json, resolve_model_path, safetensors_files
 
 log = logging.getLogger("engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(eq=False)
-class _Group:
-    """One user request: n sequences sharing a prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Request]
-    detoks: list[IncrementalDetokenizer]
-    sent_tokens: list[int] = field(default_factory=list)  # per seq: token ids already reported
 
 
 class LLMEngine:
@@ -50,6 +36,39 @@ class LLMEngine:
         self.device = torch.device(cfg.device if cfg.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         tl.mark("engine setup")
+        self._resolve_model()
+        tl.mark("model resolution", str(self.model_path))
+        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
+        self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.kv_dtype, self.device, self._weight_bytes())
+        self.max_model_len = self.capacity.max_model_len
+        self.model, self.weights = load_model(cfg, self.model_path, self.spec.prequantized, self._build_model,
+                                              self.device)
+        tl.mark(self.weights.phase, self.weights.note())
+        kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
+        tl.mark("KV allocation", f"{self.capacity.num_blocks} blocks, "
+                                 f"{self.capacity.num_tokens * self.capacity.bytes_per_token / 2**20:.0f} MiB")
+        # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
+        self.kernel_backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else \
+            ("triton" if self.device.type == "cuda" else "torch")
+        self.lora = self._build_lora()
+        self.runner = ModelRunner(self.model, kv, self._build_attention(), cfg.block_size, self.device,
+                                  self.kernel_backend, self.lora)
+        self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.max_model_len, cfg.long_prefill_token_threshold,
+                                   can_start=self.lora.can_start if self.lora is not None else None)
+        self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
+        self.num_generated_tokens = 0
+        # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
+        # kernel warmup (Triton compiles on first use, into TRITON_CACHE_DIR, which lives on the volume).
+        tl.skip("kernel warmup", "Triton compiles on first use into TRITON_CACHE_DIR" if
+                self.kernel_backend == "triton" else "torch kernels on CPU: nothing to compile")
+        self._log_ready(time.perf_counter() - t0)
+
+    # ---- builders (in the order __init__ calls them) ---------------------------------------------
+    def _resolve_model(self) -> None:
+        """model_path, spec, dtype, tok, eos_token_ids: from config files alone, no weights read."""
+        cfg = self.cfg
         self.model_path = resolve_model_path(cfg)
         safetensors_files(self.model_path)  # refuse pickle-only checkpoints before anything else
         hf_cfg = read_json(self.model_path / "config.json")
@@ -57,103 +76,49 @@ class LLMEngine:
         self.dtype = _DTYPES.get(cfg.dtype, torch.bfloat16)
         if cfg.dtype == "auto" and self.device.type == "cuda" and hf_cfg.get("torch_dtype") == "float16":
             self.dtype = torch.float16
-
         self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
         eos = set(self.spec.eos_token_ids)
         if self.tok.eos_token_id is not None:
             eos.add(self.tok.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        tl.mark("model resolution", str(self.model_path))
 
-        weight_bytes = self.spec.num_params() * (1 if cfg.quantization == "fp8" else
-                                                 torch.tensor([], dtype=self.dtype).element_size())
-        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
-        self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.kv_dtype, self.device, weight_bytes)
-        self.max_model_len = self.capacity.max_model_len
-        self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, cfg.quantization)
-        self.weights_source = self._load_weights()
-        tl.mark({"checkpoint": "weight read", "fp8 checkpoint": "weight read (fp8 checkpoint)",
-                 "fp8 snapshot": "fp8 snapshot load", "checkpoint, quantized online": "weight read + fp8 "
-                 "quantization"}[self.weights_source], self._weights_note())
-        kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
-        tl.mark("KV allocation", f"{self.capacity.num_blocks} blocks, "
-                                 f"{self.capacity.num_tokens * self.capacity.bytes_per_token / 2**20:.0f} MiB")
-        # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
-        self.kernel_backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else \
-            ("triton" if self.device.type == "cuda" else "torch")
-        attn_cls = TritonAttention if self.kernel_backend == "triton" else TorchAttention
-        attn = attn_cls(cfg.block_size, self.spec.head_dim ** -0.5)
+    def _weight_bytes(self) -> int:
+        return self.spec.num_params() * (1 if self.cfg.quantization == "fp8" else
+                                         torch.tensor([], dtype=self.dtype).element_size())
+
+    def _build_model(self) -> LlamaForCausalLM:
+        return LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
+
+    def _build_attention(self):
+        attn = (TritonAttention if self.kernel_backend == "triton" else TorchAttention)(
+            self.cfg.block_size, self.spec.head_dim ** -0.5)
         if self.kv_dtype == torch.float8_e4m3fn:
             attn.set_kv_scales(*self._kv_scales())
-            tl.mark("fp8 KV scales")
-        self.runner = ModelRunner(self.model, kv, attn, cfg.block_size, self.device, self.kernel_backend)
-        self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.max_model_len, cfg.long_prefill_token_threshold)
-        self.lora = None
-        if cfg.enable_lora:
-            from engine.lora.manager import LoRAManager  # boto3 and friends only when LoRA is on
+            self.timeline.mark("fp8 KV scales")
+        return attn
 
-            self.lora = self.runner.lora = LoRAManager(cfg, self.spec, self.dtype, self.device)
-            self.scheduler.can_start = self._lora_slot_ready
-        self._groups: dict[str, _Group] = {}
-        self._group_of: dict[Request, _Group] = {}
-        self.num_generated_tokens = 0
-        # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
-        # kernel warmup (Triton compiles on first use, into TRITON_CACHE_DIR, which lives on the volume).
-        tl.skip("kernel warmup", "Triton compiles on first use into TRITON_CACHE_DIR" if
-                self.kernel_backend == "triton" else "torch kernels on CPU: nothing to compile")
+    def _build_lora(self):
+        if not self.cfg.enable_lora:
+            return None
+        from engine.lora.manager import LoRAManager  # boto3 and friends only when LoRA is on
+
+        return LoRAManager(self.cfg, self.spec, self.dtype, self.device)
+
+    def _log_ready(self, seconds: float) -> None:
+        cfg = self.cfg
         other = plan_capacity(cfg.replace(num_kv_blocks=None), self.spec,
                               self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn, self.device,
-                              weight_bytes) if cfg.num_kv_blocks is None else None
+                              self._weight_bytes()) if cfg.num_kv_blocks is None else None
         log.info("model %s (%s, %s) on %s in %.1fs; %s [KV %s]%s", self.model_path, self.spec.architecture,
-                 str(self.dtype).removeprefix("torch."), self.device, time.perf_counter() - t0,
+                 str(self.dtype).removeprefix("torch."), self.device, seconds,
                  self.capacity.describe(), str(self.kv_dtype).removeprefix("torch."),
                  f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other.num_tokens} "
                  f"tokens, {other.max_concurrent_seqs:.1f} sequences" if other else "")
 
-    def _load_weights(self) -> str:
-        """Stream the checkpoint in; with fp8, prefer (or else write) the quantized snapshot on the volume."""
-        cfg = self.cfg
-        if self.spec.prequantized or cfg.quantization != "fp8":
-            self.model.load_weights(iter_weights(self.model_path, self.device))
-            return "fp8 checkpoint" if self.spec.prequantized else "checkpoint"
-        from warmup import fp8_snapshot  # snapshots are worker preparation, kept with warmup/
-
-        snap = fp8_snapshot.snapshot_for(cfg, self.model_path)
-        self.snapshot_path = snap
-        if (manifest := fp8_snapshot.complete(snap)) is not None:
-            hash_ok = fp8_snapshot.verify_in_background(snap, manifest)  # overlaps the load
-            try:
-                self.model.load_snapshot(fp8_snapshot.load(snap, self.device))
-                error = None
-            except Exception as e:  # noqa: BLE001 - a damaged file or header: rebuild, as for a bad hash
-                error = f"{type(e).__name__}: {e}"  # not the exception: its traceback would keep the model alive
-            if hash_ok() and error is None:
-                log.info("fp8 weights from snapshot %s", snap)
-                return "fp8 snapshot"
-            if error is not None:
-                log.warning("fp8 snapshot %s could not be loaded: %s", snap, error)
-            # drop everything the snapshot put into the model (weights, scales): none of it is ever used
-            self.model = None  # freed before the new one is allocated
-            self.model = LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, cfg.quantization)
-        rejected = snap.exists()
-        if rejected:
-            log.warning("fp8 snapshot %s is corrupt or partial: ignoring it and rebuilding", snap)
-        self.model.load_weights(iter_weights(self.model_path, self.device))
-        try:
-            fp8_snapshot.write(snap, self.model.snapshot_state(), str(self.model_path), replace=rejected)
-        except OSError as e:  # a read-only or full volume costs the next cold start, not this one
-            log.warning("could not write the fp8 snapshot %s: %s", snap, e)
-        return "checkpoint, quantized online"
-
-    def _weights_note(self) -> str:
-        """What the weight phase read, for the timeline."""
-        if self.weights_source == "fp8 snapshot":
-            files = [p for p in self.snapshot_path.iterdir() if p.suffix == ".safetensors"]
-        else:
-            files = safetensors_files(self.model_path)
-        return f"{sum(f.stat().st_size for f in files) / 2**20:.0f} MiB read"
+    @property
+    def weights_source(self) -> str:
+        """How the weights came in: "checkpoint", "fp8 checkpoint", "fp8 snapshot", "checkpoint, quantized online"."""
+        return self.weights.source
 
     def _kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 KV scales: from the checkpoint when every layer has them, else calibrated now."""
@@ -218,128 +183,71 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, lora: LoRARequest | None = None) -> None:
-        if request_id in self._groups:
+        if request_id in self.output.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
         self.check_params(params)
         lora_key = self.lora.request(self.resolve_lora(lora)) if lora is not None else None
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
-        seqs, detoks = [], []
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(self.device).manual_seed(params.seed + i)
-            seqs.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
-                                eos_token_ids=self.eos_token_ids, generator=gen))
-            detoks.append(IncrementalDetokenizer(self.tok, ids, params.stop,
-                                                 params.include_stop_str_in_output, params.skip_special_tokens))
         # Prefix caching keys blocks by this (adapters never share KV); with caching off, n > 1 siblings
         # still share the prompt's blocks
         key = ("lora", lora_key) if lora_key else ("base",)
         if not self.cfg.enable_prefix_caching:
             key = key + ("n", request_id) if params.n > 1 else ()
+        seqs = []
+        for i in range(params.n):
+            gen = torch.Generator(self.device).manual_seed(params.seed + i) if params.seed is not None else None
+            seq = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
+                          eos_token_ids=self.eos_token_ids, generator=gen)
+            seq.cache_key, seq.lora_key = key, lora_key
+            seqs.append(seq)
+        self.output.add(request_id, ids, params, seqs)
         for s in seqs:
-            s.cache_key, s.lora_key = key, lora_key
-        group = _Group(request_id, ids, params, seqs, detoks, [0] * params.n)
-        self._groups[request_id] = group
-        for s in seqs:
-            self._group_of[s] = group
             self.scheduler.add(s)
 
     def abort(self, request_id: str) -> bool:
         """Finish every sequence of the request and free its blocks now. False if unknown."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return False
-        for s in group.seqs:
+        group = self.output.pop(request_id)
+        for s in group.seqs if group is not None else ():
             self.scheduler.finish(s, "abort")
-            self._group_of.pop(s, None)
-        return True
+        return group is not None
+
+    def abort_all(self) -> list[str]:
+        """Abort every request (after an engine fault); returns their ids."""
+        ids = list(self.output.groups)
+        for rid in ids:
+            self.abort(rid)
+        return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups)
+        return bool(self.output.groups)
 
     # ---- the step ---------------------------------------------------------------------------
-    def _lora_slot_ready(self, req: Request) -> bool:
-        """Scheduler gate: a request starts once its adapter sits in a device slot."""
-        if req.lora_key is None:
-            return True
-        pinned = {r.lora_slot for r in self.scheduler.running if r.lora_key is not None}
-        slot = self.lora.acquire(req.lora_key, pinned)
-        if slot is None:
-            return False
-        req.lora_slot = slot
-        return True
+    def step(self) -> list[RequestOutput]:
+        failed = self._fail_lora_waiters() if self.lora is not None else []
+        scheduled = self.scheduler.schedule()
+        if scheduled.empty:
+            return failed
+        sampled, logprobs = self.runner.execute(scheduled)
+        self.scheduler.update(scheduled, sampled)
+        self.num_generated_tokens += len(sampled)
+        return failed + self.output.process(sampled, logprobs)
 
     def _fail_lora_waiters(self) -> list[RequestOutput]:
         """Requests whose adapter failed to load, or not in time: finished with the error, alone."""
-        failed: dict[str, _Group] = {}
-        errors: dict[str, Exception] = {}
-        for req in self.scheduler.waiting:
-            if req.lora_key is not None and req.lora_key not in self.lora.slot_of:
-                err = errors.get(req.lora_key) or self.lora.status(req.lora_key, req.arrival_time)
-                if err is not None:
-                    errors[req.lora_key] = err
-                    failed[self._group_of[req].request_id] = self._group_of[req]
+        errors = self.lora.failed_waiters(self.scheduler.waiting)
+        failed = {self.output.group_of[r].request_id: errors[r.lora_key] for r in self.scheduler.waiting
+                  if r.lora_key in errors}
         outs = []
-        for rid, group in failed.items():
+        for rid, err in failed.items():
+            group = self.output.groups[rid]
             self.abort(rid)
-            err = errors[group.seqs[0].lora_key]
             outs.append(RequestOutput(rid, group.prompt_token_ids, [], True, error=err))
-        for key in errors:
-            self.lora.forget_failed(key)
         return outs
 
-    def step(self) -> list[RequestOutput]:
-        failed = self._fail_lora_waiters() if self.lora is not None else []
-        out = self.scheduler.schedule()
-        if out.empty:
-            return failed
-        sampled, logprobs = self.runner.execute(out)
-        for req, lp in logprobs.items():
-            req.logprobs.append(lp)
-        self.scheduler.update(out, sampled)
-        self.num_generated_tokens += len(sampled)
-        now = time.monotonic()
-        for req in sampled:
-            if req.first_token_time is None:
-                req.first_token_time = now
-            else:
-                gap = now - req.last_token_time
-                req.itl_sum += gap
-                req.itl_max = max(req.itl_max, gap)
-            req.last_token_time = now
-
-        touched: dict[_Group, None] = {}
-        for req, token in sampled.items():
-            group = self._group_of[req]
-            touched[group] = None
-            p = req.params
-            hidden = (token in self.eos_token_ids and p.skip_special_tokens) or \
-                (req.stop_reason == token and not p.include_stop_str_in_output)
-            stop_str = group.detoks[group.seqs.index(req)].add_token(token, emit=not hidden)
-            if stop_str is not None and not req.finished:
-                self.scheduler.finish(req, "stop")
-                req.stop_reason = stop_str
-        return failed + [self._output(g) for g in touched]
-
-    def _output(self, group: _Group) -> RequestOutput:
-        outs = []
-        for i, (seq, detok) in enumerate(zip(group.seqs, group.detoks)):
-            new_ids = seq.output_token_ids[group.sent_tokens[i]:]
-            group.sent_tokens[i] = len(seq.output_token_ids)
-            outs.append(CompletionOutput(
-                index=i, text=detok.text, token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                delta_text=detok.pop_delta(seq.finished), delta_token_ids=new_ids))
-        finished = all(s.finished for s in group.seqs)
-        if finished:
-            self._groups.pop(group.request_id, None)
-            for s in group.seqs:
-                self._group_of.pop(s, None)
-        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
-                             sum(s.num_preemptions for s in group.seqs),
-                             RequestMetrics.of(group.seqs, time.monotonic()) if finished else None)
+    def shutdown(self) -> None:
+        """Stop background work (adapter loads); the engine is not used after this."""
+        if self.lora is not None:
+            self.lora.shutdown()
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 import kernels
-
 from engine.layers.attention import StepLayout
 from engine.sampler import Sampler
 from engine.types import Request, SchedulerOutput
@@ -13,7 +12,7 @@ from engine.types import Request, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model, kv_caches: torch.Tensor, attn, block_size: int, device: torch.device,
-                 kernel_backend: str = "torch"):
+                 kernel_backend: str = "torch", lora=None):
         self.model = model
         self.kernel_backend = kernel_backend
         self.kv_caches = kv_caches
@@ -21,7 +20,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(model.spec.vocab_size, device)
-        self.lora = None  # the engine's LoRAManager when LoRA is enabled
+        self.lora = lora  # the engine's LoRAManager when LoRA is enabled
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[Request, int], dict[Request, dict]]:

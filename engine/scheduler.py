@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from engine.block_manager import BlockManager
 from engine.types import Request, RequestStatus, SchedulerOutput
@@ -18,7 +18,8 @@ class Scheduler:
     request is preempted by recompute: its blocks are freed and it goes back to the front of the queue."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, long_prefill_token_threshold: int = 0):
+                 max_model_len: int, long_prefill_token_threshold: int = 0,
+                 can_start: Callable[[Request, list[Request]], bool] | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -29,8 +30,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Optional admission gate (the engine's LoRA slots): False keeps a request queued without blocking others.
-        self.can_start: Callable[[Request], bool] | None = None
+        # Optional admission gate (LoRAManager.can_start: the adapter's device slot), asked with the running
+        # requests: False keeps a request queued without blocking the others.
+        self.can_start = can_start
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -65,7 +67,7 @@ class Scheduler:
         held = []  # waiting requests that cannot start yet (their adapter is loading): they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if self.can_start is not None and not self.can_start(req):
+            if self.can_start is not None and not self.can_start(req, self.running):
                 held.append(self.waiting.popleft())
                 continue
             hits = self.bm.find_cached(req)  # a cached prefix counts as computed

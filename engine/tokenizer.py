@@ -19,7 +19,7 @@ import logging
 import threading
 from pathlib import Path
 
-from engine.loader import read_json
+from engine.weights.locate import read_json
 
 log = logging.getLogger("engine")
 

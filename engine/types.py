@@ -204,7 +204,7 @@ class RequestMetrics:
     num_preemptions: int
 
     @classmethod
-    def of(cls, seqs: list[Request], now: float) -> "RequestMetrics":
+    def of(cls, seqs: list[Request], now: float) -> RequestMetrics:
         """One request's metrics; n > 1 sequences pool their gaps and count every output token."""
         first = seqs[0]
         arrival = first.arrival_time

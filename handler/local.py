@@ -13,18 +13,7 @@ and the ``openai`` client (``base_url="http://H:P/v2/local/openai/v1"``) work un
   the body. Error objects come back in OpenAI's shape with their "code" as HTTP status (else 400; crashes 500).
   A client that leaves cancels. /status adds "streamPosts": the worker's job-stream POSTs for the job so far.
 
-Back: the worker subprocess runs runpod-python's JobScaler, pointed here by ``worker_env``'s
-RUNPOD_WEBHOOK_* templates (the SDK fills in $ID / $RUNPOD_POD_ID and appends "&k=v"):
-  GET  .../job-take/{w}?gpu=local&job_in_progress=0|1                    -> {"id", "input"} or 204
-  GET  .../job-take-batch/{w}?gpu=local&batch_size=N&job_in_progress=0|1 -> [{"id", "input"}] or 204
-  POST .../job-stream/{w}/{id}?gpu=local&isStream=false      {"output": chunk}, one POST per yield
-  POST .../job-done/{w}/{id}?gpu=local&isStream=true|false   {"output": ...} and/or {"error": ...}
-  GET  .../job-stop/{w}?gpu=local                            -> {"jobsToStop": [ids]} or 204
-  GET  .../ping/{w}?job_id=a,b&runpod_version=V              heartbeat, from a separate process
-Job-take and job-stop are long-polls (the SDK re-polls a 204 at once). Result bodies are JSON sent as
-x-www-form-urlencoded. Cancel: the SDK (>= 1.10) cancels the job's asyncio task when job-stop names it,
-so CancelledError is raised in the handler and no job-done follows; here the job turns CANCELLED at once
-and later output for it is ignored. Not emulated: TIMED_OUT, webhooks, retries, several workers.
+Back: the worker subprocess runs runpod-python's JobScaler against the routes described in local_worker.py.
 Worker output goes to our stderr. If it exits, its running jobs fail (queued ones too unless
 --restart-worker). "ready" is logged at its first job-take, request counts every 30 s and at exit.
 """
@@ -34,7 +23,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import os
 import shlex
@@ -48,16 +36,22 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from handler.local_jobs import EP, Job, Pulse, error_response, json_body, openai_result, pdeathsig, sse, worker_env
+from handler.local_jobs import (
+    EP,
+    Job,
+    Pulse,
+    error_response,
+    json_body,
+    log_changes,
+    openai_result,
+    sse_events,
+)
+from handler.local_worker import WorkerSide
 
 log = logging.getLogger("handler.local")
 
 
-def _ok() -> Response:
-    return Response(b"{}", media_type="application/json")
-
-
-class Emulator:
+class Emulator(WorkerSide):
     def __init__(self, worker_cmd: list[str], base_url: str, *, runsync_wait: float = 90.0,
                  stream_wait: float = 1.0, poll_hold: float = 10.0,
                  restart: bool = False, grace: float = 5.0, retention: float = 900.0) -> None:
@@ -114,38 +108,7 @@ class Emulator:
 
     # ---------------------------------------------------------------- worker
     async def start(self) -> None:
-        self.tasks = [asyncio.create_task(self._log_counts()), asyncio.create_task(self._run_worker())]
-
-    async def _run_worker(self) -> None:
-        host, port = self.base.split("/")[2].rsplit(":", 1)
-        while True:  # spawn once we accept connections: the SDK retries a refused job-take in a tight loop
-            with contextlib.suppress(OSError):
-                (await asyncio.open_connection(host, int(port)))[1].close()
-                break
-            await asyncio.sleep(0.05)
-        while not self.shutting_down:
-            self.state, self.spawned = "initializing", time.monotonic()
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.worker_cmd, env=worker_env(self.base), stdin=asyncio.subprocess.DEVNULL,
-                stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(), start_new_session=True,
-                preexec_fn=pdeathsig())
-            log.info("worker started (pid %d): %s", self.proc.pid, shlex.join(self.worker_cmd))
-            code = await self.proc.wait()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, 0)  # raises when the worker's process group is gone, as it should be
-                log.warning("the worker left processes behind: killing them")
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.state = "exited"
-            (log.info if self.shutting_down else log.error)("worker exited with code %s", code)
-            restart = self.restart and not self.shutting_down
-            for job in list(self.jobs.values()):
-                if job.status == "IN_PROGRESS" or (job.status == "IN_QUEUE" and not restart):
-                    if job.status == "IN_QUEUE":
-                        self.queue.remove(job.id)
-                    self.finish(job, "FAILED", error=f"local worker exited with code {code}")
-            if not restart:
-                return
-            await asyncio.sleep(1.0)
+        self.tasks = [asyncio.create_task(log_changes(self._summary)), asyncio.create_task(self._run_worker())]
 
     def begin_shutdown(self) -> None:
         """Stop the running jobs (so the SDK's graceful drain is quick), fail what is left, release the
@@ -179,85 +142,6 @@ class Emulator:
         reqs = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
         jobs = " ".join(f"{k.lower()}={v}" for k, v in sorted(self.totals.items()))
         return f"requests: {reqs or '-'} | jobs: {jobs or '-'}"
-
-    async def _log_counts(self) -> None:
-        last = None
-        while True:
-            await asyncio.sleep(30)
-            if (line := self._summary()) != last:
-                log.info("%s", last := line)
-
-    # ----------------------------------------------------- worker-facing API
-    async def job_take(self, request: Request) -> Response:
-        self.counts["job-take"] += 1
-        if self.state == "initializing":
-            self.state = "ready"
-            log.info("ready: the worker made its first job-take %.1f s after spawn; serving %s",
-                     time.monotonic() - self.spawned, self.base)
-        deadline = time.monotonic() + self.poll_hold
-        while not self.queue and not self.shutting_down and time.monotonic() < deadline:
-            await self.queue_pulse.wait(deadline - time.monotonic())
-        if not self.queue or self.shutting_down or await request.is_disconnected():
-            return Response(status_code=204)
-        batch = "/job-take-batch/" in request.url.path
-        n = max(1, int(request.query_params.get("batch_size", 1))) if batch else 1
-        jobs = [self.jobs[self.queue.popleft()] for _ in range(min(n, len(self.queue)))]
-        payload = [{"id": job.id, "input": job.input} for job in jobs]
-        try:  # serialize before marking them taken: a job that cannot be sent must not sit IN_PROGRESS forever
-            response = JSONResponse(payload if batch else payload[0])
-        except ValueError as e:
-            for job in jobs:
-                self.finish(job, "FAILED", error=f"the emulator could not send this job to the worker: {e}")
-            return Response(status_code=204)
-        for job in jobs:
-            job.status, job.started = "IN_PROGRESS", time.monotonic()
-            job.changed.fire()
-        return response
-
-    async def job_stop(self, request: Request) -> Response:
-        self.counts["job-stop"] += 1
-        deadline = time.monotonic() + self.poll_hold
-        while not self.stops and not self.shutting_down and time.monotonic() < deadline:
-            await self.stop_pulse.wait(deadline - time.monotonic())
-        if not self.stops or await request.is_disconnected():
-            return Response(status_code=204)
-        ids, self.stops = self.stops, []
-        log.info("job-stop -> worker: %s", ", ".join(ids))
-        return JSONResponse({"jobsToStop": ids})
-
-    async def job_result(self, request: Request) -> Response:
-        job_id = request.path_params["job_id"]
-        final = "/job-done/" in request.url.path
-        self.counts["job-done" if final else "job-stream"] += 1
-        raw = await request.body()
-        try:
-            payload = json.loads(raw) if raw else {}
-        except ValueError:
-            log.error("unparseable result for %s: %.200r", job_id, raw)
-            payload = {"error": "the emulator could not parse the worker's result"}
-        job = self.jobs.get(job_id)
-        if job and job.status == "CANCELLED" and not final and job.id not in self.stops:
-            self.stops.append(job.id)  # it was taken but not started when cancelled: stop it again
-            self.stop_pulse.fire()
-        if job is None or job.done:  # unknown, or cancelled: ignored
-            return _ok()
-        if final:
-            if payload.get("error") is not None:
-                self.finish(job, "FAILED", payload.get("output"), payload["error"])
-            else:
-                self.finish(job, "COMPLETED", payload.get("output"))
-        elif "output" in payload:
-            job.chunks.append(payload["output"])
-            job.changed.fire()
-        return _ok()
-
-    async def ping(self, request: Request) -> Response:
-        self.counts["ping"] += 1
-        self.last_ping = time.monotonic()
-        if request.query_params.get("status") == "unhealthy":
-            log.error("worker unhealthy: %s: %s", request.query_params.get("check"),
-                      request.query_params.get("reason"))
-        return _ok()
 
     # ------------------------------------------------------------ public API
     async def _new_job(self, request: Request, prefix: str) -> Job | Response:
@@ -347,26 +231,8 @@ class Emulator:
                 self.cancel(job)
         if not job.chunks:
             return openai_result(job)
-        return StreamingResponse(self._sse_stream(job), media_type="text/event-stream",
+        return StreamingResponse(sse_events(job, self.cancel), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job.id})
-
-    async def _sse_stream(self, job: Job):
-        pos = 0
-        try:
-            while True:
-                while pos < len(job.chunks):
-                    pos += 1
-                    yield sse(job.chunks[pos - 1])
-                if job.done:
-                    break
-                await job.changed.wait(5.0)
-            if job.status == "FAILED":  # failed mid-stream: an error event, then [DONE], as vLLM does
-                yield f"data: {error_response(job.error).body.decode()}\n\ndata: [DONE]\n\n"
-        finally:
-            if not job.done:
-                log.info("stream client went away: cancelling %s", job.id)
-                self.cancel(job)
-
 
 
 def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: int = 8000,

@@ -1,21 +1,22 @@
 """The emulator's job records and the pieces it shares with its routes: job state, wake-ups, the
-worker's environment, strict JSON bodies, SSE framing, and OpenAI responses."""
+worker's environment, strict JSON bodies, SSE framing, and OpenAI responses.
+"""
 from __future__ import annotations
 
 import ast
 import asyncio
 import contextlib
 import json
+import logging
 import math
-import signal
-import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from handler.settings import inherited_env
+log = logging.getLogger("handler.local")
 
 EP, WORKER_ID = "local", "local-worker"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
@@ -70,28 +71,13 @@ class Job:
         return out
 
 
-def worker_env(base: str) -> dict:
-    """The environment that points the SDK's JobScaler at the emulator at ``base`` (http://h:p/v2/local)."""
-    env = inherited_env()
-    env.update(RUNPOD_WEBHOOK_GET_JOB=f"{base}/job-take/$ID?gpu=local",
-               RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
-               RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
-               RUNPOD_WEBHOOK_PING=f"{base}/ping/$RUNPOD_POD_ID?gpu=local",
-               RUNPOD_POD_ID=WORKER_ID, RUNPOD_AI_API_KEY="local",
-               LOCAL_EMULATOR="1")  # Runpod's protocol, but not Runpod: caches stay in the user's, no /runpod-volume
-    for key, value in (("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "true"), ("RUNPOD_SKIP_GPU_CHECK", "true"),
-                       ("RUNPOD_PING_INTERVAL", "5000"), ("RUNPOD_LOG_LEVEL", "INFO"), ("PYTHONUNBUFFERED", "1")):
-        env.setdefault(key, value)
-    return env
-
-
-def pdeathsig() -> Any:
-    """A pre-exec hook (Linux) that SIGTERMs the worker if the emulator dies without stopping it."""
-    if sys.platform != "linux":
-        return None
-    import ctypes
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+async def log_changes(line, every: float = 30.0) -> None:
+    """Log line() every `every` seconds, when it has changed."""
+    last = None
+    while True:
+        await asyncio.sleep(every)
+        if (text := line()) != last:
+            log.info("%s", last := text)
 
 
 def sse(chunk: Any) -> str:
@@ -100,6 +86,25 @@ def sse(chunk: Any) -> str:
     if isinstance(chunk, list):
         return "".join(map(sse, chunk))
     return f"data: {json.dumps(chunk)}\n\n"
+
+
+async def sse_events(job: Job, cancel) -> AsyncIterator[str]:
+    """A streamed OpenAI job's chunks as SSE text, as they arrive; if the client leaves first, cancel(job)."""
+    pos = 0
+    try:
+        while True:
+            while pos < len(job.chunks):
+                pos += 1
+                yield sse(job.chunks[pos - 1])
+            if job.done:
+                break
+            await job.changed.wait(5.0)
+        if job.status == "FAILED":  # failed mid-stream: an error event, then [DONE], as vLLM does
+            yield f"data: {error_response(job.error).body.decode()}\n\ndata: [DONE]\n\n"
+    finally:
+        if not job.done:
+            log.info("stream client went away: cancelling %s", job.id)
+            cancel(job)
 
 
 def error_response(err: Any, default_code: int = 400) -> JSONResponse:

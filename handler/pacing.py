@@ -10,7 +10,7 @@ count-full yields."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 
 class BatchSizer:

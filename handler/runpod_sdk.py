@@ -21,8 +21,8 @@ import logging
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger("handler")
 REPORT_S = 5.0  # after the grace period: time for the ended jobs to report before they are cancelled

@@ -3,9 +3,11 @@
 Unknown keys are rejected; every validation error becomes one JobError naming the field."""
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine import InvalidRequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 100  # worker-vllm's default when a native job omits max_tokens; stated in the output
 
@@ -23,6 +25,16 @@ class JobError(Exception):
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def sampling_params(kw: dict, where: str) -> SamplingParams:
+    """SamplingParams from a request's fields; its checks' errors name the field under `where`."""
+    try:
+        return SamplingParams(**kw)
+    except InvalidRequestError as e:
+        raise JobError(str(e), param=f"{where}.{e.field}" if e.field else where) from None
+    except TypeError as e:
+        raise JobError(str(e), param=where) from None
 
 
 def parse(model: type[BaseModel], data: Any, where: str = ""):
@@ -46,7 +58,7 @@ class _Strict(BaseModel):
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     @field_validator("content")
@@ -79,7 +91,7 @@ class NativeSamplingParams(_Strict):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = None
@@ -123,7 +135,7 @@ class _OpenAIBase(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
@@ -193,7 +205,7 @@ class ChatCompletionRequest(_OpenAIBase):
 
 
 class CompletionRequest(_OpenAIBase):
-    prompt: Union[str, list[int], list[str]]
+    prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's and vLLM's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

@@ -2,7 +2,7 @@
 
 Math (F.silu(gate) * up in x.dtype): silu is computed in fp32 and rounded to x.dtype, then the product with
 `up` is rounded to x.dtype again. The kernel does the same two roundings
-(with rmsnorm.round_to, which rounds bf16 to nearest even under the interpreter too).
+(with _common.round_to, which rounds bf16 to nearest even under the interpreter too).
 """
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.rmsnorm import round_to
+from kernels._common import round_to, use_triton
 
 
 @triton.jit
@@ -48,4 +47,4 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
-    return silu_and_mul_triton(x) if kernels.use_triton(x) else silu_and_mul_ref(x)
+    return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.fp8 import FP8, FP8_MAX, fp8e4m3_rne
+from kernels._common import FP8, FP8_MAX, use_triton
+from kernels.fp8 import fp8e4m3_rne
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8)
 
@@ -110,7 +110,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None) -> None:
     """Write k, v [T, KVH, D] into the caches [KVH, num_blocks, block_size, D] at slot_mapping [T] (in place)."""
-    if kernels.use_triton(k):
+    if use_triton(k):
         reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
         reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

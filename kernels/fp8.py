@@ -18,10 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
+from kernels._common import FP8, FP8_MAX, use_triton
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_SCALE = 1e-12  # floor of dynamic scales: an all-zero row quantizes to zeros instead of NaN
 
 
@@ -89,12 +87,12 @@ quant_per_channel_ref = quant_rows_ref
 
 def quant_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quant. x [T, K] -> (xq [T, K] float8_e4m3fn, scale [T, 1] fp32); x ~= xq * scale."""
-    return quant_rows_triton(x) if kernels.use_triton(x) else quant_rows_ref(x)
+    return quant_rows_triton(x) if use_triton(x) else quant_rows_ref(x)
 
 
 def quant_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight quant per output channel, once at load. w [N, K] -> (wq [N, K] fp8, scale [N, 1] fp32)."""
-    return quant_rows_triton(w) if kernels.use_triton(w) else quant_rows_ref(w)
+    return quant_rows_triton(w) if use_triton(w) else quant_rows_ref(w)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,7 +198,7 @@ def fp8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bia
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """W8A8 linear: x [..., K] (quantized here, per token), wq [N, K] fp8, w_scale [N, 1] fp32 -> [..., N]."""
-    if not kernels.use_triton(x):
+    if not use_triton(x):
         return fp8_linear_ref(x, wq, w_scale, bias, out_dtype)
     k = x.shape[-1]
     n = wq.shape[0]

@@ -40,8 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.rmsnorm import round_to
+from kernels._common import round_to, use_triton
 
 
 @triton.jit
@@ -268,7 +267,7 @@ def add_lora_bmm(out, x, lora_a, lora_b, g: SlotGroups, offset: int = 0) -> torc
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
     """x [T, IN], lora_a [S, R, IN], token_slot [T] (-1: none) -> y [T, R] fp32, y[t] = A[slot[t]] @ x[t]."""
-    return lora_shrink_triton(x, lora_a, token_slot) if kernels.use_triton(x) else \
+    return lora_shrink_triton(x, lora_a, token_slot) if use_triton(x) else \
         lora_shrink_ref(x, lora_a, token_slot)
 
 
@@ -276,7 +275,7 @@ def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, token_slot: torch.Tensor,
                 offset: int = 0, add: bool = True) -> torch.Tensor:
     """In place: out[t, offset:offset+OUT] += B[slot[t]] @ y[t] (add=False: =) for slot >= 0. lora_b [S, OUT, R],
     y [T, R]. Rows of slot -1 and columns outside the slice are not touched. Returns out."""
-    if kernels.use_triton(y):
+    if use_triton(y):
         return lora_expand_triton(y, lora_b, token_slot, out, offset, add)
     return lora_expand_ref(y, lora_b, token_slot, out, offset, add)
 
@@ -285,6 +284,6 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
              token_slot: torch.Tensor, offset: int = 0, groups: SlotGroups | None = None) -> torch.Tensor:
     """In place: out[:, offset:offset+OUT] += the LoRA delta of x (shrink then expand). Returns out.
     Off CUDA: the gather-based bmm, with `groups` (slot_groups(token_slot), once per step) when given."""
-    if kernels.use_triton(x):
+    if use_triton(x):
         return add_lora_triton(out, x, lora_a, lora_b, token_slot, offset)
     return add_lora_bmm(out, x, lora_a, lora_b, groups or slot_groups(token_slot), offset)

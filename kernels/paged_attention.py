@@ -7,30 +7,8 @@ length INCLUDING those tokens, so its query j sits at position L-n+j and attends
 (bottom-right causal). Head h reads kv head h // (H // KVH) (MHA, GQA, MQA). fp8 (e4m3) caches are
 dequantized on load as x.float() * k_scale / v_scale.
 
-Design: ONE unified kernel for prefill chunks and decodes, so a mixed step is one launch per layer.
-- Grid (query tile, kv head, split). A program owns BLOCK_Q consecutive query tokens of one sequence times
-  all REP = H // KVH query heads that share its kv head, i.e. a [BLOCK_M = BLOCK_Q * REP (padded), D] tile
-  (vLLM's unified attention layout). Each K/V tile is loaded once for the whole GQA group, and BLOCK_M >= 16
-  keeps tl.dot legal on GPU even for a single decode token.
-- Tiles are numbered without a host sync: sequence b's tiles start at (qsl[b] + b*(BLOCK_Q-1)) // BLOCK_Q,
-  which leaves room for ceil(n_b / BLOCK_Q) tiles; the grid is that bound for b = B (exactly T tiles when
-  BLOCK_Q = 1) and a program finds its sequence by binary search over query_start_loc. Spare programs exit.
-- Each program runs an online softmax (flash attention) over KV positions [0, kv_end) of its tile, gathering
-  every position through the block table (block = table[pos // BS]), so any block size and any (shuffled)
-  table work. Positions >= seq_len are never read: table entries, K and V are masked loads with other=0, and
-  scores are set to -inf (causal & in-range) BEFORE exp; a fully masked row keeps m = -inf and is guarded
-  (exp against 0 instead of -inf) so it never produces NaN. NaN-poisoned unused slots cannot leak in.
-- Scores and P@V accumulate in fp32. By default q/k/v/p are upcast to fp32 before tl.dot (ieee precision):
-  the Triton interpreter computes bf16 tl.dot wrongly (triton#11584), and fp32 is also correct on GPU. The
-  launcher's `native_dot` (default: on for bf16/fp16 CUDA tensors) feeds tl.dot the 16-bit operands instead,
-  with fp32 accumulation, for tensor-core speed. No environment variable is read.
-- Flash-decoding: with num_splits = S > 1 the tile's KV range is cut into S contiguous chunks, one per
-  program along grid axis 2; each writes its partial (max, sumexp, unnormalised acc) to fp32 scratch, and a
-  second small kernel combines them (log-sum-exp rescaling). Empty chunks write (-inf, 0, 0). Chosen
-  automatically on CUDA when the (tile x kv head) programs would not fill the GPU (small decode batches with
-  long contexts): enough splits for ~2 programs per SM, at most one per 256 context tokens and at most 32.
-  The context bound used is block_tables.shape[1] * block_size (host-known, no sync), so over-padded tables
-  only cost empty splits. On CPU (interpreter) the default is 1.
+Design (one unified kernel, tile numbering without a host sync, masking, fp32 vs native dots, flash-decoding
+splits): docs/kernels.md, "Paged attention".
 Rows of q past query_start_loc[-1] (padding) are left unspecified.
 """
 from __future__ import annotations
@@ -39,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
+from kernels._common import use_triton
 
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 32
@@ -286,6 +264,6 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                     k_scale=None, v_scale=None, max_query_len=None, num_splits=None) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc)."""
-    fn = paged_attention_triton if kernels.use_triton(q) else paged_attention_ref
+    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
     return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
               k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len, num_splits=num_splits)

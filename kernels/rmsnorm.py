@@ -5,9 +5,7 @@ The multiply by weight happens after the cast back to x.dtype, so the kernel rou
 multiplies. The product of two bf16/fp16 values is exact in fp32, so one rounding to the output dtype matches
 torch bit for bit; only the fp32 row sum differs in order.
 
-`round_to` is the fp32 -> x.dtype rounding every kernel here uses (activation.py and rotary.py import it):
-Triton's interpreter casts fp32 -> bf16 by truncation (even with fp_downcast_rounding="rtne"), while torch
-and the GPU round to nearest even, so bf16 rounding is done with integer ops that give RNE everywhere.
+Every fp32 -> x.dtype rounding uses _common.round_to (nearest even, also under the interpreter).
 """
 from __future__ import annotations
 
@@ -15,21 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-
-
-@triton.jit
-def round_to(x, DT: tl.constexpr):
-    """fp32 `x` rounded to dtype DT (nearest even), returned as fp32; `.to(DT)` of the result is exact."""
-    if DT == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)  # round half to even at bit 16
-        r = ((b >> 16) << 16).to(tl.float32, bitcast=True)
-        return tl.where(x != x, x, r)  # keep NaN a NaN
-    elif DT == tl.float32:
-        return x
-    else:
-        return x.to(DT).to(tl.float32)  # fp16: the interpreter's numpy cast already rounds to nearest even
+from kernels._common import round_to, use_triton
 
 
 @triton.jit
@@ -115,12 +99,12 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., hidden] -> [..., hidden]."""
-    return rms_norm_triton(x, weight, eps) if kernels.use_triton(x) else rms_norm_ref(x, weight, eps)
+    return rms_norm_triton(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(residual + x), residual + x) as new tensors; inputs are not modified."""
-    if kernels.use_triton(x):
+    if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

@@ -2,7 +2,7 @@
 
 Math (engine/layers/rotary.py RotaryCache.apply): cos/sin rows are gathered by position and cast to q.dtype,
 then out = q*cos + rotate_half(q)*sin in q.dtype, i.e. each product is rounded to q.dtype and so is their
-sum. The kernel makes the same roundings (rmsnorm.round_to: nearest even, also under the interpreter), so it
+sum. The kernel makes the same roundings (_common.round_to: nearest even, also under the interpreter), so it
 matches the reference bit for bit. Scaling (linear, llama3) only changes the tables.
 
 The Triton path works IN PLACE on q and k (each program reads both halves of a head before writing them);
@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.rmsnorm import round_to
+from kernels._common import round_to, use_triton
 
 
 @triton.jit
@@ -101,6 +100,6 @@ def rotary_embedding_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (q_rot, k_rot). The Triton path rotates q and k in place; the reference returns new tensors."""
-    if kernels.use_triton(q):
+    if use_triton(q):
         return rotary_embedding_triton(q, k, cos, sin, positions)
     return rotary_embedding_ref(q, k, cos, sin, positions)

@@ -13,12 +13,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from engine.config import default_cache_root
+# moto's S3 server and the PEFT adapter fixtures, for every test module that names them
+pytest_plugins = ["tests.lora_fixtures"]
+
+from engine.config import default_cache_root  # noqa: E402 - after TRITON_INTERPRET is set
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from warmup.default_model import ensure_default_model
+    from engine.weights.default_model import ensure_default_model
 
     return ensure_default_model(Path(default_cache_root()))
 

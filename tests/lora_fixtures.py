@@ -8,60 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-_LINE = re.compile(r'"(GET|HEAD|PUT|POST|DELETE) (\S+) HTTP/[\d.]+" (\d+)')
-
-
-class MotoServer:
-    def __init__(self, log_path: Path):
-        with socket.socket() as s:  # a free port; moto binds it right after
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                      str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/moto-api/", timeout=1).read()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start: {log_path.read_text()[-2000:]}")
-                time.sleep(0.1)
-
-    def requests(self) -> list[tuple[str, str, int]]:
-        """Every request the server has answered so far: (method, path, status). A marker request is sent first
-        and waited for, so every line of requests completed before this call is in the log."""
-        marker = f"/moto-api/?marker={uuid.uuid4().hex}"
-        urllib.request.urlopen(self.url + marker, timeout=5).read()
-        for _ in range(100):
-            text = self.log_path.read_text()
-            if marker in text:
-                break
-            time.sleep(0.02)
-        return [(m[1], m[2], int(m[3])) for m in _LINE.finditer(text) if not m[2].startswith("/moto-api/")]
-
-    def count(self, method: str, path_prefix: str) -> int:
-        return sum(1 for m, p, _ in self.requests() if m == method and p.startswith(path_prefix))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        self._log.close()
+from bench.procs import MotoServer
 
 
 @pytest.fixture(scope="session")

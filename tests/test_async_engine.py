@@ -46,7 +46,7 @@ def test_stream_concatenates_to_full_text(smol_async, smollm2_path):
 
     streamed = asyncio.run(main())
     tok = smol_async.tokenizer
-    for (text, ids, last), p in zip(streamed, prompts):
+    for text, ids, last in streamed:
         assert last.finished and last.outputs[0].text == text
         assert ids == last.outputs[0].token_ids
         assert text == tok.decode(ids, skip_special_tokens=True)

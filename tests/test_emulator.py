@@ -5,55 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
-PORT_WAIT = 180
+from bench.procs import Emulator
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Emulator:
-    def __init__(self, env: dict, **popen):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}/v2/local"
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "handler.local", "--port", str(self.port)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     **{"cwd": str(REPO), **popen})
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.wait_for(r"ready", PORT_WAIT)
-
-    def _pump(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            for line in list(self.lines):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            if self.proc.poll() is not None:
-                raise AssertionError("emulator exited:\n" + "\n".join(self.lines[-40:]))
-            time.sleep(0.1)
-        raise AssertionError(f"no log line matching {pattern!r}:\n" + "\n".join(self.lines[-40:]))
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")

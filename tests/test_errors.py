@@ -6,9 +6,17 @@ import json
 
 import pytest
 
-from engine import (LLM, AsyncEngine, ConfigError, EngineConfig, InvalidRequestError, ModelNotFoundError,
-                    SamplingParams, UnsupportedModelError)
-from engine.loader import resolve_model_path
+from engine import (
+    LLM,
+    AsyncEngine,
+    ConfigError,
+    EngineConfig,
+    InvalidRequestError,
+    ModelNotFoundError,
+    SamplingParams,
+    UnsupportedModelError,
+)
+from engine.weights import resolve_model_path
 
 
 def test_missing_model_names_paths_searched(tmp_path):
@@ -84,7 +92,7 @@ def test_bad_requests_fail_alone_engine_keeps_serving(tiny_llama):
 
     async def run(prompt, params=None):
         out = None
-        async for out in eng.generate(prompt, params or SamplingParams(temperature=0, max_tokens=4)):
+        async for out in eng.generate(prompt, params or SamplingParams(temperature=0, max_tokens=4)):  # noqa: B007
             pass
         return out
 

@@ -5,12 +5,13 @@ import asyncio
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from engine import AsyncEngine, EngineConfig
 from handler.settings import load_settings
 from handler.worker import Worker
-
 
 
 @pytest.fixture(scope="module")

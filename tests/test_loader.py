@@ -1,4 +1,4 @@
-"""engine.loader.iter_weights: parallel reader threads over a sharded safetensors checkpoint (CPU path).
+"""engine.weights.iter_weights: parallel reader threads over a sharded safetensors checkpoint (CPU path).
 
 The CUDA path (pinned staging buffers, per-reader streams) cannot run here: its chunk loop runs below with CPU
 stand-ins, and bench/coldstart_gpu.py checks it for real against the CPU path on a GPU."""
@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine import loader
 from engine.errors import UnsupportedModelError
-from engine.loader import iter_weights, safetensors_files
+from engine.weights import iter_weights, safetensors_files
+from engine.weights import reader as loader
 
 
 def _shards() -> list[dict[str, torch.Tensor]]:
@@ -164,7 +164,7 @@ def test_read_ahead_is_bounded_by_depth(ckpt, monkeypatch):
 
     monkeypatch.setattr(loader, "_touch", counted)
     n = 0
-    for _, t in iter_weights(ckpt, readers=4, depth=5):  # a slow consumer
+    for _, t in iter_weights(ckpt, readers=4, depth=5):  # noqa: B007 - a slow consumer, holding each tensor
         time.sleep(0.003)
         n += 1
     del t

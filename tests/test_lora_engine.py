@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, AsyncEngine, EngineConfig, InvalidRequestError, LoRARequest, SamplingParams
 from engine.lora import LoRALoadError
-from tests.lora_fixtures import lora_bases, make_peft_adapter, moto_server, s3, upload_adapter  # noqa: F401
+from tests.lora_fixtures import make_peft_adapter, upload_adapter
 
 PROMPTS = [[5, 17, 42, 99, 7, 64, 33, 120, 8], [200, 3, 77, 150, 12], [9, 9, 31, 250, 180, 44, 71]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

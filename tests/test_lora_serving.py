@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from engine import AsyncEngine, EngineConfig
+from bench.procs import Emulator
+from engine import AsyncEngine
 from handler.settings import load_settings
 from handler.worker import Worker
-from tests.lora_fixtures import make_peft_adapter, moto_server, s3, upload_adapter  # noqa: F401
-from tests.test_emulator import Emulator
+from tests.lora_fixtures import make_peft_adapter, upload_adapter
 from tests.test_lora_engine import peft_greedy
 
 PROMPT = "The three primary colors are"

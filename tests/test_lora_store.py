@@ -16,10 +16,17 @@ from safetensors.torch import save_file
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.lora import (AdapterDiskCache, AdapterRef, LoRALoadError, fetch, load_adapter, max_adapter_bytes,
-                         resolve, validate_name)
-from tests.lora_fixtures import (lora_bases, make_peft_adapter, model_spec, moto_server, s3,  # noqa: F401
-                                 upload_adapter)
+from engine.lora import (
+    AdapterDiskCache,
+    AdapterRef,
+    LoRALoadError,
+    fetch,
+    load_adapter,
+    max_adapter_bytes,
+    resolve,
+    validate_name,
+)
+from tests.lora_fixtures import make_peft_adapter, model_spec, upload_adapter
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from warmup.plan import main, make_plan, parse_bytes
 from engine.models.llama import ModelSpec
+from warmup.plan import main, make_plan, parse_bytes
 
 LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
               "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,

@@ -160,7 +160,7 @@ def test_engine_n_siblings_share_prompt_blocks_even_with_caching_off(tiny_llama)
     eng.add_request("r", {"prompt_token_ids": list(range(3, 40))},
                     SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4))
     eng.step()
-    seqs = eng._groups["r"].seqs
+    seqs = eng.output.groups["r"].seqs
     assert seqs[0].block_ids[:2] == seqs[1].block_ids[:2] == seqs[2].block_ids[:2]  # 37 tokens: 2 full blocks
     assert len({s.block_ids[2] for s in seqs}) == 3  # each has its own partial block
     while eng.has_unfinished():

@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from tests.test_emulator import Emulator
+from bench.procs import Emulator
 
 N = 8
 

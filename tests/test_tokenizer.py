@@ -125,7 +125,8 @@ def test_special_tokens_come_from_where_transformers_reads_them(case, smollm2_pa
     for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(smollm2_path / f, folder / f)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}[{{ unk_token }}]"
+    cfg["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+                            "[{{ unk_token }}]")
     if case == "decoder-ignores-map":
         cfg["added_tokens_decoder"] = {"0": {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
                                              "rstrip": False, "single_word": False, "special": True}}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.test_emulator import Emulator
+from bench.procs import Emulator
 
 REPO = Path(__file__).resolve().parents[1]
 VOLUME = Path("/runpod-volume")

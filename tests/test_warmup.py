@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.timeline import Timeline
 from tests.conftest import build_tiny_model
-from warmup.timeline import Timeline
 
 REPO = Path(__file__).resolve().parents[1]
 

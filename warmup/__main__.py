@@ -3,7 +3,8 @@
 Settings come from the environment through handler.settings (the only env reader), as the worker reads them,
 so a volume prepared here is the one the worker looks for. Steps, each timed: resolve the model in the HF
 caches (download it when missing and a network is plausible), convert the default model, check the
-checkpoint (and that the worker's transformers-free tokenizer agrees with transformers' on it), build the fp8 snapshot (QUANTIZATION=fp8), compile the Triton kernels (CUDA only).
+checkpoint (and that the worker's transformers-free tokenizer agrees with transformers' on it), build the fp8
+snapshot (QUANTIZATION=fp8), compile the Triton kernels (CUDA only).
 
 --check writes nothing and uses no network: it says what is missing. Exit codes: 0 ready, 1 not ready or
 failed, 2 bad settings. User errors are one line on stderr, never a traceback."""
@@ -13,9 +14,8 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
-
-from warmup.timeline import Timeline
 
 log = logging.getLogger("warmup")
 
@@ -36,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="verify the volume is ready; no network, no writes")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tl = Timeline()
-    from engine import EngineError  # torch: the bulk of the start-up time, so timed
+    t0 = time.perf_counter()
+    from engine import EngineError, Timeline  # torch: the bulk of the start-up time, so timed
     from handler.settings import SettingsError, load_settings
+
+    tl = Timeline(start=t0)
     tl.mark("imports")
     update = {"MODEL_REVISION": args.revision} if args.revision else {}
     if args.model is not None:
@@ -58,25 +60,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check(cfg) -> int:
-    from engine.loader import resolve_model_path
-    from warmup import fp8_snapshot
-    from warmup.default_model import converted_dir
+    from engine import weights
 
     missing, path = [], None
     try:
         if cfg.model is None:  # resolve_model_path would convert it: look without writing
-            d, path = converted_dir(Path(cfg.cache_root))
+            d, path = weights.converted_dir(Path(cfg.cache_root))
             if path is None:
                 missing.append(f"the default model is not converted yet (expected {d})")
         else:
-            path = resolve_model_path(cfg)
+            path = weights.resolve_model_path(cfg)
     except Exception as e:  # noqa: BLE001 - ModelNotFoundError, or a package/file problem: all "missing"
         missing.append(_one_line(e))
     if path is not None:
         spec = _check_model(path)
         _check_tokenizer(cfg, path)
         snap = _snapshot(cfg, path, spec)
-        if snap is not None and not fp8_snapshot.valid(snap):
+        if snap is not None and not weights.snapshot_valid(snap):
             missing.append(f"QUANTIZATION=fp8: no valid fp8 snapshot at {snap}")
         _summary(cfg, path, snap)
     elif cfg.quantization == "fp8":
@@ -87,28 +87,26 @@ def check(cfg) -> int:
     return 1 if missing else 0
 
 
-def prepare(settings, cfg, tl: Timeline) -> int:
-    from engine.errors import ModelNotFoundError
-    from engine.loader import resolve_model_path
-    from warmup import fp8_snapshot
+def prepare(settings, cfg, tl) -> int:
+    from engine import ModelNotFoundError, weights
 
     if cfg.model is None:
         with tl.phase("default model conversion"):
-            path = resolve_model_path(cfg)  # converts once into the cache root
+            path = weights.resolve_model_path(cfg)  # converts once into the cache root
     else:
         try:
             with tl.phase("model resolution"):
-                path = resolve_model_path(cfg)
+                path = weights.resolve_model_path(cfg)
         except ModelNotFoundError as e:
             _may_download(settings, cfg, e)
             with tl.phase("download"):
                 _download(settings, cfg)
-            path = resolve_model_path(cfg)
+            path = weights.resolve_model_path(cfg)
     with tl.phase("model check"):
         spec = _check_model(path)
         _check_tokenizer(cfg, path)
     snap = _snapshot(cfg, path, spec)
-    need_snapshot = snap is not None and not fp8_snapshot.valid(snap)
+    need_snapshot = snap is not None and not weights.snapshot_valid(snap)
 
     import torch
 
@@ -120,7 +118,7 @@ def prepare(settings, cfg, tl: Timeline) -> int:
             # A small KV pool: warmup needs one short request, not the worker's full budget
             engine = LLMEngine(cfg.replace(num_kv_blocks=WARMUP_KV_BLOCKS, max_model_len=None, log_stats_interval=0))
             p.note = f"weights: {engine.weights_source}"
-        if need_snapshot and not fp8_snapshot.valid(snap):  # the engine only warns when it cannot write it
+        if need_snapshot and not weights.snapshot_valid(snap):  # the engine only warns when it cannot write it
             raise NotReady(f"the fp8 snapshot could not be written to {snap} (see the log above)")
     else:
         tl.skip("engine build", "no fp8 snapshot to build and no CUDA")
@@ -172,17 +170,16 @@ def _first_writable(dirs) -> Path:
 
 def _check_model(path: Path):
     """Cheap proof that the engine can load it: safetensors present, a supported config (no weights read)."""
-    from engine.loader import read_json, safetensors_files
-    from engine.models.llama import ModelSpec
+    from engine import ModelSpec, weights
 
-    safetensors_files(path)
-    return ModelSpec.from_hf(read_json(path / "config.json"))
+    weights.safetensors_files(path)
+    return ModelSpec.from_hf(weights.read_json(path / "config.json"))
 
 
 def _check_tokenizer(cfg, path: Path) -> None:
     """The worker encodes and renders chat templates without transformers; say where that would differ from
     transformers for this model (here, where loading transformers costs no request anything)."""
-    from engine.tokenizer import Tokenizer, compare_with_transformers
+    from engine import Tokenizer, compare_with_transformers
 
     for diff in compare_with_transformers(Tokenizer(cfg.tokenizer or path)):
         print(f"warning: tokenizer: {diff}")
@@ -192,9 +189,9 @@ def _snapshot(cfg, path: Path, spec) -> Path | None:
     """Where the engine keeps this model's fp8 snapshot, or None when it uses none."""
     if cfg.quantization != "fp8" or spec.prequantized:
         return None
-    from warmup import fp8_snapshot
+    from engine import weights
 
-    return fp8_snapshot.snapshot_for(cfg, path)  # the engine's own key
+    return weights.snapshot_for(cfg, path)  # the engine's own key
 
 
 def _run_one_request(engine) -> None:
@@ -208,9 +205,9 @@ def _run_one_request(engine) -> None:
 
 
 def _summary(cfg, path: Path, snap: Path | None) -> None:
-    from engine.loader import safetensors_files
+    from engine import weights
 
-    files = safetensors_files(path)
+    files = weights.safetensors_files(path)
     print(f"model: {cfg.model or 'default (SmolLM2-135M-Instruct)'} @ {cfg.revision}")
     print(f"path: {path} ({sum(f.stat().st_size for f in files):,} bytes in {len(files)} safetensors file(s))")
     if snap is not None:

@@ -14,9 +14,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from engine import EngineConfig, EngineError
-from engine.loader import read_json, resolve_model_path
-from engine.models.llama import ModelSpec
+from engine import EngineConfig, EngineError, ModelSpec, weights
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -114,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="also size this many full-length requests")
     args = ap.parse_args(argv)
     try:
-        path = resolve_model_path(EngineConfig(model=args.model))
-        spec = ModelSpec.from_hf(read_json(path / "config.json"))
+        path = weights.resolve_model_path(EngineConfig(model=args.model))
+        spec = ModelSpec.from_hf(weights.read_json(path / "config.json"))
         plan = make_plan(spec, parse_bytes(args.gpu_mem), args.max_model_len or spec.max_position_embeddings,
                          args.quantization, args.kv_cache_dtype, args.gpu_memory_utilization)
     except (EngineError, ValueError, json.JSONDecodeError) as e:

@@ -49,7 +49,7 @@ class LoRAAdapter:
         return frozenset(m for _, m in self.weights)
 
 
-def module_shapes(spec: "ModelSpec") -> dict[str, tuple[int, int]]:
+def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each supported projection."""
     h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
         spec.intermediate_size
@@ -57,7 +57,7 @@ def module_shapes(spec: "ModelSpec") -> dict[str, tuple[int, int]]:
                 gate_proj=(h, inter), up_proj=(h, inter), down_proj=(inter, h))
 
 
-def max_adapter_bytes(spec: "ModelSpec", max_rank: int, dtype_bytes: int = 4) -> int:
+def max_adapter_bytes(spec: ModelSpec, max_rank: int, dtype_bytes: int = 4) -> int:
     """The largest legitimate safetensors file: every module of every layer at max_rank in fp32, plus a header
     allowance. Used to refuse an oversized download before it starts."""
     per_layer = sum(max_rank * (i + o) for i, o in module_shapes(spec).values())
@@ -104,7 +104,7 @@ def _targeted(targets, layer: int, parent: str, module: str) -> bool:
     return module in {t.rsplit(".", 1)[-1] for t in targets}
 
 
-def load_adapter(path: str | Path, spec: "ModelSpec", max_rank: int, name: str) -> LoRAAdapter:
+def load_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str) -> LoRAAdapter:
     """Parse and validate `path`/adapter_config.json + adapter_model.safetensors. Raises InvalidRequestError
     (field "lora") naming the offending setting or tensor and what was expected."""
     from safetensors import SafetensorError, safe_open

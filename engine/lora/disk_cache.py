@@ -25,8 +25,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from engine.errors import EngineError, InvalidRequestError
 from engine.lora.source import CONFIG_FILE, PICKLE_FILE, WEIGHTS_FILE, AdapterRef, LoRALoadError, fetch
@@ -131,7 +131,7 @@ class AdapterDiskCache:
         self._remove(doomed)
 
     @classmethod
-    def from_config(cls, config, max_adapter_bytes: int | None = None) -> "AdapterDiskCache":
+    def from_config(cls, config, max_adapter_bytes: int | None = None) -> AdapterDiskCache:
         fn = functools.partial(fetch, endpoint_url=config.s3_endpoint_url, max_bytes=max_adapter_bytes)
         return cls(Path(config.cache_root) / "lora-cache", config.lora_cache_bytes, fn)
 

@@ -22,11 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kernels import add_lora, slot_groups
-
 from engine.lora.adapter import load_adapter, max_adapter_bytes, module_shapes
 from engine.lora.disk_cache import AdapterDiskCache, cache_key
 from engine.lora.source import AdapterRef, LoRALoadError, resolve
+from kernels import add_lora, slot_groups
 
 log = logging.getLogger("engine")
 
@@ -116,6 +115,30 @@ class LoRAManager:
         log.info("LoRA slot %d: %r loaded (%.2f s after first request)", slot, self.refs[key].name,
                  time.monotonic() - self._started[key])
         return slot
+
+    def can_start(self, req, running) -> bool:
+        """The scheduler's admission gate: a request starts once its adapter sits in a device slot. `running`:
+        the running requests, whose slots are pinned."""
+        if req.lora_key is None:
+            return True
+        slot = self.acquire(req.lora_key, {r.lora_slot for r in running if r.lora_key is not None})
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def failed_waiters(self, waiting) -> dict[str, BaseException]:
+        """Adapter key -> error, for adapters that failed to load (or not in time) while requests wait on them.
+        The load is forgotten, so a later request retries it."""
+        errors: dict[str, BaseException] = {}
+        for req in waiting:
+            key = req.lora_key
+            if key is not None and key not in self.slot_of and key not in errors:
+                if (err := self.status(key, req.arrival_time)) is not None:
+                    errors[key] = err
+        for key in errors:
+            self.forget_failed(key)
+        return errors
 
     def names(self) -> list[str]:
         return sorted({r.name for r in self.refs.values()} | {n for n, _ in self.cfg.lora_modules})

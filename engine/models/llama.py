@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.layers.rotary import RotaryCache
@@ -48,7 +48,7 @@ class ModelSpec:
         return self.num_layers * per_layer + embeds + h
 
     @classmethod
-    def from_hf(cls, cfg: dict, generation_cfg: dict | None = None) -> "ModelSpec":
+    def from_hf(cls, cfg: dict, generation_cfg: dict | None = None) -> ModelSpec:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:

@@ -11,8 +11,16 @@ import pytest
 import torch
 
 from kernels.cache_write import reshape_and_cache, reshape_and_cache_ref
-from kernels.fp8 import (FP8, fp8_gemm_scaled_mm, fp8_linear, fp8_linear_ref, quant_per_channel,
-                         quant_per_channel_ref, quant_per_token, quant_per_token_ref)
+from kernels.fp8 import (
+    FP8,
+    fp8_gemm_scaled_mm,
+    fp8_linear,
+    fp8_linear_ref,
+    quant_per_channel,
+    quant_per_channel_ref,
+    quant_per_token,
+    quant_per_token_ref,
+)
 from tests.kernels.conftest import DEVICE, assert_close, to_device
 
 FP8_NAN = 0x7F  # e4m3fn byte pattern of NaN

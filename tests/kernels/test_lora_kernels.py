@@ -7,8 +7,17 @@ import pytest
 import torch
 
 import kernels
-from kernels.lora import (_slot_groups, add_lora, add_lora_bmm, add_lora_ref, lora_expand, lora_expand_ref,
-                          lora_shrink, lora_shrink_ref, slot_groups)
+from kernels.lora import (
+    _slot_groups,
+    add_lora,
+    add_lora_bmm,
+    add_lora_ref,
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+    slot_groups,
+)
 from tests.kernels.conftest import TOL, assert_close, to_device
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -7,9 +7,9 @@ began where the previous entry ended (or at the start), so a run of marks tiles 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 
 @dataclass
@@ -75,6 +75,9 @@ class Timeline:
         rows.append(("total", f"{total:.2f}", "100%" if total > 0 else "-", "", ""))
         head = ("phase", "seconds", "%", "at", "")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-        fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:4], widths[1:])]
-                                  + ([r[4]] if r[4] else [])).rstrip()  # noqa: E731
+
+        def fmt(r) -> str:
+            cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:4], widths[1:])]
+            return "  ".join(cells + ([r[4]] if r[4] else [])).rstrip()
+
         return "\n".join([fmt(head), *(fmt(r) for r in rows)])

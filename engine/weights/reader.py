@@ -1,90 +1,20 @@
-"""Find a model on disk (local dir, HF hub cache, or the default) and stream its safetensors weights
-(parallel reader threads, bounded read-ahead, pinned staging on CUDA)."""
+"""Stream a checkpoint's safetensors weights: parallel reader threads, bounded read-ahead, pinned staging on
+CUDA."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-from engine.config import EngineConfig
-from engine.errors import ModelNotFoundError, UnsupportedModelError
-
-log = logging.getLogger(__name__)
-
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-def resolve_model_path(cfg: EngineConfig) -> Path:
-    """Return the folder holding config.json and the weights. Never touches the network."""
-    if cfg.model is None:
-        from warmup.default_model import ensure_default_model  # conversion lives with worker prep
-
-        return ensure_default_model(Path(cfg.cache_root))
-    local = Path(cfg.model).expanduser()
-    if local.is_dir():
-        return local
-    searched = [str(local)]
-    if cfg.model.count("/") == 1 and not cfg.model.startswith(("/", ".", "~")):
-        for root in cfg.hf_cache_dirs:
-            hit, tried = _find_in_hf_cache(Path(root), cfg.model, cfg.revision)
-            searched += tried
-            if hit is not None:
-                return hit
-    raise ModelNotFoundError(
-        f"model {cfg.model!r} (revision {cfg.revision!r}) is not a local folder and is not in any HF cache; "
-        f"no download is attempted. Searched: {', '.join(searched)}")
-
-
-def _find_in_hf_cache(root: Path, repo_id: str, revision: str) -> tuple[Path | None, list[str]]:
-    """`<root>/models--org--name/snapshots/<rev>/`, folder name matched without regard to case
-    (Runpod's model store lowercases it); `revision` is a ref name under refs/ or a commit hash."""
-    want = "models--" + repo_id.replace("/", "--")
-    tried = [str(root / want)]
-    if not root.is_dir():
-        return None, tried
-    repo = next((d for d in root.iterdir() if d.name.lower() == want.lower() and d.is_dir()), None)
-    if repo is None:
-        return None, tried
-    ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    snap = repo / "snapshots" / commit
-    tried.append(str(snap))
-    if snap.is_dir():
-        return snap, tried
-    snaps = sorted((repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
-    if revision == "main" and len(snaps) == 1:  # a cache copied without refs/
-        return snaps[0], tried
-    return None, tried
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    """The weight files in load order. Refuses pickle-only checkpoints (arbitrary code on load)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / f for f in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise UnsupportedModelError(f"{index} names shards that are missing: {missing}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
-    if pickles:
-        raise UnsupportedModelError(
-            f"{path} has only pickle checkpoints ({', '.join(pickles)}). They can run arbitrary code when "
-            "loaded, so only safetensors are supported: convert them (e.g. save_pretrained(..., "
-            "safe_serialization=True)) and retry.")
-    raise UnsupportedModelError(f"{path} has no *.safetensors weights")
-
+from engine.errors import UnsupportedModelError
+from engine.weights.locate import safetensors_files
 
 # Reader threads: up to 4, one per 4 cores. On a small box the readers only compete with the consumer's copies:
 # with 2 cores and a warm page cache, 4 readers took SmolLM2's load from 0.05 s (1 reader) to 0.12-0.25 s.
@@ -96,14 +26,14 @@ _TOUCH_MIN = 256 << 10  # bytes: smaller CPU tensors are not faulted in ahead
 
 
 def iter_weights(path: Path, device="cpu", *, readers: int = _READERS,
-                 depth: int = _DEPTH) -> Iterator[tuple[str, "torch.Tensor"]]:
+                 depth: int = _DEPTH) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint at `path`, already on `device`. The consumer
     copies each into its own parameters and drops it, so the checkpoint is never held twice."""
     yield from iter_safetensors(safetensors_files(path), device, readers=readers, depth=depth)
 
 
 def iter_safetensors(files: list[Path], device="cpu", *, readers: int = _READERS, depth: int = _DEPTH,
-                     desc: str = "Loading weights") -> Iterator[tuple[str, "torch.Tensor"]]:
+                     desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
     """Read `files` on up to `readers` threads; yield (name, tensor) in the order a sequential read would: file
     by file, each file's tensors in the order of their bytes. So a consumer that quantizes a layer as soon as
     its weights are in still has about one layer pending, and the files are read front to back.
@@ -277,7 +207,7 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 
                 "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
-def _torch_dtype(name: str) -> "torch.dtype":
+def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
@@ -295,7 +225,7 @@ def _open(f: Path, raw: bool):
     return safe_open(str(f), framework="pt")
 
 
-def _touch(t: "torch.Tensor") -> "torch.Tensor":
+def _touch(t: torch.Tensor) -> torch.Tensor:
     """Fault in the pages of an mmap-backed CPU tensor on this reader thread: a torch op (which releases the
     GIL) reads one byte per page. The consumer's copy then reads memory, not the disk. Small tensors are left
     to the consumer: two op dispatches cost more than their few page faults."""
@@ -329,7 +259,7 @@ class _Staging:
         self.events = [torch.cuda.Event() for _ in range(2)]
         self.turn = 0
 
-    def to_device(self, fd: int, e: _Entry, file: Path, consumer_stream) -> "torch.Tensor":
+    def to_device(self, fd: int, e: _Entry, file: Path, consumer_stream) -> torch.Tensor:
         import torch
 
         dst = torch.empty(e.shape, dtype=_torch_dtype(e.dtype), device=self.dev)
@@ -353,7 +283,3 @@ class _Staging:
         if last is not None:
             last.synchronize()
         return dst
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -16,21 +16,21 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from warmup.default_model import sha256_file
+from engine.weights.default_model import sha256_file
+from engine.weights.locate import safetensors_files
+from engine.weights.reader import iter_safetensors
 
 log = logging.getLogger(__name__)
 
 SCHEME = "fp8-e4m3-w8a8-per-channel-v1"
-_WEIGHTS, _MANIFEST = "model.safetensors", "manifest.json"
+WEIGHTS, _MANIFEST = "model.safetensors", "manifest.json"
 
 
 def snapshot_for(cfg, model_path: Path) -> Path:
     """This engine config's snapshot folder for the checkpoint at model_path (the engine and warmup both use it)."""
-    from engine.loader import safetensors_files
-
     return snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision, model_path,
                         safetensors_files(model_path))
 
@@ -51,7 +51,7 @@ def complete(snap: Path) -> dict | None:
     None otherwise. Cheap: the contents are checked by valid() or verify_in_background()."""
     try:
         manifest = json.loads((snap / _MANIFEST).read_text())
-        if manifest.get("scheme") != SCHEME or (snap / _WEIGHTS).stat().st_size != manifest["size"]:
+        if manifest.get("scheme") != SCHEME or (snap / WEIGHTS).stat().st_size != manifest["size"]:
             return None
         return manifest if isinstance(manifest.get("sha256"), str) else None
     except (OSError, ValueError, KeyError, AttributeError):
@@ -60,7 +60,7 @@ def complete(snap: Path) -> dict | None:
 
 def _hash_matches(snap: Path, manifest: dict) -> bool:
     try:
-        return sha256_file(snap / _WEIGHTS) == manifest["sha256"]
+        return sha256_file(snap / WEIGHTS) == manifest["sha256"]
     except OSError:
         return False
 
@@ -88,9 +88,7 @@ def verify_in_background(snap: Path, manifest: dict) -> Callable[[], bool]:
 def load(snap: Path, device="cpu"):
     """Yield (name, tensor) from a complete snapshot through the engine's parallel reader (straight to
     `device`). Use nothing loaded from it before valid() or verify_in_background() says yes."""
-    from engine.loader import iter_safetensors
-
-    yield from iter_safetensors([snap / _WEIGHTS], device, desc="Loading fp8 snapshot")
+    yield from iter_safetensors([snap / WEIGHTS], device, desc="Loading fp8 snapshot")
 
 
 def write(snap: Path, tensors: dict, source: str, replace: bool = False) -> None:
@@ -101,8 +99,8 @@ def write(snap: Path, tensors: dict, source: str, replace: bool = False) -> None
     snap.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=snap.parent))
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / _WEIGHTS))
-        weights = tmp / _WEIGHTS
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        weights = tmp / WEIGHTS
         size = weights.stat().st_size
         (tmp / _MANIFEST).write_text(json.dumps({"scheme": SCHEME, "source": source, "size": size,
                                                  "sha256": sha256_file(weights)}))

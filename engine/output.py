@@ -1,0 +1,90 @@
+"""OutputProcessor: a step's sampled tokens in, RequestOutputs out. It owns what the step loop does not need: the
+user requests (n sequences sharing a prompt), their detokenizers and stop strings, and the latency metrics.
+As in vLLM v1, the engine core only schedules and runs; this turns its tokens into what a caller sees."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.types import CompletionOutput, Request, RequestMetrics, RequestOutput, SamplingParams
+
+
+@dataclass(eq=False)
+class Group:
+    """One user request: n sequences sharing a prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    sent_tokens: list[int] = field(default_factory=list)  # per seq: token ids already reported
+
+
+class OutputProcessor:
+    def __init__(self, tok, eos_token_ids: frozenset[int], finish: Callable[[Request, str], None]):
+        self.tok = tok
+        self.eos_token_ids = eos_token_ids
+        self.finish = finish  # the scheduler's: a stop string ends a sequence and frees its blocks
+        self.groups: dict[str, Group] = {}
+        self.group_of: dict[Request, Group] = {}
+
+    def add(self, request_id: str, ids: list[int], params: SamplingParams, seqs: list[Request]) -> None:
+        detoks = [IncrementalDetokenizer(self.tok, ids, params.stop, params.include_stop_str_in_output,
+                                         params.skip_special_tokens) for _ in seqs]
+        group = Group(request_id, ids, params, seqs, detoks, [0] * len(seqs))
+        self.groups[request_id] = group
+        for s in seqs:
+            self.group_of[s] = group
+
+    def pop(self, request_id: str) -> Group | None:
+        """Forget a request (aborted or failed); its sequences are the caller's to finish."""
+        group = self.groups.pop(request_id, None)
+        for s in group.seqs if group is not None else ():
+            self.group_of.pop(s, None)
+        return group
+
+    def process(self, sampled: dict[Request, int], logprobs: dict[Request, dict]) -> list[RequestOutput]:
+        """After the scheduler's update: record timings and logprobs, detokenize, apply stop strings, and return
+        one output per request that got a token this step."""
+        for req, lp in logprobs.items():
+            req.logprobs.append(lp)
+        now = time.monotonic()
+        touched: dict[Group, None] = {}
+        for req, token in sampled.items():
+            if req.first_token_time is None:
+                req.first_token_time = now
+            else:
+                gap = now - req.last_token_time
+                req.itl_sum += gap
+                req.itl_max = max(req.itl_max, gap)
+            req.last_token_time = now
+            group = self.group_of[req]
+            touched[group] = None
+            p = req.params
+            hidden = (token in self.eos_token_ids and p.skip_special_tokens) or \
+                (req.stop_reason == token and not p.include_stop_str_in_output)
+            stop_str = group.detoks[group.seqs.index(req)].add_token(token, emit=not hidden)
+            if stop_str is not None and not req.finished:
+                self.finish(req, "stop")
+                req.stop_reason = stop_str
+        return [self._output(g) for g in touched]
+
+    def _output(self, group: Group) -> RequestOutput:
+        outs = []
+        for i, (seq, detok) in enumerate(zip(group.seqs, group.detoks)):
+            new_ids = seq.output_token_ids[group.sent_tokens[i]:]
+            group.sent_tokens[i] = len(seq.output_token_ids)
+            outs.append(CompletionOutput(
+                index=i, text=detok.text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                delta_text=detok.pop_delta(seq.finished), delta_token_ids=new_ids))
+        finished = all(s.finished for s in group.seqs)
+        if finished:
+            self.pop(group.request_id)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
+                             sum(s.num_preemptions for s in group.seqs),
+                             RequestMetrics.of(group.seqs, time.monotonic()) if finished else None)

@@ -1,0 +1,120 @@
+"""OpenAI jobs (input {"openai_route", "openai_input"}): /v1/chat/completions, /v1/completions and /v1/models, whole
+or streamed as SSE events. The response shapes are in openai_compat.py."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from engine import InvalidRequestError, LoRARequest
+from handler import openai_compat as oa
+from handler.pacing import BatchSizer
+from handler.schemas import ChatCompletionRequest, CompletionRequest, JobError, parse, sampling_params
+
+if TYPE_CHECKING:
+    from handler.worker import Worker
+
+CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
+# request fields that map one to one onto SamplingParams
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                    "skip_special_tokens", "include_stop_str_in_output")
+
+
+async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = None) -> AsyncIterator[Any]:
+    route = inp.get("openai_route")
+    body = inp.get("openai_input") or {}
+    if route == MODELS:  # the base model, then the adapters configured or used so far
+        yield oa.models_list([w.served_name] + w.engine.lora_names())
+        return
+    if route == CHAT:
+        req = parse(ChatCompletionRequest, body, "openai_input")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt = await w.chat_prompt(messages, "openai_input.messages", req.add_generation_prompt,
+                                     req.chat_template_kwargs)
+        shapes, max_tokens = oa.ChatShapes(w.served_name), req.max_completion_tokens or req.max_tokens
+        top_n = req.top_logprobs or 0 if req.logprobs else None
+    elif route == COMPLETIONS:
+        req = parse(CompletionRequest, body, "openai_input")
+        prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else req.prompt
+        shapes, max_tokens, top_n = oa.CompletionShapes(w.served_name), req.max_tokens, req.logprobs
+    else:
+        raise JobError(f"openai_route {route!r} is not one of {CHAT}, {COMPLETIONS}, {MODELS}",
+                       param="openai_route", type="not_found_error", code=404)
+    lora = _adapter(w, req.model) or lora
+    params = sampling_params({**{f: getattr(req, f) for f in _SAMPLING_FIELDS}, "logprobs": top_n,
+                         "max_tokens": max_tokens or 1}, "openai_input")
+    prompt, params = w.fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens,
+                           prompt_param="openai_input.messages" if route == CHAT else "openai_input.prompt")
+    chat = route == CHAT
+    cold: list = []
+    gen = w.generate(prompt, params, rid, lora, cold)
+    if req.stream:
+        async for chunk in _stream(w, gen, shapes, req, chat, top_n):
+            yield chunk
+        return
+    n_in, n_out, choices, cached = 0, 0, [], 0
+    async for out in gen:
+        n_in = len(out.prompt_token_ids)
+        if out.finished:
+            cached = out.metrics.cached_prompt_tokens
+            for c in out.outputs:
+                n_out += len(c.token_ids)
+                lp = None
+                if top_n is not None and c.logprobs:
+                    lp = _logprobs(w, chat, c.token_ids, c.logprobs, top_n)
+                choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp})
+    full = shapes.full(choices, oa.usage(n_in, n_out, cached))
+    if cold:
+        full["metrics"] = {"cold_start": cold[0]}  # an extension field; OpenAI clients ignore it
+    yield full
+
+
+def _adapter(w: Worker, model: str | None) -> LoRARequest | None:
+    """vLLM's multi-LoRA serving: a `model` other than the served name names an adapter."""
+    if model is None or model == w.served_name:
+        return None
+    if not w.settings.ENABLE_LORA:
+        raise JobError(f"model {model!r} is not served here; use {w.served_name!r}", param="model",
+                       type="not_found_error", code=404)
+    lora = LoRARequest(model)
+    try:
+        w.engine.resolve_lora(lora)
+    except InvalidRequestError as e:
+        raise JobError(f"model {model!r}: {e}", param="model", type="not_found_error", code=404) from None
+    return lora
+
+
+def _logprobs(w: Worker, chat: bool, token_ids: list[int], lps: list[dict], top_n: int) -> dict:
+    """OpenAI's logprobs object for these tokens (chat or completions shape)."""
+    return (oa.chat_logprobs if chat else oa.completion_logprobs)(w.engine.tok, token_ids, lps, top_n)
+
+
+async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
+    s = w.settings
+    sizer = BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
+    events, n_in, n_out, cached = [], 0, 0, 0
+    if chat:
+        events += [oa.sse(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
+    async for group in w.paced(gen, sizer):
+        for out in group:
+            n_in = len(out.prompt_token_ids)
+            if out.finished:
+                cached = out.metrics.cached_prompt_tokens
+            for c in out.outputs:
+                n_out += len(c.delta_token_ids)
+                if not (c.delta_text or c.finish_reason or c.delta_token_ids):
+                    continue
+                lp = None
+                if top_n is not None and c.delta_token_ids and c.logprobs:
+                    lp = _logprobs(w, chat, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):], top_n)
+                if c.delta_text or lp is not None:
+                    events.append(oa.sse(shapes.chunk(c.index, {"content": c.delta_text}, None, lp)))
+                if c.finish_reason:
+                    events.append(oa.sse(shapes.chunk(c.index, {}, c.finish_reason)))
+        if events and not group[-1].finished:
+            yield "".join(events)
+            events = []
+    if req.stream_options and req.stream_options.include_usage:
+        events.append(oa.sse(shapes.usage_chunk(oa.usage(n_in, n_out, cached))))
+    events.append(oa.SSE_DONE)
+    yield "".join(events)
