@@ -8,6 +8,7 @@ Each entry point is the real one; this only wraps a few functions on the path an
 TRACE_SDK_LOOP=original the worker runs runpod's own JobScaler.run (its 100 ms run_jobs poll) instead of ours.
 Events: submit, taken, post_in, sse_out (emulator); sdk_got, handler_start, engine_submit, engine_first,
 handler_yield, post_start, post_end (worker)."""
+
 from __future__ import annotations
 
 import functools
@@ -24,6 +25,7 @@ def emit(event: str, key) -> None:
 
 def first_yield(agen_fn, on_start, on_first):
     """Wrap an async generator function: call on_start(args) at entry and on_first(args) at its first yield."""
+
     @functools.wraps(agen_fn)
     async def wrapper(*args, **kw):
         on_start(args)
@@ -33,6 +35,7 @@ def first_yield(agen_fn, on_start, on_first):
                 first = False
                 on_first(args)
             yield item
+
     return wrapper
 
 
@@ -69,8 +72,9 @@ def trace_worker() -> None:
     from handler import worker as w
 
     W = w.Worker
-    W.handle = first_yield(W.handle, lambda a: emit("handler_start", a[1]["id"]),
-                           lambda a: emit("handler_yield", a[1]["id"]))
+    W.handle = first_yield(
+        W.handle, lambda a: emit("handler_start", a[1]["id"]), lambda a: emit("handler_yield", a[1]["id"])
+    )
 
     gen = W._generate
 
@@ -83,6 +87,7 @@ def trace_worker() -> None:
                 first = False
                 emit("engine_first", job)
             yield out
+
     W._generate = traced_generate
 
     install = runpod_sdk.install
@@ -107,6 +112,7 @@ def trace_worker() -> None:
         rp_scale.get_job, rp_job.stream_result = traced_get_job, traced_stream_result
         if os.environ.get("TRACE_SDK_LOOP") == "original":  # runpod's run(): its run_jobs polls every 100 ms
             rp_scale.JobScaler.run = rp_scale._sdk_job_scaler.run
+
     runpod_sdk.install = traced_install
 
 
@@ -115,8 +121,10 @@ if __name__ == "__main__":
     if which == "emulator":
         trace_emulator()
         from handler.local import main
+
         main(argv)
     else:
         trace_worker()
         from handler.__main__ import main
+
         sys.exit(main(argv))

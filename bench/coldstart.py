@@ -27,6 +27,7 @@ not the disk. The fp8 snapshot phase includes the snapshot's sha256 check (timed
 Usage: python -m bench.coldstart           # ~3-4 min; writes docs/benchmarks.md (coldstart) + docs/coldstart.png
        python -m bench.coldstart --quick   # 1 round, prints only
 """
+
 from __future__ import annotations
 
 import time
@@ -46,10 +47,20 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of"
 MAX_TOKENS = 8
-JOB = {"input": {"prompt": PROMPT, "stream": True,
-                 "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}}
-CHAT_JOB = {"input": {"messages": [{"role": "user", "content": "Tell me about the history of the Roman Empire."}],
-                      "stream": True, "sampling_params": JOB["input"]["sampling_params"]}}
+JOB = {
+    "input": {
+        "prompt": PROMPT,
+        "stream": True,
+        "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+}
+CHAT_JOB = {
+    "input": {
+        "messages": [{"role": "user", "content": "Tell me about the history of the Roman Empire."}],
+        "stream": True,
+        "sampling_params": JOB["input"]["sampling_params"],
+    }
+}
 CASES = ("first start ever", "bf16", "bf16, chat job", "fp8, first start", "fp8 from snapshot", "HF transformers")
 WEIGHT_PHASES = ("weight read", "fp8 snapshot load", "weight read + fp8 quantization")
 now = time.perf_counter
@@ -94,8 +105,17 @@ def hf_child(model_dir: str) -> None:
     for name, at in marks.items():
         phases.append({"name": name, "seconds": at - prev})
         prev = at
-    print(json.dumps({"total_s": first["t"], "phases": phases, "first_token": first["text"],
-                      "transformers": transformers.__version__}), flush=True)
+    print(
+        json.dumps(
+            {
+                "total_s": first["t"],
+                "phases": phases,
+                "first_token": first["text"],
+                "transformers": transformers.__version__,
+            }
+        ),
+        flush=True,
+    )
 
 
 # ---- launching ------------------------------------------------------------------------------------------------
@@ -116,8 +136,9 @@ def launch(cmd: list[str], env: dict, first_marker: str, timeout: float = 300) -
         wall = now() - t0
         if rc != 0 or first is None:
             err.seek(0)
-            raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {rc}:\n" + "\n".join(lines[-5:]) + "\n"
-                               + err.read()[-3000:])
+            raise RuntimeError(
+                f"{' '.join(cmd[:4])} ... exited {rc}:\n" + "\n".join(lines[-5:]) + "\n" + err.read()[-3000:]
+            )
     return {"first": first, "wall": wall, "lines": lines}
 
 
@@ -130,8 +151,12 @@ def run_worker(base: Path, env: dict, fp8: bool, job: dict = JOB) -> dict:
     assert final["status"] == "COMPLETED", final
     first_chunk = final["output"][0]
     tl = final["output"][-1]["metrics"]["cold_start"]
-    return {"first": r["first"], "total": tl["total_s"], "phases": tl["phases"],
-            "first_token": "".join(first_chunk["choices"][0]["tokens"])}
+    return {
+        "first": r["first"],
+        "total": tl["total_s"],
+        "phases": tl["phases"],
+        "first_token": "".join(first_chunk["choices"][0]["tokens"]),
+    }
 
 
 def run_hf(model_dir: Path, env: dict) -> dict:
@@ -207,8 +232,17 @@ def main() -> None:
     from bench._common import machine_line, write_section
 
     cmd = ("python -m bench.coldstart " + " ".join(sys.argv[1:])).strip()
-    md = render(res, cat, sizes, sha, rounds, conv_rounds, cmd, machine_line("cpu"),
-                f"load average {load:.2f}, CPU pressure {pressure} at start; {cpu_pressure()} at the end")
+    md = render(
+        res,
+        cat,
+        sizes,
+        sha,
+        rounds,
+        conv_rounds,
+        cmd,
+        machine_line("cpu"),
+        f"load average {load:.2f}, CPU pressure {pressure} at start; {cpu_pressure()} at the end",
+    )
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
     if docs is not None:
         write_section(docs / "benchmarks.md", "coldstart", md)
@@ -231,71 +265,96 @@ def phase_medians(runs: list[dict]) -> list[tuple[str, float]]:
 
 def render(res, cat, sizes, sha, rounds, conv_rounds, cmd, machine, load: str) -> str:
     hf = med(r["first"] for r in res["HF transformers"])
-    lines = ["## Cold start to first token (CPU)", "",
-             f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}; {load}. "
-             f"SmolLM2-135M-Instruct (the embedded default), bfloat16 activations, {MAX_TOKENS} greedy tokens, "
-             "one fresh process per run. Method: the docstring of `bench/coldstart.py`. Medians of "
-             f"{rounds} interleaved rounds (the conversion case: {conv_rounds}).", "",
-             "| case | process start → first token s | each run s | worker timeline s | ÷ HF | first token |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "## Cold start to first token (CPU)",
+        "",
+        f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}; {load}. "
+        f"SmolLM2-135M-Instruct (the embedded default), bfloat16 activations, {MAX_TOKENS} greedy tokens, "
+        "one fresh process per run. Method: the docstring of `bench/coldstart.py`. Medians of "
+        f"{rounds} interleaved rounds (the conversion case: {conv_rounds}).",
+        "",
+        "| case | process start → first token s | each run s | worker timeline s | ÷ HF | first token |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for c, runs in res.items():
         first = med(r["first"] for r in runs)
         total = "–" if c == "HF transformers" else f"{med(r['total'] for r in runs):.2f}"
         each = ", ".join(f"{r['first']:.2f}" for r in runs)
-        lines.append(f"| {c} | {first:.2f} | {each} | {total} | "
-                     f"{first / hf:.2f}x | `{runs[0]['first_token']!r}` |")
+        lines.append(f"| {c} | {first:.2f} | {each} | {total} | {first / hf:.2f}x | `{runs[0]['first_token']!r}` |")
     ours = [c for c in CASES if c != "HF transformers"]
-    lines += ["", "Phases, median seconds (\"before T0\": process start to the worker's first line, plus the first "
-              "chunk's print; for HF, its three steps):", ""]
+    lines += [
+        "",
+        'Phases, median seconds ("before T0": process start to the worker\'s first line, plus the first '
+        "chunk's print; for HF, its three steps):",
+        "",
+    ]
     for c in CASES:
-        ph = phase_medians(res[c]) if c != "HF transformers" else \
-            [(p["name"], med(r["phases"][i]["seconds"] for r in res[c])) for i, p in enumerate(res[c][0]["phases"])]
+        ph = (
+            phase_medians(res[c])
+            if c != "HF transformers"
+            else [
+                (p["name"], med(r["phases"][i]["seconds"] for r in res[c])) for i, p in enumerate(res[c][0]["phases"])
+            ]
+        )
         lines.append(f"- **{c}**: " + ", ".join(f"{n} {s:.2f}" for n, s in ph if s >= 0.005))
-    lines += ["", "Weight phase bandwidth vs `cat` of the same files (warm page cache, both):", "",
-              "| case | phase | MiB | phase s | GB/s | cat s | cat GB/s | phase ÷ cat time |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "Weight phase bandwidth vs `cat` of the same files (warm page cache, both):",
+        "",
+        "| case | phase | MiB | phase s | GB/s | cat s | cat GB/s | phase ÷ cat time |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in ours:
         name = weights_phase(res[c][0])["name"]
         secs = med(weights_phase(r)["seconds"] for r in res[c])
         key = "fp8 snapshot" if c == "fp8 from snapshot" else "bf16"
         nbytes, cat_s = sizes[key], med(cat[key])
-        lines.append(f"| {c} | {name} | {nbytes / 2**20:.0f} | {secs:.3f} | {nbytes / secs / 1e9:.2f} | {cat_s:.3f} | "
-                     f"{nbytes / cat_s / 1e9:.2f} | {secs / cat_s:.1f}x |")
-    lines += ["", "Notes:",
-              f"- Target: ≤ 0.5x HF. HF's figure is {hf:.2f} s (import torch + transformers, from_pretrained, "
-              "generate to the first new token), for the plain prompt. A chat job there would add its "
-              "apply_chat_template call, ~5 ms once the tokenizer is loaded.",
-              "- The chat job's first token includes `import transformers` for its chat renderer (~0.45 s, "
-              "most of it transformers scanning its own model files at import); transformers' tokenizer itself "
-              "loads only after the first step. fp8's first token is slower on CPU because fp8 matmuls are "
-              "emulated there (weights converted to fp32 in every layer, every step); on a GPU they are "
-              "`torch._scaled_mm`.",
-              "- \"weight read\" is the loader (engine/weights/reader.py: reader threads, mmap views faulted in "
-              "ahead of the consumer) plus the copy into the fused parameters; with fp8 also the per-channel quantization "
-              "of each layer and writing the snapshot. \"fp8 snapshot load\" includes checking the snapshot's "
-              f"sha256 against its manifest, which alone takes {med(sha):.3f} s here (timed in the bench process "
-              f"on the same file).",
-              "- `cat` includes its process start (a few ms). Both numbers are from the page cache: on a network "
-              "volume both would be slower and the reads, not the copies, would dominate.",
-              "- The machine is a shared 2-core VM. The weight phase is the most sensitive to other processes: "
-              "each of the ~270 copies into the parameters is an OpenMP region over torch's 2 threads, and when "
-              "another process holds a core every region waits for a descheduled worker (measured: SmolLM2's "
-              "load_weights takes 1.8 s with 2 threads vs 0.18 s with 1 under such load, 0.1 s on an idle "
-              "machine). Compare runs only at a similar CPU pressure.",
-              "", "![Cold start timeline per case](coldstart.png)"]
+        lines.append(
+            f"| {c} | {name} | {nbytes / 2**20:.0f} | {secs:.3f} | {nbytes / secs / 1e9:.2f} | {cat_s:.3f} | "
+            f"{nbytes / cat_s / 1e9:.2f} | {secs / cat_s:.1f}x |"
+        )
+    lines += [
+        "",
+        "Notes:",
+        f"- Target: ≤ 0.5x HF. HF's figure is {hf:.2f} s (import torch + transformers, from_pretrained, "
+        "generate to the first new token), for the plain prompt. A chat job there would add its "
+        "apply_chat_template call, ~5 ms once the tokenizer is loaded.",
+        "- The chat job's first token includes `import transformers` for its chat renderer (~0.45 s, "
+        "most of it transformers scanning its own model files at import); transformers' tokenizer itself "
+        "loads only after the first step. fp8's first token is slower on CPU because fp8 matmuls are "
+        "emulated there (weights converted to fp32 in every layer, every step); on a GPU they are "
+        "`torch._scaled_mm`.",
+        '- "weight read" is the loader (engine/weights/reader.py: reader threads, mmap views faulted in '
+        "ahead of the consumer) plus the copy into the fused parameters; with fp8 also the per-channel quantization "
+        'of each layer and writing the snapshot. "fp8 snapshot load" includes checking the snapshot\'s '
+        f"sha256 against its manifest, which alone takes {med(sha):.3f} s here (timed in the bench process "
+        f"on the same file).",
+        "- `cat` includes its process start (a few ms). Both numbers are from the page cache: on a network "
+        "volume both would be slower and the reads, not the copies, would dominate.",
+        "- The machine is a shared 2-core VM. The weight phase is the most sensitive to other processes: "
+        "each of the ~270 copies into the parameters is an OpenMP region over torch's 2 threads, and when "
+        "another process holds a core every region waits for a descheduled worker (measured: SmolLM2's "
+        "load_weights takes 1.8 s with 2 threads vs 0.18 s with 1 under such load, 0.1 s on an idle "
+        "machine). Compare runs only at a similar CPU pressure.",
+        "",
+        "![Cold start timeline per case](coldstart.png)",
+    ]
     return "\n".join(lines)
 
 
 def plot(res: dict, png: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = []
     for c in CASES:
         if c == "HF transformers":
-            ph = [(f"HF: {p['name']}", med(r["phases"][i]["seconds"] for r in res[c]))
-                  for i, p in enumerate(res[c][0]["phases"])]
+            ph = [
+                (f"HF: {p['name']}", med(r["phases"][i]["seconds"] for r in res[c]))
+                for i, p in enumerate(res[c][0]["phases"])
+            ]
             ph.insert(0, ("before T0", med(r["first"] - r["total"] for r in res[c])))
         else:
             ph = [(n, s) for n, s in phase_medians(res[c]) if s >= 0.005]
@@ -307,8 +366,15 @@ def plot(res: dict, png: Path) -> None:
     for y, (_, ph) in enumerate(rows):
         left = 0.0
         for n, s in ph:
-            ax.barh(y, s, left=left, color=color[n], edgecolor="white", linewidth=0.5,
-                    label=n if n not in ax.get_legend_handles_labels()[1] else None)
+            ax.barh(
+                y,
+                s,
+                left=left,
+                color=color[n],
+                edgecolor="white",
+                linewidth=0.5,
+                label=n if n not in ax.get_legend_handles_labels()[1] else None,
+            )
             left += s
         ax.text(left + 0.1, y, f"{left:.1f} s", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [c for c, _ in rows])

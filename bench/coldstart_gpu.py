@@ -19,6 +19,7 @@ bench/gpu_check.sh runs this last, in the time the 8-minute check has left. Step
 Writes a section of docs/kernels.md (gpu-coldstart) after each step, so a timeout keeps what was measured.
 `--tiny`: a 2-layer toy model on CPU with the torch kernels (a smoke test; writes nothing).
 """
+
 from __future__ import annotations
 
 import time
@@ -83,8 +84,13 @@ def cuda_path_matches(model_dir: Path) -> tuple[int, list[str]]:
     bad, n = [], 0
     for (a, x), (b, y) in zip(iter_weights(model_dir, device="cuda"), iter_weights(model_dir, device="cpu")):
         n += 1
-        same = a == b and x.dtype == y.dtype and x.shape == y.shape and x.is_cuda and \
-            torch.equal(x.reshape(-1).view(torch.uint8), y.to(x.device).reshape(-1).view(torch.uint8))
+        same = (
+            a == b
+            and x.dtype == y.dtype
+            and x.shape == y.shape
+            and x.is_cuda
+            and torch.equal(x.reshape(-1).view(torch.uint8), y.to(x.device).reshape(-1).view(torch.uint8))
+        )
         if not same:
             bad.append(a)
     return n, bad
@@ -111,14 +117,30 @@ def engine_child(spec: dict) -> None:
     while eng.has_unfinished():
         eng.step()
     tl.mark("first token", "the first forward: Triton compiles or loads its kernels here")
-    print(json.dumps({"timeline": tl.as_dict(), "source": eng.weights_source, "loader_device": devices,
-                      "snapshot": str(eng.weights.snapshot or ""), "device": str(eng.device)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "timeline": tl.as_dict(),
+                "source": eng.weights_source,
+                "loader_device": devices,
+                "snapshot": str(eng.weights.snapshot or ""),
+                "device": str(eng.device),
+            }
+        ),
+        flush=True,
+    )
 
 
 def run_engine(spec: dict, env: dict, timeout: float) -> dict:
     t = now()
-    p = subprocess.run([sys.executable, "-m", "bench.coldstart_gpu", "--child", json.dumps(spec)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.coldstart_gpu", "--child", json.dumps(spec)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     wall = now() - t
     if p.returncode != 0:
         raise RuntimeError(f"engine child exited {p.returncode}:\n{p.stderr[-3000:]}")
@@ -127,62 +149,96 @@ def run_engine(spec: dict, env: dict, timeout: float) -> dict:
 
 # ---- report ----------------------------------------------------------------------------------------------------
 def _is_weights(phase: str) -> bool:
-    return phase in ("weight read", "weight read + fp8 quantization", "fp8 snapshot load",
-                     "weight read (fp8 checkpoint)")
+    return phase in (
+        "weight read",
+        "weight read + fp8 quantization",
+        "fp8 snapshot load",
+        "weight read (fp8 checkpoint)",
+    )
 
 
 def render(info: dict, reads: list, check, starts: dict) -> str:
     gb = info["bytes"] / 1e9
-    lines = ["## Cold start on GPU: 8B-shaped model from local disk", "",
-             f"{info['machine']}. {info['what']}: {gb:.1f} GB bf16 in {info['shards']} shards, random weights, "
-             f"written in {info['write_s']:.0f} s to `{info['dir']}`. \"cold\": page cache dropped (fsync + "
-             "POSIX_FADV_DONTNEED per file) right before. Method: the docstring of `bench/coldstart_gpu.py`.", "",
-             "| read | s | GB/s | ÷ cat cold time |", "|---|---:|---:|---:|"]
+    lines = [
+        "## Cold start on GPU: 8B-shaped model from local disk",
+        "",
+        f"{info['machine']}. {info['what']}: {gb:.1f} GB bf16 in {info['shards']} shards, random weights, "
+        f'written in {info["write_s"]:.0f} s to `{info["dir"]}`. "cold": page cache dropped (fsync + '
+        "POSIX_FADV_DONTNEED per file) right before. Method: the docstring of `bench/coldstart_gpu.py`.",
+        "",
+        "| read | s | GB/s | ÷ cat cold time |",
+        "|---|---:|---:|---:|",
+    ]
     cold = next((s for name, s in reads if name == "cat, cold"), None)
     for name, s in reads:
-        lines.append(f"| {name} | {s:.2f} | {gb / s:.2f} | {s / cold:.2f}x |" if cold else
-                     f"| {name} | {s:.2f} | {gb / s:.2f} | – |")
+        lines.append(
+            f"| {name} | {s:.2f} | {gb / s:.2f} | {s / cold:.2f}x |"
+            if cold
+            else f"| {name} | {s:.2f} | {gb / s:.2f} | – |"
+        )
     if check is not None:
         n, bad = check
-        lines += ["", f"CUDA loader path (pinned staging, per-reader streams) vs the CPU path: {n} tensors, "
-                  + ("all bit-identical ✅" if not bad else f"{len(bad)} differ ❌ (e.g. {bad[:3]})")]
+        lines += [
+            "",
+            f"CUDA loader path (pinned staging, per-reader streams) vs the CPU path: {n} tensors, "
+            + ("all bit-identical ✅" if not bad else f"{len(bad)} differ ❌ (e.g. {bad[:3]})"),
+        ]
     if starts:
         names = list(starts)
         row = lambda name: "weights (below)" if _is_weights(name) else name  # noqa: E731
         phases = list(dict.fromkeys(row(p["name"]) for r in starts.values() for p in r["timeline"]["phases"]))
-        lines += ["", "Engine starts (fresh process each; seconds; LLMEngine's timeline from the process's first "
-                  "line, then one greedy token):", "",
-                  "| phase | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        lines += [
+            "",
+            "Engine starts (fresh process each; seconds; LLMEngine's timeline from the process's first "
+            "line, then one greedy token):",
+            "",
+            "| phase | " + " | ".join(names) + " |",
+            "|---|" + "---:|" * len(names),
+        ]
         for ph in phases:
             cells = []
             for r in starts.values():
                 s = next((p["seconds"] for p in r["timeline"]["phases"] if row(p["name"]) == ph), None)
                 cells.append("" if s is None else f"{s:.2f}")
             lines.append(f"| {ph} | " + " | ".join(cells) + " |")
-        lines.append("| **total to first token** | " + " | ".join(f"**{r['timeline']['total_s']:.2f}**"
-                                                             for r in starts.values()) + " |")
+        lines.append(
+            "| **total to first token** | "
+            + " | ".join(f"**{r['timeline']['total_s']:.2f}**" for r in starts.values())
+            + " |"
+        )
         lines.append("| process wall (incl. exit) | " + " | ".join(f"{r['wall']:.2f}" for r in starts.values()) + " |")
-        lines += ["", "| start | weight phase | bytes read GB | s | GB/s | ÷ cat cold time | loader device |",
-                  "|---|---|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| start | weight phase | bytes read GB | s | GB/s | ÷ cat cold time | loader device |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
         for name, r in starts.items():
             p = next(p for p in r["timeline"]["phases"] if _is_weights(p["name"]))
             nbytes = r["read_bytes"]
             ratio = f"{p['seconds'] / (cold * nbytes / info['bytes']):.2f}x" if cold else "–"
-            lines.append(f"| {name} | {p['name']} | {nbytes / 1e9:.2f} | {p['seconds']:.2f} | "
-                         f"{nbytes / 1e9 / p['seconds']:.2f} | {ratio} | "
-                         f"{', '.join(r['loader_device']) or 'fp8_snapshot.load (safe_open, CPU)'} |")
+            lines.append(
+                f"| {name} | {p['name']} | {nbytes / 1e9:.2f} | {p['seconds']:.2f} | "
+                f"{nbytes / 1e9 / p['seconds']:.2f} | {ratio} | "
+                f"{', '.join(r['loader_device']) or 'fp8_snapshot.load (safe_open, CPU)'} |"
+            )
         if info.get("sha_s") is not None:
-            lines += ["", f"Of the snapshot phase, checking the snapshot's sha256 against its manifest takes "
-                      f"{info['sha_s']:.2f} s on its own ({info['snap_bytes'] / 1e9:.2f} GB, warm cache, timed "
-                      "separately). \"÷ cat cold time\" scales the cat time to the bytes that phase read."]
+            lines += [
+                "",
+                f"Of the snapshot phase, checking the snapshot's sha256 against its manifest takes "
+                f"{info['sha_s']:.2f} s on its own ({info['snap_bytes'] / 1e9:.2f} GB, warm cache, timed "
+                'separately). "÷ cat cold time" scales the cat time to the bytes that phase read.',
+            ]
     for err in info.get("errors", []):
         lines += ["", f"❌ {err}"]
     if starts:
-        lines += ["", "Notes: the weight phase of the first fp8 start also quantizes each layer and writes the "
-                  "snapshot (save + sha256); the snapshot phase first checks the snapshot's sha256. \"first token\" "
-                  "is the first forward: with the empty TRITON_CACHE_DIR of the first start it includes compiling "
-                  "the Triton kernels; the later starts find them in that directory (the bf16 start may still "
-                  "compile the few kernels fp8 did not use)."]
+        lines += [
+            "",
+            "Notes: the weight phase of the first fp8 start also quantizes each layer and writes the "
+            'snapshot (save + sha256); the snapshot phase first checks the snapshot\'s sha256. "first token" '
+            "is the first forward: with the empty TRITON_CACHE_DIR of the first start it includes compiling "
+            "the Triton kernels; the later starts find them in that directory (the bf16 start may still "
+            "compile the few kernels fp8 did not use).",
+        ]
     return "\n".join(lines)
 
 
@@ -205,24 +261,38 @@ def main() -> None:
         assert torch.cuda.is_available(), "bench/coldstart_gpu.py needs a CUDA device (or --tiny)"
     device = "cpu" if args.tiny else "cuda"
     shape = dict(TINY) if args.tiny else LLAMA3_8B | {"num_hidden_layers": args.layers}
-    what = ("toy model (2 layers, hidden 256) on CPU" if args.tiny else
-            f"Llama-3-8B shape, {args.layers} of 32 layers" + (" (shrunk to fit the 8-minute GPU check; "
-                                                               "embeddings and lm_head full size)"
-                                                               if args.layers < 32 else ""))
+    what = (
+        "toy model (2 layers, hidden 256) on CPU"
+        if args.tiny
+        else f"Llama-3-8B shape, {args.layers} of 32 layers"
+        + (" (shrunk to fit the 8-minute GPU check; embeddings and lm_head full size)" if args.layers < 32 else "")
+    )
     root = Path(tempfile.mkdtemp(prefix="coldstart-gpu-", dir=args.dir))
     env = {k: v for k, v in os.environ.items() if k not in ("QUANTIZATION", "MODEL_NAME")}
-    env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-            "TRITON_CACHE_DIR": str(root / "triton")}  # empty: the first start compiles
+    env |= {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "TRITON_CACHE_DIR": str(root / "triton"),
+    }  # empty: the first start compiles
     try:
         model_dir, cache_root = root / "model", root / "volume"
         model_dir.mkdir()
         t = now()
         shards = write_model(model_dir, shape, device, shard_bytes=(4 << 20) if args.tiny else (2 << 30))
         nbytes = sum(f.stat().st_size for f in shards)
-        info = {"machine": (torch.cuda.get_device_name() if not args.tiny else "CPU") + f", torch {torch.__version__}",
-                "what": what, "bytes": nbytes, "shards": len(shards), "write_s": now() - t, "dir": str(root)}
-        print(f"wrote {nbytes / 1e9:.2f} GB in {len(shards)} shards in {info['write_s']:.1f} s to {model_dir}",
-              flush=True)
+        info = {
+            "machine": (torch.cuda.get_device_name() if not args.tiny else "CPU") + f", torch {torch.__version__}",
+            "what": what,
+            "bytes": nbytes,
+            "shards": len(shards),
+            "write_s": now() - t,
+            "dir": str(root),
+        }
+        print(
+            f"wrote {nbytes / 1e9:.2f} GB in {len(shards)} shards in {info['write_s']:.1f} s to {model_dir}", flush=True
+        )
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -247,8 +317,10 @@ def main() -> None:
         reads.append(("cat, cold", cat_seconds(shards)))
         reads.append(("cat, warm", cat_seconds(shards)))
         drop_cache(shards)
-        loads = [(f"iter_weights device={device}, cold", device, None),
-                 (f"iter_weights device={device}, warm", device, None)]
+        loads = [
+            (f"iter_weights device={device}, cold", device, None),
+            (f"iter_weights device={device}, warm", device, None),
+        ]
         if device == "cuda":
             loads.append(("iter_weights device=cpu + .to(cuda) in the consumer, warm", "cpu", "cuda"))
         for label, dev_, to in loads:
@@ -261,15 +333,18 @@ def main() -> None:
         print(publish(reads, check, {}), flush=True)
 
         starts = {}
-        base = dict(model=str(model_dir), dtype="bfloat16", cache_root=str(cache_root), log_stats_interval=0.0,
-                    device=device)
+        base = dict(
+            model=str(model_dir), dtype="bfloat16", cache_root=str(cache_root), log_stats_interval=0.0, device=device
+        )
         if args.tiny:
             base["num_kv_blocks"] = 64
         from engine.weights.default_model import sha256_file
 
-        for name, spec in (("fp8, first start", base | {"quantization": "fp8"}),
-                           ("fp8 from snapshot", base | {"quantization": "fp8"}),
-                           ("bf16", base)):
+        for name, spec in (
+            ("fp8, first start", base | {"quantization": "fp8"}),
+            ("fp8 from snapshot", base | {"quantization": "fp8"}),
+            ("bf16", base),
+        ):
             snaps = sorted(cache_root.glob("fp8-snapshots/*/*.safetensors"))
             drop_cache(shards + snaps)
             r = attempt(f"engine start '{name}'", lambda spec=spec: run_engine(spec, env, args.child_timeout))

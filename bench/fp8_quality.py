@@ -9,6 +9,7 @@ Method, all configurations in one run on the same text:
   token equals bf16's, and the mean length of the identical prefix.
 - Bytes, measured from the allocated tensors: linear + embedding weights (scales included), KV per token.
 Writes a table to docs/benchmarks.md (section fp8)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ import torch
 from bench._common import default_model_path, machine_line, write_section
 from engine import LLM, SamplingParams  # noqa: E402
 
-CONFIGS = {"bf16": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 KV": {"kv_cache_dtype": "fp8"},
-           "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+CONFIGS = {
+    "bf16": {},
+    "fp8 weights": {"quantization": "fp8"},
+    "fp8 KV": {"kv_cache_dtype": "fp8"},
+    "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+}
 
 
 def corpus_ids(tok, n_tokens: int) -> list[int]:
@@ -71,11 +76,15 @@ def cold_start(path: str) -> list[tuple[str, float]]:
 
     out = []
     with tempfile.TemporaryDirectory() as root:
-        for name, kw in (("bf16 checkpoint", {}), ("fp8, online quantization", {"quantization": "fp8"}),
-                         ("fp8, from the snapshot", {"quantization": "fp8"})):
+        for name, kw in (
+            ("bf16 checkpoint", {}),
+            ("fp8, online quantization", {"quantization": "fp8"}),
+            ("fp8, from the snapshot", {"quantization": "fp8"}),
+        ):
             t0 = time.perf_counter()
-            llm = LLM(model=path, dtype="bfloat16", log_stats_interval=0, kv_cache_memory=64 << 20,
-                      cache_root=root, **kw)
+            llm = LLM(
+                model=path, dtype="bfloat16", log_stats_interval=0, kv_cache_memory=64 << 20, cache_root=root, **kw
+            )
             out.append((f"{name} ({llm.engine.weights_source})", time.perf_counter() - t0))
             del llm
     return out
@@ -98,7 +107,7 @@ def main() -> None:
         llm = LLM(model=path, dtype="bfloat16", log_stats_interval=0, kv_cache_memory=256 << 20, **kw)
         load_s = time.perf_counter() - t0
         ids = corpus_ids(llm.tokenizer, args.windows * args.window + args.prompts * 17)
-        windows = [ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
+        windows = [ids[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
         lps = score_windows(llm, windows)
         nll = torch.cat([-lp[:-1].gather(1, torch.tensor(w[1:])[:, None])[:, 0] for lp, w in zip(lps, windows)])
         ppl = math.exp(nll.mean().item())
@@ -108,44 +117,66 @@ def main() -> None:
         else:
             kl = torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(ref_lp, lps)]).mean().item()
         base = args.windows * args.window
-        prompts = [{"prompt_token_ids": ids[base + 17 * i: base + 17 * i + 16]} for i in range(args.prompts)]
-        greedy = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))]
+        prompts = [{"prompt_token_ids": ids[base + 17 * i : base + 17 * i + 16]} for i in range(args.prompts)]
+        greedy = [
+            o.outputs[0].token_ids
+            for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+        ]
         if ref_greedy is None:
             ref_greedy = greedy
         same = sum(a == b for g, r in zip(greedy, ref_greedy) for a, b in zip(g, r)) / (args.prompts * args.tokens)
-        prefix = sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
-                     for g, r in zip(greedy, ref_greedy)) / args.prompts
+        prefix = (
+            sum(next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r)) for g, r in zip(greedy, ref_greedy))
+            / args.prompts
+        )
         kv = llm.engine.runner.kv_caches
         kv_per_token = kv.numel() * kv.element_size() // (llm.engine.capacity.num_tokens)
         rows.append((name, ppl, kl, same, prefix, weight_bytes(llm), kv_per_token, load_s))
-        print(f"{name:18s} ppl {ppl:.3f} kl {kl if kl is not None else 0:.4f} greedy {same:.1%} prefix {prefix:.1f} "
-              f"weights {weight_bytes(llm) / 2**20:.1f} MiB kv/token {kv_per_token} B load {load_s:.1f}s",
-              flush=True)
+        print(
+            f"{name:18s} ppl {ppl:.3f} kl {kl if kl is not None else 0:.4f} greedy {same:.1%} prefix {prefix:.1f} "
+            f"weights {weight_bytes(llm) / 2**20:.1f} MiB kv/token {kv_per_token} B load {load_s:.1f}s",
+            flush=True,
+        )
         del llm
     base_ppl = rows[0][1]
-    lines = ["## FP8 quality and memory (SmolLM2, CPU)", "",
-             f"`python -m bench.fp8_quality` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}. "
-             f"Perplexity over {args.windows} windows x {args.window} tokens of `pydoc_data.topics`; greedy agreement "
-             f"over {args.prompts} prompts x {args.tokens} tokens; KL(bf16 || config) over the perplexity positions. "
-             "Bytes are measured from the allocated tensors.", "",
-             "| config | perplexity | vs bf16 | mean KL | greedy tokens = bf16 | identical prefix | weights MiB | "
-             "KV B/token | engine ready s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## FP8 quality and memory (SmolLM2, CPU)",
+        "",
+        f"`python -m bench.fp8_quality` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}. "
+        f"Perplexity over {args.windows} windows x {args.window} tokens of `pydoc_data.topics`; greedy agreement "
+        f"over {args.prompts} prompts x {args.tokens} tokens; KL(bf16 || config) over the perplexity positions. "
+        "Bytes are measured from the allocated tensors.",
+        "",
+        "| config | perplexity | vs bf16 | mean KL | greedy tokens = bf16 | identical prefix | weights MiB | "
+        "KV B/token | engine ready s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, ppl, kl, same, prefix, wb, kvb, load_s in rows:
-        lines.append(f"| {name} | {ppl:.3f} | {100 * (ppl / base_ppl - 1):+.2f} % | "
-                     f"{'–' if kl is None else f'{kl:.4f}'} | {same:.1%} | {prefix:.1f} / {args.tokens} | "
-                     f"{wb / 2**20:.1f} | {kvb:,} | {load_s:.1f} |")
+        lines.append(
+            f"| {name} | {ppl:.3f} | {100 * (ppl / base_ppl - 1):+.2f} % | "
+            f"{'–' if kl is None else f'{kl:.4f}'} | {same:.1%} | {prefix:.1f} / {args.tokens} | "
+            f"{wb / 2**20:.1f} | {kvb:,} | {load_s:.1f} |"
+        )
     starts = cold_start(path)
-    lines += ["", "Time to a ready engine (model already converted; a fresh snapshot folder):", "",
-              "| start | seconds |", "|---|---:|"] + [f"| {n} | {s:.2f} |" for n, s in starts]
-    lines += ["", "Target ([fp8]): perplexity within +2 % of bf16. fp8 weights are W8A8 (per-channel weight scales, "
-              "dynamic per-token activation scales), computed on CPU in fp32 from the fp8 values (correct, slow). "
-              "On a 135M model "
-              "the snapshot's win is small; it grows with the weight bytes (half of bf16, and no quantization pass).",
-              "", "Precision of these figures: per-token activation quantization is discontinuous, so a one-ulp "
-              "change anywhere (even reordering the same fp32 arithmetic) moves later tokens' fp8 values. With 4 "
-              "windows (2k tokens) two such orderings gave +2.10 % and +3.05 % for fp8 weights; with 16 windows "
-              "(8k tokens, the default) they agree within 0.1 %. Hence 16 windows."]
+    lines += [
+        "",
+        "Time to a ready engine (model already converted; a fresh snapshot folder):",
+        "",
+        "| start | seconds |",
+        "|---|---:|",
+    ] + [f"| {n} | {s:.2f} |" for n, s in starts]
+    lines += [
+        "",
+        "Target ([fp8]): perplexity within +2 % of bf16. fp8 weights are W8A8 (per-channel weight scales, "
+        "dynamic per-token activation scales), computed on CPU in fp32 from the fp8 values (correct, slow). "
+        "On a 135M model "
+        "the snapshot's win is small; it grows with the weight bytes (half of bf16, and no quantization pass).",
+        "",
+        "Precision of these figures: per-token activation quantization is discontinuous, so a one-ulp "
+        "change anywhere (even reordering the same fp32 arithmetic) moves later tokens' fp8 values. With 4 "
+        "windows (2k tokens) two such orderings gave +2.10 % and +3.05 % for fp8 weights; with 16 windows "
+        "(8k tokens, the default) they agree within 0.1 %. Hence 16 windows.",
+    ]
     md = "\n".join(lines)
     print("\n" + md)
     if not args.quick:

@@ -6,6 +6,7 @@ measured in the same run. Targets: decode attention >= 70 % of copy bandwidth; R
 Then one engine decode step (ModelRunner.execute) at batch 1 for an 8B-shaped random model, bf16 and fp8 weights,
 against the weight-bytes / copy-bandwidth floor. Writes the tables to docs/kernels.md (between markers) and prints
 them last. `--tiny`: only the decode step, a tiny model on CPU with the torch kernels (a smoke test; no docs)."""
+
 from __future__ import annotations
 
 import argparse
@@ -55,13 +56,22 @@ def rows(dtype=torch.bfloat16):
             lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
             qsl = torch.arange(B + 1, device="cuda", dtype=torch.int32)
             scale = torch.tensor(1.0, device="cuda")
+
             # bind this iteration's tensors now: a closure would see the loop's last ones
             def fn(q=q, kc=kc, vc=vc, tables=tables, lens=lens, qsl=qsl, scale=scale):
-                return paged_attention(q, kc, vc, tables, lens, qsl, D ** -0.5, k_scale=scale, v_scale=scale,
-                                       max_query_len=1)
+                return paged_attention(
+                    q, kc, vc, tables, lens, qsl, D**-0.5, k_scale=scale, v_scale=scale, max_query_len=1
+                )
+
             kv_bytes = 2 * B * ctx * KVH * D * kc.element_size()
-            out.append((f"decode attention ctx {ctx}, KV {str(kv_dtype).split('.')[-1]}", fn,
-                        kv_bytes + 2 * q.numel() * el, 0.70))
+            out.append(
+                (
+                    f"decode attention ctx {ctx}, KV {str(kv_dtype).split('.')[-1]}",
+                    fn,
+                    kv_bytes + 2 * q.numel() * el,
+                    0.70,
+                )
+            )
     x = torch.randn(B, HIDDEN, device="cuda", dtype=dtype)
     w = torch.randn(HIDDEN, device="cuda", dtype=dtype)
     out.append(("rms_norm [64, 4096]", lambda: rms_norm(x, w, 1e-5), 2 * x.numel() * el, 0.80))
@@ -73,12 +83,24 @@ def rows(dtype=torch.bfloat16):
     kr = torch.randn(T, KVH, D, device="cuda", dtype=dtype)
     cos = torch.randn(8192, D, device="cuda")
     pos = torch.randint(0, 8192, (T,), device="cuda")
-    out.append(("rotary q+k [1024 tokens]", lambda: rotary_embedding(qr, kr, cos, cos, pos),
-                2 * (qr.numel() + kr.numel()) * el, None))
+    out.append(
+        (
+            "rotary q+k [1024 tokens]",
+            lambda: rotary_embedding(qr, kr, cos, cos, pos),
+            2 * (qr.numel() + kr.numel()) * el,
+            None,
+        )
+    )
     cache = torch.zeros(KVH, 4096, BS, D, device="cuda", dtype=dtype)
     slots = torch.randperm(4096 * BS, device="cuda")[:T]
-    out.append(("reshape_and_cache [1024 tokens]", lambda: reshape_and_cache(kr, kr, cache, cache, slots),
-                4 * kr.numel() * el, None))
+    out.append(
+        (
+            "reshape_and_cache [1024 tokens]",
+            lambda: reshape_and_cache(kr, kr, cache, cache, slots),
+            4 * kr.numel() * el,
+            None,
+        )
+    )
     return out
 
 
@@ -86,8 +108,12 @@ def fp8_linear_rows(dtype=torch.bfloat16):
     """FP8 W8A8 vs bf16 linear at Llama-3-8B shapes: TFLOP/s and the share of the bf16 matmul rate."""
     from kernels.fp8 import fp8_linear, quant_per_channel
 
-    shapes = {"qkv 6144x4096": (6144, 4096), "o 4096x4096": (4096, 4096), "gate_up 28672x4096": (28672, 4096),
-              "down 4096x14336": (4096, 14336)}
+    shapes = {
+        "qkv 6144x4096": (6144, 4096),
+        "o 4096x4096": (4096, 4096),
+        "gate_up 28672x4096": (28672, 4096),
+        "down 4096x14336": (4096, 14336),
+    }
     out = []
     for m in (1, 16, 256, 4096):
         for name, (n, k) in shapes.items():
@@ -122,13 +148,39 @@ def decode_step_rows(tiny: bool = False):
     from engine.types import Request, SamplingParams, SchedulerOutput
 
     dev, backend = (torch.device("cpu"), "torch") if tiny else (torch.device("cuda"), "triton")
-    shape = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
-                 vocab_size=1024) if tiny else \
-        dict(num_layers=LAYERS, hidden_size=HIDDEN, num_heads=H, num_kv_heads=KVH, head_dim=D,
-             intermediate_size=INTER, vocab_size=VOCAB)
-    spec = ModelSpec(architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
-                     max_position_embeddings=8192, tie_word_embeddings=False, attention_bias=False, qk_norm=False,
-                     eos_token_ids=(), **shape)
+    shape = (
+        dict(
+            num_layers=2,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            vocab_size=1024,
+        )
+        if tiny
+        else dict(
+            num_layers=LAYERS,
+            hidden_size=HIDDEN,
+            num_heads=H,
+            num_kv_heads=KVH,
+            head_dim=D,
+            intermediate_size=INTER,
+            vocab_size=VOCAB,
+        )
+    )
+    spec = ModelSpec(
+        architecture="LlamaForCausalLM",
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        eos_token_ids=(),
+        **shape,
+    )
     model = LlamaForCausalLM(spec, torch.bfloat16, dev, max_positions=CTX + BS)  # torch.empty, bf16, on dev
     for name, p in model.named_parameters():  # in place, in bf16: no fp32 copy of the model
         if name.endswith("norm"):
@@ -138,7 +190,7 @@ def decode_step_rows(tiny: bool = False):
     num_blocks = -(-(CTX + 1) // BS)
     cap = KVCapacity(num_blocks, BS, kv_bytes_per_token(spec, torch.bfloat16), CTX + BS)
     kv = allocate(spec, cap, torch.bfloat16, dev)  # [layers, 2, KVH, blocks, BS, D] zeros
-    attn = (TorchAttention if tiny else TritonAttention)(BS, spec.head_dim ** -0.5)
+    attn = (TorchAttention if tiny else TritonAttention)(BS, spec.head_dim**-0.5)
     runner = ModelRunner(model, kv, attn, BS, dev, backend)
     # CTX tokens computed, one new: the step writes position CTX and attends over CTX + 1
     req = Request("bench", [0] * CTX, SamplingParams(temperature=0.0), output_token_ids=[1], num_computed_tokens=CTX)
@@ -161,14 +213,18 @@ def decode_step_rows(tiny: bool = False):
 
 def decode_lines(rows, copy: float | None, name: str) -> list[str]:
     """The decode-step table; without a copy bandwidth (CPU) the floor columns are blank."""
-    lines = ["", f"Decode step at batch 1, {name}, random weights, context {CTX} in a bf16 paged KV cache "
-             f"(block {BS}): `ModelRunner.execute` as the engine runs it (host batch building, attention metadata, "
-             "the model, lm_head, greedy sampling; no CUDA graphs). Floor = weight bytes read per step (linears + fp8 "
-             "scales + norms + lm_head + one embedding row) / the copy bandwidth above, counted as in the kernel "
-             "table: the copy's read + write bytes per second taken as the rate a pure read stream reaches. KV "
-             "reads are not in it.", "",
-             "| weights | weight MB read | step ms | floor ms | floor / step | tokens/s | speed-up vs bf16 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        f"Decode step at batch 1, {name}, random weights, context {CTX} in a bf16 paged KV cache "
+        f"(block {BS}): `ModelRunner.execute` as the engine runs it (host batch building, attention metadata, "
+        "the model, lm_head, greedy sampling; no CUDA graphs). Floor = weight bytes read per step (linears + fp8 "
+        "scales + norms + lm_head + one embedding row) / the copy bandwidth above, counted as in the kernel "
+        "table: the copy's read + write bytes per second taken as the rate a pure read stream reaches. KV "
+        "reads are not in it.",
+        "",
+        "| weights | weight MB read | step ms | floor ms | floor / step | tokens/s | speed-up vs bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     base = rows[0][2]
     for weights, nbytes, s in rows:
         floor = f"{nbytes / copy * 1e3:.2f} | {nbytes / copy / s:.0%}" if copy else "— | —"
@@ -184,16 +240,27 @@ def main() -> None:
         return
     assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA device (or --tiny)"
     copy = copy_bandwidth()
-    lines = ["## Kernel bandwidth on GPU", "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}. "
-             f"Device-to-device copy: **{copy / 1e9:,.0f} GB/s** (read + write). Median of triton.testing.do_bench.",
-             "", "| kernel | µs | GB/s | % of copy | target |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "## Kernel bandwidth on GPU",
+        "",
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}. "
+        f"Device-to-device copy: **{copy / 1e9:,.0f} GB/s** (read + write). Median of triton.testing.do_bench.",
+        "",
+        "| kernel | µs | GB/s | % of copy | target |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, fn, nbytes, target in rows():
         s = bench(fn)
         frac = nbytes / s / copy
         ok = "" if target is None else (f"≥ {target:.0%} " + ("✅" if frac >= target else "❌"))
         lines.append(f"| {name} | {s * 1e6:,.1f} | {nbytes / s / 1e9:,.0f} | {frac:.0%} | {ok} |")
-    lines += ["", "FP8 W8A8 linear (per-token activation quant included) vs bf16 `F.linear`, Llama-3-8B shapes:", "",
-              "| M | layer | bf16 TFLOP/s | fp8 TFLOP/s | fp8 speed-up |", "|---:|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "FP8 W8A8 linear (per-token activation quant included) vs bf16 `F.linear`, Llama-3-8B shapes:",
+        "",
+        "| M | layer | bf16 TFLOP/s | fp8 TFLOP/s | fp8 speed-up |",
+        "|---:|---|---:|---:|---:|",
+    ]
     for m, name, bf16, fp8, speedup in fp8_linear_rows():
         lines.append(f"| {m} | {name} | {bf16:,.1f} | {fp8:,.1f} | {speedup:.2f}x |")
     write_section(DOC, "gpu", "\n".join(lines))  # now: a decode bench that fails or times out keeps these

@@ -14,6 +14,7 @@
 
 Usage: python -m bench.latency [--write-docs]     (~3 min on 2 cores)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ from pathlib import Path
 
 from bench.procs import REPO, Emulator, emulator_env
 
-PREFIX = ("You are a careful assistant for a lighthouse keepers' guild. " +
-          " ".join(f"Rule {i}: log the lamp, the weather and every ship seen at hour {i % 24}." for i in range(100)))
+PREFIX = "You are a careful assistant for a lighthouse keepers' guild. " + " ".join(
+    f"Rule {i}: log the lamp, the weather and every ship seen at hour {i % 24}." for i in range(100)
+)
 CHAT = [{"role": "user", "content": "Write a haiku about GPUs."}]
 STAGES = [  # (label, from event, to event, what happens there, whose code)
     ("client -> emulator route", "send", "submit", "HTTP request, job record", "emulator"),
@@ -55,13 +57,26 @@ def repeat_prefix_child() -> None:
         t = now()
         llm.generate([f"{PREFIX}\nQuestion {i}: what is {i} plus {i + 7}?"], sp)
         times.append(now() - t)
-    print(json.dumps({"times": times, "prefix_tokens": len(llm.engine.tokenize(PREFIX)),
-                      "transformers_imported": "transformers" in sys.modules}))
+    print(
+        json.dumps(
+            {
+                "times": times,
+                "prefix_tokens": len(llm.engine.tokenize(PREFIX)),
+                "transformers_imported": "transformers" in sys.modules,
+            }
+        )
+    )
 
 
 def repeat_prefix() -> dict:
-    r = subprocess.run([sys.executable, "-m", "bench.latency", "--child"], cwd=REPO, capture_output=True, text=True, check=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.latency", "--child"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -98,8 +113,10 @@ def breakdown(jobs: int) -> dict[str, dict[str, float]]:
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
     argv = ["-m", "bench._trace", "emulator", "--worker-cmd", f"{sys.executable} -m bench._trace worker"]
     client_events: list[tuple[str, str, float]] = []
-    with Emulator(emulator_env(DTYPE="bfloat16", TRACE_FILE=str(trace)), argv=argv) as ours, \
-            Emulator(emulator_env(DTYPE="bfloat16", TRACE_FILE=str(trace), TRACE_SDK_LOOP="original"), argv=argv) as sdk:
+    with (
+        Emulator(emulator_env(DTYPE="bfloat16", TRACE_FILE=str(trace)), argv=argv) as ours,
+        Emulator(emulator_env(DTYPE="bfloat16", TRACE_FILE=str(trace), TRACE_SDK_LOOP="original"), argv=argv) as sdk,
+    ):
         configs = {"ours": ours, "runpod SDK loop": sdk}
         job_config: dict[str, str] = {}
         for i in range(jobs + 1):
@@ -107,8 +124,12 @@ def breakdown(jobs: int) -> dict[str, dict[str, float]]:
                 client = OpenAI(base_url=emu.base_url, api_key="local", max_retries=0)
                 t = time.time()
                 stream = client.chat.completions.create(
-                    model="SmolLM2-135M-Instruct", max_tokens=16, temperature=0, stream=True,
-                    messages=[{"role": "user", "content": f"Write haiku number {i} about GPUs."}])
+                    model="SmolLM2-135M-Instruct",
+                    max_tokens=16,
+                    temperature=0,
+                    stream=True,
+                    messages=[{"role": "user", "content": f"Write haiku number {i} about GPUs."}],
+                )
                 jid = stream.response.headers["x-job-id"]
                 first = next(time.time() for c in stream if c.choices and c.choices[0].delta.content)
                 for _ in stream:
@@ -164,25 +185,46 @@ def main() -> None:
     fj = ["| first job | TTFT s, median | each run s |", "|---|---:|---:|"]
     fj += [f"| {k} | {med[k]:.3f} | {', '.join(f'{x:.3f}' for x in v)} |" for k, v in firsts.items()]
     names = list(bd)
-    br = ["| stage | what | whose code | " + " | ".join(f"{n} ms" for n in names) + " |",
-          "|---|---|---|" + "---:|" * len(names)]
-    br += [f"| {label} | {what} | {whose} | " + " | ".join(f"{bd[n][label]:.1f}" for n in names) + " |"
-           for label, _, _, what, whose in STAGES]
-    br.append("| **total: send -> first content event** | | | " +
-              " | ".join(f"**{bd[n]['total']:.1f}**" for n in names) + " |")
-    md = "\n".join([
-        "## Latency: the first requests and the path to the first token", "",
-        f"`python -m bench.latency` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}; load average {load:.2f} "
-        "at start. SmolLM2-135M-Instruct, bfloat16, CPU. Method: the docstring of `bench/latency.py`.", "",
-        f"Repeated {rp['prefix_tokens']}-token prefix in a fresh `LLM` (the first call computes the prefix; the "
-        f"rest hit the prefix cache). Calls 2-5 at most {worst:.2f} x call 10 (target 1.2); transformers imported: "
-        f"{rp['transformers_imported']}.", "", *rows, "",
-        f"First job of a fresh worker, streamed through the OpenAI routes: chat {med['chat']:.3f} s vs prompt "
-        f"{med['prompt']:.3f} s to the first token, a difference of {med['chat'] - med['prompt']:+.3f} s "
-        "(target: within 0.1 s).", "", *fj, "",
-        f"Where the time to first token goes, medians of {args.jobs} streamed chat jobs at low load (16 tokens, "
-        "one at a time). \"ours\": the worker as shipped; \"runpod SDK loop\": the same worker with the SDK's "
-        "own JobScaler.run, whose run_jobs looks at its queue every 100 ms.", "", *br, ""])
+    br = [
+        "| stage | what | whose code | " + " | ".join(f"{n} ms" for n in names) + " |",
+        "|---|---|---|" + "---:|" * len(names),
+    ]
+    br += [
+        f"| {label} | {what} | {whose} | " + " | ".join(f"{bd[n][label]:.1f}" for n in names) + " |"
+        for label, _, _, what, whose in STAGES
+    ]
+    br.append(
+        "| **total: send -> first content event** | | | "
+        + " | ".join(f"**{bd[n]['total']:.1f}**" for n in names)
+        + " |"
+    )
+    md = "\n".join(
+        [
+            "## Latency: the first requests and the path to the first token",
+            "",
+            f"`python -m bench.latency` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')}; load average {load:.2f} "
+            "at start. SmolLM2-135M-Instruct, bfloat16, CPU. Method: the docstring of `bench/latency.py`.",
+            "",
+            f"Repeated {rp['prefix_tokens']}-token prefix in a fresh `LLM` (the first call computes the prefix; the "
+            f"rest hit the prefix cache). Calls 2-5 at most {worst:.2f} x call 10 (target 1.2); transformers imported: "
+            f"{rp['transformers_imported']}.",
+            "",
+            *rows,
+            "",
+            f"First job of a fresh worker, streamed through the OpenAI routes: chat {med['chat']:.3f} s vs prompt "
+            f"{med['prompt']:.3f} s to the first token, a difference of {med['chat'] - med['prompt']:+.3f} s "
+            "(target: within 0.1 s).",
+            "",
+            *fj,
+            "",
+            f"Where the time to first token goes, medians of {args.jobs} streamed chat jobs at low load (16 tokens, "
+            'one at a time). "ours": the worker as shipped; "runpod SDK loop": the same worker with the SDK\'s '
+            "own JobScaler.run, whose run_jobs looks at its queue every 100 ms.",
+            "",
+            *br,
+            "",
+        ]
+    )
     print("\n" + md + f"\n(total {now() - t_all:.0f} s)")
     if args.write_docs:
         write_section(REPO / "docs" / "benchmarks.md", "latency", md)

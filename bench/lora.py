@@ -10,6 +10,7 @@
 
 Usage: python -m bench.lora [--quick]   (full: ~5 min; writes docs/benchmarks.md)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,15 @@ from engine.lora.adapter import module_shapes  # noqa: E402
 from engine.models.llama import ModelSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def write_adapter(folder: Path, spec: ModelSpec, r: int, seed: int) -> int:
@@ -46,9 +54,19 @@ def write_adapter(folder: Path, spec: ModelSpec, r: int, seed: int) -> int:
             tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, r, generator=g) * 0.05
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(PARENT), "bias": "none",
-        "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": r,
+                "lora_alpha": 2 * r,
+                "target_modules": list(PARENT),
+                "bias": "none",
+                "lora_dropout": 0.0,
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return (folder / "adapter_model.safetensors").stat().st_size
 
 
@@ -68,8 +86,16 @@ class Moto(MotoServer):
 
 
 def llm(path, root: Path, moto: Moto, **kw) -> LLM:
-    return LLM(model=str(path), dtype="bfloat16", enable_lora=True, lora_s3_uri="s3://bench/adapters/",
-               s3_endpoint_url=moto.url, cache_root=str(root), log_stats_interval=0, **kw)
+    return LLM(
+        model=str(path),
+        dtype="bfloat16",
+        enable_lora=True,
+        lora_s3_uri="s3://bench/adapters/",
+        s3_endpoint_url=moto.url,
+        cache_root=str(root),
+        log_stats_interval=0,
+        **kw,
+    )
 
 
 def throughput(path, root, moto, spec, n_adapters: int, n: int) -> dict:
@@ -85,7 +111,7 @@ def throughput(path, root, moto, spec, n_adapters: int, n: int) -> dict:
     assert eng.engine.stats()["lora_resident"] == n_adapters
     best = {"base": float("inf"), "lora": float("inf")}
     for rep in range(2):
-        for name in (("base", "lora") if rep % 2 == 0 else ("lora", "base")):
+        for name in ("base", "lora") if rep % 2 == 0 else ("lora", "base"):
             t = time.perf_counter()
             eng.generate(prompts, params, lora=loras if name == "lora" else None)
             best[name] = min(best[name], time.perf_counter() - t)
@@ -101,12 +127,18 @@ def cold_ttft(path, root, moto, spec, ranks) -> list[dict]:
         moto.upload(f"cold{r}", root / "src" / f"cold{r}")
         eng = llm(path, root / f"cold{r}", moto, max_lora_rank=r)
         eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))  # warm the base path
-        base = statistics.median(eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))[0].metrics.ttft
-                                 for _ in range(3))
-        cold = eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1),
-                            lora=LoRARequest(f"cold{r}"))[0].metrics.ttft
-        warm = statistics.median(eng.generate({"prompt_token_ids": ids[::-1]}, SamplingParams(max_tokens=1),
-                                              lora=LoRARequest(f"cold{r}"))[0].metrics.ttft for _ in range(3))
+        base = statistics.median(
+            eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))[0].metrics.ttft for _ in range(3)
+        )
+        cold = eng.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), lora=LoRARequest(f"cold{r}"))[
+            0
+        ].metrics.ttft
+        warm = statistics.median(
+            eng.generate({"prompt_token_ids": ids[::-1]}, SamplingParams(max_tokens=1), lora=LoRARequest(f"cold{r}"))[
+                0
+            ].metrics.ttft
+            for _ in range(3)
+        )
         rows.append({"rank": r, "mb": size / 1e6, "base": base, "cold": cold, "warm": warm})
     return rows
 
@@ -117,8 +149,12 @@ def no_stall(path, root, moto, spec) -> dict:
     moto.upload("stall64", root / "src" / "cold64")
     eng = llm(path, root / "stall", moto, max_lora_rank=64).engine
     for s in range(4):
-        eng.add_request(f"s{s}", None, SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True),
-                        prompt_token_ids=list(range(200 + 40 * s, 240 + 40 * s)))
+        eng.add_request(
+            f"s{s}",
+            None,
+            SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True),
+            prompt_token_ids=list(range(200 + 40 * s, 240 + 40 * s)),
+        )
     for _ in range(5):
         eng.step()
     last, before, during = {}, [], []
@@ -127,8 +163,13 @@ def no_stall(path, root, moto, spec) -> dict:
     while loaded_at is None or time.perf_counter() - loaded_at < 1.0:
         if added is None and time.perf_counter() - t0 > 2.0:
             added = time.perf_counter()
-            eng.add_request("cold", None, SamplingParams(max_tokens=1), prompt_token_ids=list(range(300, 340)),
-                            lora=LoRARequest("stall64"))
+            eng.add_request(
+                "cold",
+                None,
+                SamplingParams(max_tokens=1),
+                prompt_token_ids=list(range(300, 340)),
+                lora=LoRARequest("stall64"),
+            )
         outs = eng.step()
         t = time.perf_counter()
         for out in outs:
@@ -138,41 +179,62 @@ def no_stall(path, root, moto, spec) -> dict:
                 fetching = added is not None and loaded_at is None
                 (during if fetching else before).append(t - last[out.request_id])
             last[out.request_id] = t
-    return {"before_median": statistics.median(before), "before_max": max(before),
-            "during_median": statistics.median(during), "during_max": max(during), "fetch_s": loaded_at - added,
-            "n_during": len(during)}
+    return {
+        "before_median": statistics.median(before),
+        "before_max": max(before),
+        "during_median": statistics.median(during),
+        "during_max": max(during),
+        "fetch_s": loaded_at - added,
+        "n_during": len(during),
+    }
 
 
 def render(tp, cold, stall, args) -> str:
     ratio = tp["lora"] / tp["base"]
-    lines = ["## Multi-LoRA (SmolLM2, CPU)", "",
-             f"`python -m bench.lora{' --quick' if args.quick else ''}` on {time.strftime('%Y-%m-%d')}: "
-             f"{machine_line('cpu')}. bf16; adapters in a local moto S3 server (own process, real HTTP).", "",
-             f"**Throughput** ({args.n} requests, prompts 32-256, outputs 32-128, ignore_eos; best of 2, alternated):",
-             "", "| requests | output tok/s | vs base |", "|---|---:|---:|",
-             f"| base model only | {tp['base']:.1f} | 100 % |",
-             f"| {args.adapters} distinct adapters (rank 8, all 7 projections, resident) | {tp['lora']:.1f} | "
-             f"{100 * ratio:.0f} % |", "",
-             f"Target: >= 70 % of base: **{'met' if ratio >= 0.7 else 'NOT met'}**. On CPU the delta is the "
-             "CPU path of `kernels/lora.py`: tokens grouped by slot once per step; per fused linear (4 per layer) "
-             "long runs of one adapter (prefill chunks) as sliced matmuls and the other rows as one shrink and one "
-             "expand batched matmul, in fp32, whatever the adapter count.", "",
-             "**Cold adapter TTFT** (64-token prompt, 1 output token; the adapter is downloaded from S3, checked, "
-             "loaded and copied into a slot on first use):", "",
-             "| rank | adapter MB | base TTFT ms | cold adapter TTFT ms | added by the fetch ms | "
-             "warm adapter TTFT ms |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Multi-LoRA (SmolLM2, CPU)",
+        "",
+        f"`python -m bench.lora{' --quick' if args.quick else ''}` on {time.strftime('%Y-%m-%d')}: "
+        f"{machine_line('cpu')}. bf16; adapters in a local moto S3 server (own process, real HTTP).",
+        "",
+        f"**Throughput** ({args.n} requests, prompts 32-256, outputs 32-128, ignore_eos; best of 2, alternated):",
+        "",
+        "| requests | output tok/s | vs base |",
+        "|---|---:|---:|",
+        f"| base model only | {tp['base']:.1f} | 100 % |",
+        f"| {args.adapters} distinct adapters (rank 8, all 7 projections, resident) | {tp['lora']:.1f} | "
+        f"{100 * ratio:.0f} % |",
+        "",
+        f"Target: >= 70 % of base: **{'met' if ratio >= 0.7 else 'NOT met'}**. On CPU the delta is the "
+        "CPU path of `kernels/lora.py`: tokens grouped by slot once per step; per fused linear (4 per layer) "
+        "long runs of one adapter (prefill chunks) as sliced matmuls and the other rows as one shrink and one "
+        "expand batched matmul, in fp32, whatever the adapter count.",
+        "",
+        "**Cold adapter TTFT** (64-token prompt, 1 output token; the adapter is downloaded from S3, checked, "
+        "loaded and copied into a slot on first use):",
+        "",
+        "| rank | adapter MB | base TTFT ms | cold adapter TTFT ms | added by the fetch ms | warm adapter TTFT ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in cold:
-        lines.append(f"| {c['rank']} | {c['mb']:.1f} | {1e3 * c['base']:.0f} | {1e3 * c['cold']:.0f} | "
-                     f"{1e3 * (c['cold'] - c['base']):.0f} | {1e3 * c['warm']:.0f} |")
-    lines += ["", f"**No stall during a download** (4 base streams decoding; a rank-64 adapter fetched for a fifth "
-              f"request, {stall['fetch_s']:.2f} s from request to its first token):", "",
-              "| decoding streams' ITL | median ms | max ms |", "|---|---:|---:|",
-              f"| before and after the fetch | {1e3 * stall['before_median']:.0f} | {1e3 * stall['before_max']:.0f} |",
-              f"| while the adapter downloads and loads ({stall['n_during']} gaps) | "
-              f"{1e3 * stall['during_median']:.0f} | {1e3 * stall['during_max']:.0f} |", "",
-              "Downloads and loading run on the LoRA loader threads; the request waits in the queue while the step "
-              "loop keeps decoding the others."]
+        lines.append(
+            f"| {c['rank']} | {c['mb']:.1f} | {1e3 * c['base']:.0f} | {1e3 * c['cold']:.0f} | "
+            f"{1e3 * (c['cold'] - c['base']):.0f} | {1e3 * c['warm']:.0f} |"
+        )
+    lines += [
+        "",
+        f"**No stall during a download** (4 base streams decoding; a rank-64 adapter fetched for a fifth "
+        f"request, {stall['fetch_s']:.2f} s from request to its first token):",
+        "",
+        "| decoding streams' ITL | median ms | max ms |",
+        "|---|---:|---:|",
+        f"| before and after the fetch | {1e3 * stall['before_median']:.0f} | {1e3 * stall['before_max']:.0f} |",
+        f"| while the adapter downloads and loads ({stall['n_during']} gaps) | "
+        f"{1e3 * stall['during_median']:.0f} | {1e3 * stall['during_max']:.0f} |",
+        "",
+        "Downloads and loading run on the LoRA loader threads; the request waits in the queue while the step "
+        "loop keeps decoding the others.",
+    ]
     return "\n".join(lines)
 
 

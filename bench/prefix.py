@@ -15,6 +15,7 @@
 
 Usage: python -m bench.prefix [--quick]   (full: ~6 min; writes docs/benchmarks.md and docs/prefix_itl.png)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ def engine(path, **kw) -> LLMEngine:
 
 
 def run_one(eng: LLMEngine, rid: str, ids: list[int], max_tokens: int):
-    eng.add_request(rid, None, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                    prompt_token_ids=ids)
+    eng.add_request(
+        rid, None, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), prompt_token_ids=ids
+    )
     while True:
         for out in eng.step():
             if out.finished:
@@ -57,7 +59,7 @@ def shared_prompt(path, n: int, sys_len: int) -> dict:
     system = ids[:sys_len]
     res = {"on": [], "off": [], "cached": []}
     for i in range(n):
-        user = ids[sys_len + 40 * i: sys_len + 40 * i + 20]
+        user = ids[sys_len + 40 * i : sys_len + 40 * i + 20]
         for name, eng in (("on", on), ("off", off)) if i % 2 else (("off", off), ("on", on)):
             m = run_one(eng, f"{name}{i}", system + user, 4).metrics
             res[name].append(m.ttft)
@@ -70,43 +72,53 @@ def shared_prompt(path, n: int, sys_len: int) -> dict:
 
 def zero_hit(path, n: int, reps: int) -> dict:
     """Each rep is a fresh workload (the same for on and off), so the on engine never sees a prompt twice."""
-    llms = {c: LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=c == "on", log_stats_interval=0)
-            for c in ("on", "off")}
+    llms = {
+        c: LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=c == "on", log_stats_interval=0)
+        for c in ("on", "off")
+    }
     rate = {"on": [], "off": []}
     bm_time = {"on": 0.0, "off": 0.0}  # seconds inside the block manager: where caching does its extra work
     run_time = {"on": 0.0, "off": 0.0}
     for c, llm in llms.items():
         bm = llm.engine.block_manager
         for name in ("find_cached", "allocate_slots", "free", "record_lookup"):
+
             def timed(*a, _f=getattr(bm, name), _c=c, **k):
                 t = time.perf_counter()
                 try:
                     return _f(*a, **k)
                 finally:
                     bm_time[_c] += time.perf_counter() - t
+
             setattr(bm, name, timed)
     for r in range(reps):
         wl = make_workload(n, 32, 512, 16, 64, 49152, seed=3 + r)
         prompts = [{"prompt_token_ids": p} for p in wl.prompts]
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in wl.out_lens]
-        for c in (("on", "off") if r % 2 else ("off", "on")):
+        for c in ("on", "off") if r % 2 else ("off", "on"):
             t = time.perf_counter()
             llms[c].generate(prompts, params)
             run_time[c] += time.perf_counter() - t
             rate[c].append(wl.n_out / (time.perf_counter() - t))
     assert llms["on"].engine.stats()["prefix_cache_hit_tokens"] == 0, "the prompts were meant to be unique"
-    return {**{c: statistics.median(v) for c, v in rate.items()},
-            **{f"bm_share_{c}": bm_time[c] / run_time[c] for c in bm_time}}
+    return {
+        **{c: statistics.median(v) for c, v in rate.items()},
+        **{f"bm_share_{c}": bm_time[c] / run_time[c] for c in bm_time},
+    }
 
 
-def chunked_itl(path, budget: int, threshold: int, streams: int, arrivals: int, every: float,
-                prompt_len: int) -> dict:
-    eng = engine(path, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
-                 enable_prefix_caching=False)
+def chunked_itl(path, budget: int, threshold: int, streams: int, arrivals: int, every: float, prompt_len: int) -> dict:
+    eng = engine(
+        path, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold, enable_prefix_caching=False
+    )
     ids = topic_ids(eng.tokenizer, prompt_len + 64 * streams + arrivals)
     for s in range(streams):
-        eng.add_request(f"s{s}", None, SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True),
-                        prompt_token_ids=ids[prompt_len + 64 * s: prompt_len + 64 * (s + 1)])
+        eng.add_request(
+            f"s{s}",
+            None,
+            SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True),
+            prompt_token_ids=ids[prompt_len + 64 * s : prompt_len + 64 * (s + 1)],
+        )
     for _ in range(5):  # the streams' prefills and first decodes, before the clock starts
         eng.step()
     last, gaps, timeline, ttfts = {}, [], [], []
@@ -115,8 +127,12 @@ def chunked_itl(path, budget: int, threshold: int, streams: int, arrivals: int, 
     while time.perf_counter() - t0 < arrivals * every:  # each arrival's period: its prefill, then decodes
         now = time.perf_counter() - t0
         if sent < arrivals and now >= sent * every:  # a distinct prompt each time (no cache help either)
-            eng.add_request(f"p{sent}", None, SamplingParams(temperature=0, max_tokens=1),
-                            prompt_token_ids=[ids[sent]] + ids[: prompt_len - 1])
+            eng.add_request(
+                f"p{sent}",
+                None,
+                SamplingParams(temperature=0, max_tokens=1),
+                prompt_token_ids=[ids[sent]] + ids[: prompt_len - 1],
+            )
             sent += 1
         outs = eng.step()
         t = time.perf_counter() - t0
@@ -131,9 +147,16 @@ def chunked_itl(path, budget: int, threshold: int, streams: int, arrivals: int, 
     for s in range(streams):
         eng.abort(f"s{s}")
     g = np.array(gaps)
-    return {"budget": budget, "threshold": threshold, "median": float(np.median(g)),
-            "p99": float(np.percentile(g, 99)), "max": float(g.max()), "n": len(g), "timeline": timeline,
-            "ttft": statistics.mean(ttfts) if ttfts else float("nan")}
+    return {
+        "budget": budget,
+        "threshold": threshold,
+        "median": float(np.median(g)),
+        "p99": float(np.percentile(g, 99)),
+        "max": float(g.max()),
+        "n": len(g),
+        "timeline": timeline,
+        "ttft": statistics.mean(ttfts) if ttfts else float("nan"),
+    }
 
 
 def render(sp, zh, itl, args, default_budget) -> str:
@@ -141,40 +164,59 @@ def render(sp, zh, itl, args, default_budget) -> str:
     hit_ttft, off_ttft = statistics.mean(hits), statistics.mean(sp["off"])
     zcost = 1 - zh["on"] / zh["off"]
     lines = [
-        "## Prefix caching and chunked prefill (SmolLM2, CPU)", "",
+        "## Prefix caching and chunked prefill (SmolLM2, CPU)",
+        "",
         f"`python -m bench.prefix{' --quick' if args.quick else ''}` on {time.strftime('%Y-%m-%d')}: "
-        f"{machine_line('cpu')}. bf16, LLMEngine's step loop.", "",
+        f"{machine_line('cpu')}. bf16, LLMEngine's step loop.",
+        "",
         f"**Shared system prompt** ({sp['prompt_len']}-token prompts: one {sp['prompt_len'] - 20}-token system "
         f"prompt, a distinct 20-token user turn; {len(sp['on'])} requests one after another, caching on and off "
-        "alternated):", "",
-        "| | TTFT mean ms | TTFT median ms | cached prompt tokens |", "|---|---:|---:|---:|",
+        "alternated):",
+        "",
+        "| | TTFT mean ms | TTFT median ms | cached prompt tokens |",
+        "|---|---:|---:|---:|",
         f"| caching off | {1e3 * off_ttft:.0f} | {1e3 * statistics.median(sp['off']):.0f} | 0 |",
         f"| caching on, first request (miss) | {1e3 * sp['on'][0]:.0f} | – | {sp['cached'][0]} |",
         f"| caching on, later requests (hits) | {1e3 * hit_ttft:.0f} | {1e3 * statistics.median(hits):.0f} | "
-        f"{statistics.median(sp['cached'][1:]):.0f} |", "",
+        f"{statistics.median(sp['cached'][1:]):.0f} |",
+        "",
         f"TTFT on hits is **{100 * (1 - hit_ttft / off_ttft):.1f} % lower** than with caching off "
-        f"(target >= 90 %); hit rate over all {len(sp['on'])} requests {100 * sp['hit_rate']:.1f} %.", "",
+        f"(target >= 90 %); hit rate over all {len(sp['on'])} requests {100 * sp['hit_rate']:.1f} %.",
+        "",
         f"**Zero-hit overhead** ({args.reps} workloads of {args.zero_n} unique prompts, 32-512 tokens, outputs "
         f"16-64; median): caching on "
         f"{zh['on']:.1f} output tok/s, off {zh['off']:.1f} ({100 * zcost:+.1f} %: within this machine's "
         "run-to-run noise, which is several %). The direct measure: time inside the block manager (where "
         f"hashing, lookups and the LRU queue live) is **{100 * zh['bm_share_on']:.2f} %** of the run with "
         f"caching on vs {100 * zh['bm_share_off']:.2f} % off, so caching costs "
-        f"**{100 * (zh['bm_share_on'] - zh['bm_share_off']):.2f} %** (target <= 2 %).", "",
+        f"**{100 * (zh['bm_share_on'] - zh['bm_share_off']):.2f} %** (target <= 2 %).",
+        "",
         f"**Chunked prefill and latency** ({args.streams} decoding streams; a {args.prompt_len}-token prompt "
-        f"every {args.every} s, {args.arrivals} times; ITL of the decoding streams meanwhile):", "",
+        f"every {args.every} s, {args.arrivals} times; ITL of the decoding streams meanwhile):",
+        "",
         "| max_num_batched_tokens | long_prefill_token_threshold | ITL median ms | ITL p99 ms | p99 / median | "
-        "max ms | prompt TTFT s | gaps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        "max ms | prompt TTFT s | gaps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in itl:
-        tag = " (default)" if r["budget"] == default_budget and not r["threshold"] else \
-            (" (never chunked)" if r["budget"] > args.prompt_len + args.streams and not r["threshold"] else "")
-        lines.append(f"| {r['budget']}{tag} | {r['threshold'] or 'off'} | {1e3 * r['median']:.0f} | "
-                     f"{1e3 * r['p99']:.0f} | {r['p99'] / r['median']:.1f}x | {1e3 * r['max']:.0f} | "
-                     f"{r['ttft']:.2f} | {r['n']} |")
-    lines += ["", "Target: p99 ITL <= 2x median with chunking. A prompt costs the same compute either way; "
-              "chunking spreads it over many steps, so no decode step waits for a whole prompt. Prompt TTFT: the "
-              "arriving 2,000-token prompts' mean time to first token: what the steadier ITL costs them.",
-              "", "![ITL timelines of the decoding streams](prefix_itl.png)"]
+        tag = (
+            " (default)"
+            if r["budget"] == default_budget and not r["threshold"]
+            else (" (never chunked)" if r["budget"] > args.prompt_len + args.streams and not r["threshold"] else "")
+        )
+        lines.append(
+            f"| {r['budget']}{tag} | {r['threshold'] or 'off'} | {1e3 * r['median']:.0f} | "
+            f"{1e3 * r['p99']:.0f} | {r['p99'] / r['median']:.1f}x | {1e3 * r['max']:.0f} | "
+            f"{r['ttft']:.2f} | {r['n']} |"
+        )
+    lines += [
+        "",
+        "Target: p99 ITL <= 2x median with chunking. A prompt costs the same compute either way; "
+        "chunking spreads it over many steps, so no decode step waits for a whole prompt. Prompt TTFT: the "
+        "arriving 2,000-token prompts' mean time to first token: what the steadier ITL costs them.",
+        "",
+        "![ITL timelines of the decoding streams](prefix_itl.png)",
+    ]
     return "\n".join(lines)
 
 
@@ -187,8 +229,13 @@ def plot(itl, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.8))
     for r in itl:
         t, g = zip(*r["timeline"])
-        ax.plot(t, [1e3 * x for x in g], ".", ms=3,
-                label=f"budget {r['budget']}" + (f", threshold {r['threshold']}" if r["threshold"] else ""))
+        ax.plot(
+            t,
+            [1e3 * x for x in g],
+            ".",
+            ms=3,
+            label=f"budget {r['budget']}" + (f", threshold {r['threshold']}" if r["threshold"] else ""),
+        )
     ax.set_yscale("log")
     ax.set_xlabel("seconds")
     ax.set_ylabel("gap between tokens of a stream (ms)")
@@ -207,8 +254,11 @@ def main() -> None:
     args.reps, args.zero_n = (1, 8) if q else (5, 32)
     args.streams, args.arrivals, args.every, args.prompt_len = 4, 2 if q else 4, 6.0, 2000
     default_budget = EngineConfig().max_num_batched_tokens
-    configs = [tuple(map(int, c.split(":"))) for c in args.configs] if args.configs else \
-        [(default_budget, 0), (4096, 0), (256, 0), (64, 0), (default_budget, 64), (default_budget, 32)]
+    configs = (
+        [tuple(map(int, c.split(":"))) for c in args.configs]
+        if args.configs
+        else [(default_budget, 0), (4096, 0), (256, 0), (64, 0), (default_budget, 64), (default_budget, 32)]
+    )
     path = default_model_path()
     sp = shared_prompt(path, 4 if q else 20, 2000)
     print("shared prompt TTFT on/off:", [round(x, 3) for x in sp["on"]], [round(x, 3) for x in sp["off"]], flush=True)
@@ -218,8 +268,11 @@ def main() -> None:
     for b, th in configs:
         itl.append(chunked_itl(path, b, th, args.streams, args.arrivals, args.every, args.prompt_len))
         r = itl[-1]
-        print(f"budget {b} threshold {th}: ITL median {1e3 * r['median']:.0f} ms, p99 {1e3 * r['p99']:.0f} ms, "
-              f"prompt TTFT {r['ttft']:.2f} s", flush=True)
+        print(
+            f"budget {b} threshold {th}: ITL median {1e3 * r['median']:.0f} ms, p99 {1e3 * r['p99']:.0f} ms, "
+            f"prompt TTFT {r['ttft']:.2f} s",
+            flush=True,
+        )
     body = render(sp, zh, itl, args, default_budget)
     print(body)
     if not q:

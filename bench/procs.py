@@ -1,6 +1,7 @@
 """Child processes that benchmarks and tests run against: the local emulator (`python -m handler.local`, which
 spawns the real worker) and a moto S3 server. Each takes a free port, keeps its log, and is stopped by close()
 or by leaving its `with` block."""
+
 from __future__ import annotations
 
 import json
@@ -38,17 +39,29 @@ class Emulator:
     argv: what follows the interpreter (default `-m handler.local`; --port is appended). popen: extra Popen
     arguments (cwd, preexec_fn)."""
 
-    def __init__(self, env: dict | None = None, *, argv: list[str] | None = None, wait: bool = True,
-                 timeout: float = 300, **popen):
+    def __init__(
+        self,
+        env: dict | None = None,
+        *,
+        argv: list[str] | None = None,
+        wait: bool = True,
+        timeout: float = 300,
+        **popen,
+    ):
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/v2/local"  # /run, /stream/{id}, /status/{id}, /health, ...
         self.base_url = f"{self.api}/openai/v1"
         self.lines: list[str] = []
         self.stamps: list[float] = []
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, *(argv or ["-m", "handler.local"]), "--port", str(self.port)],
-                                     env=emulator_env() if env is None else env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, **{"cwd": str(REPO), **popen})
+        self.proc = subprocess.Popen(
+            [sys.executable, *(argv or ["-m", "handler.local"]), "--port", str(self.port)],
+            env=emulator_env() if env is None else env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            **{"cwd": str(REPO), **popen},
+        )
         threading.Thread(target=self._pump, daemon=True).start()
         if wait:
             self.wait_ready(timeout)
@@ -120,8 +133,12 @@ class MotoServer:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                      str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         deadline = time.monotonic() + 30
         while True:
             try:

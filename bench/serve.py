@@ -20,6 +20,7 @@ Usage:
   python -m bench.serve --launch-emulator                 # the local emulator on SmolLM2 (2-core CPU: ~6 min)
   python -m bench.serve --launch-emulator --write-docs    # ... and write docs/benchmarks.md + docs/serve.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,12 @@ from bench.serve_report import Result, Target, compare, plot, summarize, table
 
 now = time.perf_counter
 # ~1 token each with a leading space in GPT-style BPE vocabularies; random order, so no shared prefixes
-WORDS = ("time year people way day man thing woman life child world school state family student group country "
-         "problem hand part place case week company system program question work government number night point "
-         "home water room mother area money story fact month lot right study book eye job word business issue "
-         "side kind head house service friend father power hour game line end member law car city name team").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city name team"
+).split()
 
 
 def load_tokenizer(path: str | None):
@@ -50,6 +53,7 @@ def load_tokenizer(path: str | None):
 
     if path is None:  # the embedded default model (converted once, cached)
         from bench._common import default_model_path
+
         path = str(default_model_path())
     p = Path(path)
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
@@ -61,8 +65,11 @@ def make_prompts(tok, lens: list[tuple[int, int]], rng: random.Random) -> list[t
         return [(" ".join(rng.choice(WORDS) for _ in range(n)), n, o) for n, o in lens]
     # printable ASCII tokens only: no specials, no half UTF-8 characters
     specials = set(tok.get_added_tokens_decoder())
-    pool = [i for i in range(tok.get_vocab_size())
-            if i not in specials and (s := tok.decode([i])).isascii() and s.isprintable() and s.strip()]
+    pool = [
+        i
+        for i in range(tok.get_vocab_size())
+        if i not in specials and (s := tok.decode([i])).isascii() and s.isprintable() and s.strip()
+    ]
     out = []
     for n, o in lens:
         text = tok.decode([rng.choice(pool) for _ in range(n)])
@@ -70,16 +77,25 @@ def make_prompts(tok, lens: list[tuple[int, int]], rng: random.Random) -> list[t
             ids = tok.encode(text, add_special_tokens=False).ids
             if len(ids) == n:
                 break
-            text = tok.decode(ids[:n]) if len(ids) > n else text + tok.decode(
-                [rng.choice(pool) for _ in range(n - len(ids))])
+            text = (
+                tok.decode(ids[:n])
+                if len(ids) > n
+                else text + tok.decode([rng.choice(pool) for _ in range(n - len(ids))])
+            )
         out.append((text, len(tok.encode(text, add_special_tokens=False).ids), o))
     return out
 
 
 async def one(client, args, model: str, prompt: str, n_prompt: int, max_tokens: int) -> Result:
     r, last, chunks = Result(n_prompt, max_tokens), None, 0
-    kw = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-              extra_body={"ignore_eos": True} if args.ignore_eos else None)
+    kw = dict(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True} if args.ignore_eos else None,
+    )
     t0 = now()
     try:
         if args.endpoint == "chat":
@@ -138,14 +154,16 @@ async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]]
     from openai import AsyncOpenAI
 
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-    clients = {t.label: AsyncOpenAI(base_url=t.base_url, api_key=key, max_retries=0, timeout=args.timeout)
-               for t in targets}
+    clients = {
+        t.label: AsyncOpenAI(base_url=t.base_url, api_key=key, max_retries=0, timeout=args.timeout) for t in targets
+    }
     model = args.model or (await clients[targets[0].label].models.list()).data[0].id
     tok = None if args.approx_words else load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
-    lens = [(rng.randint(args.input_len_min, args.input_len_max), rng.randint(args.output_len_min,
-                                                                               args.output_len_max))
-            for _ in range(args.num_prompts)]
+    lens = [
+        (rng.randint(args.input_len_min, args.input_len_max), rng.randint(args.output_len_min, args.output_len_max))
+        for _ in range(args.num_prompts)
+    ]
     for t in targets:
         warm = await one(clients[t.label], args, model, "Hello, my name is", 5, 4)
         if not warm.ok:
@@ -154,15 +172,19 @@ async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]]
     per_rate: dict[str, list[list[Result]]] = {t.label: [] for t in targets}
     for i, rate in enumerate(args.request_rate):
         prompts = make_prompts(tok, lens, random.Random(f"{args.seed}-prompts-{i}"))
-        for t in targets[i % len(targets):] + targets[:i % len(targets)]:  # each target first in turn
-            results, duration = await run_rate(clients[t.label], args, model, prompts, rate,
-                                               random.Random(f"{args.seed}-{i}"))
+        for t in targets[i % len(targets) :] + targets[: i % len(targets)]:  # each target first in turn
+            results, duration = await run_rate(
+                clients[t.label], args, model, prompts, rate, random.Random(f"{args.seed}-{i}")
+            )
             await worker_side(t, results)
             rows[t.label].append(r := summarize(rate, results, duration, t.flush_ms))
             per_rate[t.label].append(results)
-            print(f"  {t.label}, rate {rate:g}: {r['completed']} ok, {r['failed']} failed in {duration:.1f} s, "
-                  f"{r['output_tok_per_s']:.1f} output tok/s, TTFT median {r['ttft_ms']['median']:.0f} ms, ITL p99 "
-                  f"{r['itl_ms']['p99']:.0f} ms" + (f"; errors: {r['errors']}" if r["errors"] else ""), flush=True)
+            print(
+                f"  {t.label}, rate {rate:g}: {r['completed']} ok, {r['failed']} failed in {duration:.1f} s, "
+                f"{r['output_tok_per_s']:.1f} output tok/s, TTFT median {r['ttft_ms']['median']:.0f} ms, ITL p99 "
+                f"{r['itl_ms']['p99']:.0f} ms" + (f"; errors: {r['errors']}" if r["errors"] else ""),
+                flush=True,
+            )
     for c in clients.values():
         await c.close()
     return model, rows, per_rate
@@ -174,8 +196,13 @@ def main() -> None:
     ap.add_argument("--model", help="model name (default: the first of GET /models)")
     ap.add_argument("--api-key", help="default: $OPENAI_API_KEY, else 'EMPTY'")
     ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    ap.add_argument("--request-rate", type=float, nargs="+", default=[0.25, 0.5, 1.0, math.inf],
-                    help="requests/s, Poisson; inf = all at once (default: 0.25 0.5 1 inf)")
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[0.25, 0.5, 1.0, math.inf],
+        help="requests/s, Poisson; inf = all at once (default: 0.25 0.5 1 inf)",
+    )
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per rate (32)")
     ap.add_argument("--input-len-min", type=int, default=32)
     ap.add_argument("--input-len-max", type=int, default=512)
@@ -183,26 +210,44 @@ def main() -> None:
     ap.add_argument("--output-len-max", type=int, default=256)
     ap.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json (default: the embedded SmolLM2's)")
     ap.add_argument("--approx-words", action="store_true", help="no tokenizer: prompts of ~1-token English words")
-    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                    help="send vLLM's ignore_eos (default on; --no-ignore-eos for servers that reject it)")
+    ap.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send vLLM's ignore_eos (default on; --no-ignore-eos for servers that reject it)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
     ap.add_argument("--launch-emulator", action="store_true", help="run against a fresh `python -m handler.local`")
-    ap.add_argument("--flush-ms", type=float, nargs="+", default=[math.inf, 50, 100],
-                    help="with --launch-emulator: one emulator per STREAM_FLUSH_MS value, compared in one run; inf = "
-                         "the count bound alone, as worker-vllm (default: inf 50 100)")
-    ap.add_argument("--worker-env", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="with --launch-emulator: more settings for every worker "
-                         "(e.g. LONG_PREFILL_TOKEN_THRESHOLD=128)")
+    ap.add_argument(
+        "--flush-ms",
+        type=float,
+        nargs="+",
+        default=[math.inf, 50, 100],
+        help="with --launch-emulator: one emulator per STREAM_FLUSH_MS value, compared in one run; inf = "
+        "the count bound alone, as worker-vllm (default: inf 50 100)",
+    )
+    ap.add_argument(
+        "--worker-env",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with --launch-emulator: more settings for every worker (e.g. LONG_PREFILL_TOKEN_THRESHOLD=128)",
+    )
     ap.add_argument("--json", type=Path, help="write the summary and per-request results here")
     ap.add_argument("--plot", type=Path, help="write latency vs request rate here (PNG)")
-    ap.add_argument("--write-docs", action="store_true", help="write the `serve` section of docs/benchmarks.md "
-                                                              "and docs/serve.png")
+    ap.add_argument(
+        "--write-docs", action="store_true", help="write the `serve` section of docs/benchmarks.md and docs/serve.png"
+    )
     args = ap.parse_args()
     if not (args.base_url or args.launch_emulator):
         ap.error("give --base-url or --launch-emulator")
-    if args.input_len_min > args.input_len_max or args.output_len_min > args.output_len_max or min(
-            args.input_len_min, args.output_len_min, args.num_prompts) < 1 or min(args.request_rate) <= 0:
+    if (
+        args.input_len_min > args.input_len_max
+        or args.output_len_min > args.output_len_max
+        or min(args.input_len_min, args.output_len_min, args.num_prompts) < 1
+        or min(args.request_rate) <= 0
+    ):
         ap.error("need 1 <= min <= max lengths, --num-prompts >= 1 and request rates > 0")
 
     t_all, load = now(), os.getloadavg()[0]
@@ -212,48 +257,84 @@ def main() -> None:
             for f in args.flush_ms:
                 label = "count only" if math.isinf(f) else f"flush {f:g} ms"
                 env = dict(kv.split("=", 1) for kv in args.worker_env)
-                emu = stack.enter_context(Emulator(emulator_env(DTYPE="bfloat16", **env,
-                    STREAM_FLUSH_MS=f"{f if math.isfinite(f) else 1e12:g}")))
+                emu = stack.enter_context(
+                    Emulator(
+                        emulator_env(DTYPE="bfloat16", **env, STREAM_FLUSH_MS=f"{f if math.isfinite(f) else 1e12:g}")
+                    )
+                )
                 targets.append(Target(label, emu.base_url, f, emu.api))
             print(f"{len(targets)} emulator(s) ready after {now() - t_all:.1f} s", flush=True)
             model, rows, per_rate = asyncio.run(bench(args, targets))
-        server = "the local emulator (`python -m handler.local`, default model, bfloat16, CPU" + \
-            (f"; {', '.join(args.worker_env)}" if args.worker_env else "") + ")"
+        server = (
+            "the local emulator (`python -m handler.local`, default model, bfloat16, CPU"
+            + (f"; {', '.join(args.worker_env)}" if args.worker_env else "")
+            + ")"
+        )
     else:
         targets = [Target(args.base_url, args.base_url)]
         model, rows, per_rate = asyncio.run(bench(args, targets))
         server = f"`{args.base_url}`"
-    argv = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--api-key")
-            and not (i and sys.argv[i] == "--api-key")]  # never print or write the key
+    argv = [
+        a
+        for i, a in enumerate(sys.argv[1:])
+        if not a.startswith("--api-key") and not (i and sys.argv[i] == "--api-key")
+    ]  # never print or write the key
     cmd = "python -m bench.serve " + " ".join(argv)
     from bench._common import machine_line
 
-    md = "\n".join([
-        "## Serving: latency vs request rate", "",
-        f"`{cmd.strip()}` on {time.strftime('%Y-%m-%d')} against {server}, model `{model}`; "
-        f"{'client and server' if args.launch_emulator else 'client'} on {machine_line('cpu')}; load average "
-        f"{load:.2f} at start. {args.num_prompts} requests per rate; prompt tokens uniform in [{args.input_len_min}, "
-        f"{args.input_len_max}], output tokens in [{args.output_len_min}, {args.output_len_max}] "
-        f"(ignore_eos{'' if args.ignore_eos else ' off'}), greedy, streamed. Method: the docstring of "
-        "`bench/serve.py` (`vllm bench serve`'s).", "", table(rows), "",
-        *(["Streaming targets ([latency] #12): the gap between streamed events (ITL p99) against STREAM_FLUSH_MS + "
-           "2 x TPOT; the worker's POSTs per job against its execution time / STREAM_FLUSH_MS + 5 (the column is "
-           "the largest POSTs - duration / flush over the jobs: at most 5 meets it); output tok/s as a ratio to the "
-           "count-only run at the same rate.", "", compare(targets, rows), ""] if len(targets) > 1 else []),
-        "Notes:", "- TTFT includes queueing: at a rate above the server's capacity requests wait, and TTFT grows "
-        "with the queue. TPOT and ITL are per generated token once running.",
-        "- count only: worker-vllm's yield batching (1, 3, 9, 27, 50 tokens per yield) alone, so content chunks "
-        "arrive in bursts and the p99 gap is the gap between bursts. flush N ms: a yield also goes out N ms after "
-        "the last one when a token is pending (STREAM_FLUSH_MS).", "",
-        "![Latency vs request rate](serve.png)"])
+    md = "\n".join(
+        [
+            "## Serving: latency vs request rate",
+            "",
+            f"`{cmd.strip()}` on {time.strftime('%Y-%m-%d')} against {server}, model `{model}`; "
+            f"{'client and server' if args.launch_emulator else 'client'} on {machine_line('cpu')}; load average "
+            f"{load:.2f} at start. {args.num_prompts} requests per rate; prompt tokens uniform in [{args.input_len_min}, "
+            f"{args.input_len_max}], output tokens in [{args.output_len_min}, {args.output_len_max}] "
+            f"(ignore_eos{'' if args.ignore_eos else ' off'}), greedy, streamed. Method: the docstring of "
+            "`bench/serve.py` (`vllm bench serve`'s).",
+            "",
+            table(rows),
+            "",
+            *(
+                [
+                    "Streaming targets ([latency] #12): the gap between streamed events (ITL p99) against STREAM_FLUSH_MS + "
+                    "2 x TPOT; the worker's POSTs per job against its execution time / STREAM_FLUSH_MS + 5 (the column is "
+                    "the largest POSTs - duration / flush over the jobs: at most 5 meets it); output tok/s as a ratio to the "
+                    "count-only run at the same rate.",
+                    "",
+                    compare(targets, rows),
+                    "",
+                ]
+                if len(targets) > 1
+                else []
+            ),
+            "Notes:",
+            "- TTFT includes queueing: at a rate above the server's capacity requests wait, and TTFT grows "
+            "with the queue. TPOT and ITL are per generated token once running.",
+            "- count only: worker-vllm's yield batching (1, 3, 9, 27, 50 tokens per yield) alone, so content chunks "
+            "arrive in bursts and the p99 gap is the gap between bursts. flush N ms: a yield also goes out N ms after "
+            "the last one when a token is pending (STREAM_FLUSH_MS).",
+            "",
+            "![Latency vs request rate](serve.png)",
+        ]
+    )
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": model, "args": {k: v if not isinstance(v, Path) else str(v)
-                                                                  for k, v in vars(args).items() if k != "api_key"},
-                                         "summary": rows, "requests": {k: [[asdict(r) for r in rs] for rs in v]
-                                                                       for k, v in per_rate.items()}},
-                                        indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": model,
+                    "args": {
+                        k: v if not isinstance(v, Path) else str(v) for k, v in vars(args).items() if k != "api_key"
+                    },
+                    "summary": rows,
+                    "requests": {k: [[asdict(r) for r in rs] for rs in v] for k, v in per_rate.items()},
+                },
+                indent=1,
+                default=str,
+            )
+        )
     title = f"{model}: {args.num_prompts} requests per rate"
     if args.plot:
         plot(rows, args.plot, title)

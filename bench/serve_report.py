@@ -1,5 +1,6 @@
 """bench/serve.py's records and report: per-request results, per-rate summaries (vllm bench serve's metrics),
 the markdown tables (latency, and the streaming targets of [latency] #12) and the plot."""
+
 from __future__ import annotations
 
 import math
@@ -27,6 +28,7 @@ class Result:
 @dataclass
 class Target:
     """One server under test: its OpenAI base URL; for an emulator we launched, its flush setting and API root."""
+
     label: str
     base_url: str
     flush_ms: float | None = None  # STREAM_FLUSH_MS (math.inf: the count bound alone, as worker-vllm)
@@ -47,28 +49,42 @@ def summarize(rate: float, results: list[Result], duration: float, flush_ms: flo
     if flush_ms is not None and any(r.posts for r in ok):  # the target: posts <= duration / flush + 5, per job
         excess = [r.posts - r.exec_s * 1000 / flush_ms for r in ok]
         posts = {"posts_per_job": float(np.mean([r.posts for r in ok])), "posts_max_excess": float(max(excess))}
-    return {"rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration, **posts,
-            "short": sum(r.output_tokens < r.max_tokens for r in ok),  # server ignored ignore_eos?
-            "request_per_s": len(ok) / duration, "output_tok_per_s": out / duration,
-            "total_tok_per_s": (out + sum(r.prompt_tokens for r in ok)) / duration,
-            "ttft_ms": stats([r.ttft for r in ok]),
-            "tpot_ms": stats([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-            "itl_ms": stats([x for r in ok for x in r.itl]),
-            "errors": sorted({r.error for r in results if r.error})[:3]}
+    return {
+        "rate": rate,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        **posts,
+        "short": sum(r.output_tokens < r.max_tokens for r in ok),  # server ignored ignore_eos?
+        "request_per_s": len(ok) / duration,
+        "output_tok_per_s": out / duration,
+        "total_tok_per_s": (out + sum(r.prompt_tokens for r in ok)) / duration,
+        "ttft_ms": stats([r.ttft for r in ok]),
+        "tpot_ms": stats([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "itl_ms": stats([x for r in ok for x in r.itl]),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+    }
 
 
 def table(rows: dict[str, list[dict]]) -> str:
     f = lambda s: f"{s['mean']:.0f} / {s['median']:.0f} / {s['p99']:.0f}"  # noqa: E731
-    lines = ["| config | request rate | done / failed | req/s | output tok/s | TTFT ms mean / med / p99 | "
-             "TPOT ms mean / med / p99 | ITL ms mean / med / p99 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {label} | {r['rate']:g} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
-              f"{r['output_tok_per_s']:.1f} | {f(r['ttft_ms'])} | {f(r['tpot_ms'])} | {f(r['itl_ms'])} |"
-              for label, rs in rows.items() for r in rs]
+    lines = [
+        "| config | request rate | done / failed | req/s | output tok/s | TTFT ms mean / med / p99 | "
+        "TPOT ms mean / med / p99 | ITL ms mean / med / p99 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {label} | {r['rate']:g} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
+        f"{r['output_tok_per_s']:.1f} | {f(r['ttft_ms'])} | {f(r['tpot_ms'])} | {f(r['itl_ms'])} |"
+        for label, rs in rows.items()
+        for r in rs
+    ]
     return "\n".join(lines)
 
 
 def plot(rows: dict[str, list[dict]], png: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -96,18 +112,22 @@ def compare(targets: list[Target], rows: dict[str, list[dict]]) -> str:
     """The streaming targets per rate: p99 gap <= flush + 2 x TPOT (median), POSTs per job <= its duration /
     flush + 5, and output tok/s against the first target (the count-only baseline)."""
     base = rows[targets[0].label]
-    lines = ["| config | request rate | ITL p99 ms | TPOT median ms | bound: flush + 2 x TPOT ms | p99 within | "
-             "POSTs per job (mean) | most POSTs over duration / flush | output tok/s vs count only |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "| config | request rate | ITL p99 ms | TPOT median ms | bound: flush + 2 x TPOT ms | p99 within | "
+        "POSTs per job (mean) | most POSTs over duration / flush | output tok/s vs count only |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for t in targets:
         for r, b in zip(rows[t.label], base):
             finite = t.flush_ms is not None and math.isfinite(t.flush_ms)
             bound = t.flush_ms + 2 * r["tpot_ms"]["median"] if finite else float("nan")
             within = ("yes" if r["itl_ms"]["p99"] <= bound else "**no**") if finite else "–"
             excess = f"{r['posts_max_excess']:+.1f}" if finite and "posts_max_excess" in r else "–"
-            lines.append(f"| {t.label} | {r['rate']:g} | {r['itl_ms']['p99']:.0f} | {r['tpot_ms']['median']:.0f} | "
-                         f"{bound:.0f} | {within} | {r.get('posts_per_job', float('nan')):.1f} | {excess} | "
-                         f"{r['output_tok_per_s'] / b['output_tok_per_s']:.3f} |")
+            lines.append(
+                f"| {t.label} | {r['rate']:g} | {r['itl_ms']['p99']:.0f} | {r['tpot_ms']['median']:.0f} | "
+                f"{bound:.0f} | {within} | {r.get('posts_per_job', float('nan')):.1f} | {excess} | "
+                f"{r['output_tok_per_s'] / b['output_tok_per_s']:.3f} |"
+            )
     for t in targets[1:]:  # throughput over the whole run: total tokens / total time, against the baseline's
         tok = sum(r["output_tok_per_s"] * r["duration_s"] for r in rows[t.label])
         secs = sum(r["duration_s"] for r in rows[t.label])

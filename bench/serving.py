@@ -22,6 +22,7 @@ HF_HUB_OFFLINE=1, through the real entry points, one measurement at a time (2 co
 Usage: python -m bench.serving            # full run (~2-3 min), writes docs/benchmarks.md + docs/serving.png
        python -m bench.serving --quick    # max_tokens 64, 1 run of each; prints only (smoke test)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,12 @@ from bench.procs import REPO, Emulator
 READY = "ready: the worker made"  # the emulator's log line at the worker's first job-take
 PROMPT = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
-IMPORTS = {"python -c pass": "pass", "import handler": "import handler", "import runpod": "import runpod",
-           "import runpod + cpuinfo shim": "import handler.runpod_sdk as m; m.cheap_cpuinfo(); import runpod"}
+IMPORTS = {
+    "python -c pass": "pass",
+    "import handler": "import handler",
+    "import runpod": "import runpod",
+    "import runpod + cpuinfo shim": "import handler.runpod_sdk as m; m.cheap_cpuinfo(); import runpod",
+}
 now = time.perf_counter
 
 
@@ -88,8 +93,13 @@ def posts(http, emu: Emulator, fn) -> dict:
 
 def native_job(http, emu: Emulator, max_tokens: int) -> dict:
     """POST /run (retrying until the server listens), then read /stream/{id} until a terminal status."""
-    body = {"input": {"prompt": PROMPT, "stream": True,
-                      "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}}
+    body = {
+        "input": {
+            "prompt": PROMPT,
+            "stream": True,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        }
+    }
     while True:
         t0 = now()
         try:
@@ -113,9 +123,15 @@ def native_job(http, emu: Emulator, max_tokens: int) -> dict:
 
 def openai_job(client, model: str, max_tokens: int) -> dict:
     t0, first, last, n, events = now(), None, None, 0, 0
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     for ch in stream:
         events, c = events + 1, ch.choices[0] if ch.choices else None
         first = first or (now() if c and c.text else None)
@@ -126,51 +142,73 @@ def openai_job(client, model: str, max_tokens: int) -> dict:
 
 def render(imp, cold, cold_runs, stream, runs, mt, n_prompt, cmd, machine, load) -> str:
     d = stream["direct"]
-    lines = ["## Handler: import, cold start, streaming overhead", "",
-             f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}; load average {load:.2f} at start. "
-             "SmolLM2-135M-Instruct (the embedded default), bfloat16, CPU. Method: the docstring of "
-             "`bench/serving.py`.", "",
-             f"Import (fresh `python -c`, median of {runs['imports']}):", "",
-             "| command | wall s |", "|---|---:|"]
+    lines = [
+        "## Handler: import, cold start, streaming overhead",
+        "",
+        f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}; load average {load:.2f} at start. "
+        "SmolLM2-135M-Instruct (the embedded default), bfloat16, CPU. Method: the docstring of "
+        "`bench/serving.py`.",
+        "",
+        f"Import (fresh `python -c`, median of {runs['imports']}):",
+        "",
+        "| command | wall s |",
+        "|---|---:|",
+    ]
     lines += [f"| `{k}` | {v:.3f} |" for k, v in imp.items()]
-    lines += ["", f"Cold start, seconds from launching `python -m handler.local` (median of {cold_runs}; the job "
-              "is submitted as soon as the server listens):", "",
-              "| event | median s | each run s |", "|---|---:|---:|"]
+    lines += [
+        "",
+        f"Cold start, seconds from launching `python -m handler.local` (median of {cold_runs}; the job "
+        "is submitted as soon as the server listens):",
+        "",
+        "| event | median s | each run s |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {k} | {statistics.median(v):.2f} | {', '.join(f'{x:.2f}' for x in v)} |" for k, v in cold.items()]
-    lines += ["", f"Streaming one native job ({n_prompt} prompt tokens, {mt} output tokens, ignore_eos, greedy), "
-              f"best of {runs['stream']}:", "",
-              "| path | wall s | output tok/s | tok/s ÷ direct | first token s | worker POSTs | client reads | "
-              "Δ wall vs direct s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Streaming one native job ({n_prompt} prompt tokens, {mt} output tokens, ignore_eos, greedy), "
+        f"best of {runs['stream']}:",
+        "",
+        "| path | wall s | output tok/s | tok/s ÷ direct | first token s | worker POSTs | client reads | "
+        "Δ wall vs direct s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in stream.items():
         per = "–" if name == "direct" else f"{r['s'] - d['s']:+.2f}"
         posts, reads = ("–", "–") if name == "direct" else (r["posts"], r["reads"])
-        lines.append(f"| {name} | {r['s']:.2f} | {r['n'] / r['s']:.1f} | {d['s'] / r['s']:.3f} | {r['ttft']:.3f} | "
-                     f"{posts} | {reads} | {per} |")
-    lines += ["", "Notes:",
-              "- direct: `engine.AsyncEngine` in its own process; emulator: POST /run + GET /stream/{id} long-polls "
-              "(runpod's `Job.stream()` protocol without its 1 s sleep per poll, which alone would add up to 1 s "
-              "per read); openai: `/openai/v1/completions` with the `openai` client, stream=True.",
-              "- worker POSTs: job-stream requests from the worker to the emulator for the job (one per handler "
-              "yield; tokens per yield grow 1, 3, 9, 27, then 50). client reads: /stream responses (emulator) "
-              "or SSE events (openai).",
-              "- The SDK awaits each chunk's POST before taking the next yield, but the engine thread keeps "
-              "generating meanwhile (tokens queue up), so the HTTP path costs latency (first token, last chunk), "
-              "not throughput: wall-time differences of a few % between paths are run-to-run noise on a shared "
-              "2-core VM (the worker, the emulator and the client share the cores).",
-              "- On Runpod the POSTs and polls cross the network: the added first-token latency here is a local "
-              "floor.",
-              "", "![Streaming output tok/s: direct engine vs emulator vs openai](serving.png)"]
+        lines.append(
+            f"| {name} | {r['s']:.2f} | {r['n'] / r['s']:.1f} | {d['s'] / r['s']:.3f} | {r['ttft']:.3f} | "
+            f"{posts} | {reads} | {per} |"
+        )
+    lines += [
+        "",
+        "Notes:",
+        "- direct: `engine.AsyncEngine` in its own process; emulator: POST /run + GET /stream/{id} long-polls "
+        "(runpod's `Job.stream()` protocol without its 1 s sleep per poll, which alone would add up to 1 s "
+        "per read); openai: `/openai/v1/completions` with the `openai` client, stream=True.",
+        "- worker POSTs: job-stream requests from the worker to the emulator for the job (one per handler "
+        "yield; tokens per yield grow 1, 3, 9, 27, then 50). client reads: /stream responses (emulator) "
+        "or SSE events (openai).",
+        "- The SDK awaits each chunk's POST before taking the next yield, but the engine thread keeps "
+        "generating meanwhile (tokens queue up), so the HTTP path costs latency (first token, last chunk), "
+        "not throughput: wall-time differences of a few % between paths are run-to-run noise on a shared "
+        "2-core VM (the worker, the emulator and the client share the cores).",
+        "- On Runpod the POSTs and polls cross the network: the added first-token latency here is a local floor.",
+        "",
+        "![Streaming output tok/s: direct engine vs emulator vs openai](serving.png)",
+    ]
     return "\n".join(lines)
 
 
 def plot(stream: dict, mt: int, png: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names, tps = list(stream), [r["n"] / r["s"] for r in stream.values()]
     fig, ax = plt.subplots(figsize=(7, 2.6))
-    bars = ax.barh(names, tps, color=["tab:green", "tab:blue", "tab:purple"][:len(names)])
+    bars = ax.barh(names, tps, color=["tab:green", "tab:blue", "tab:purple"][: len(names)])
     ax.bar_label(bars, fmt="{:.1f}", padding=3)
     ax.set_xlim(0, max(tps) * 1.18)
     ax.invert_yaxis()
@@ -196,8 +234,16 @@ def main() -> None:
 
     imp = import_times(n_imp, env)
     print("  " + ", ".join(f"{k} {v:.3f} s" for k, v in imp.items()), flush=True)
-    dres = json.loads(subprocess.run([sys.executable, "-m", "bench.serving", "--direct-child", str(mt), str(n_stream)], cwd=REPO,
-                                     env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    dres = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "bench.serving", "--direct-child", str(mt), str(n_stream)],
+            cwd=REPO,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()[-1]
+    )
     best_direct = min(dres["runs"], key=lambda r: r["s"])
     print(f"  direct: {[round(r['n'] / r['s'], 1) for r in dres['runs']]} tok/s", flush=True)
 
@@ -209,11 +255,15 @@ def main() -> None:
             while emu.mark(READY) is None and emu.proc.poll() is None:
                 time.sleep(0.05)
             nan = float("nan")
-            colds.append({"server accepts the job": r["accepted"] - emu.t0,
-                          "emulator spawns the worker": emu.mark("worker started (pid") or nan,
-                          "worker logs engine ready": emu.mark("engine ready in") or nan,
-                          "emulator logs ready (first job-take)": emu.mark(READY),
-                          "first streamed token": r["accepted"] - emu.t0 + r["ttft"]})
+            colds.append(
+                {
+                    "server accepts the job": r["accepted"] - emu.t0,
+                    "emulator spawns the worker": emu.mark("worker started (pid") or nan,
+                    "worker logs engine ready": emu.mark("engine ready in") or nan,
+                    "emulator logs ready (first job-take)": emu.mark(READY),
+                    "first streamed token": r["accepted"] - emu.t0 + r["ttft"],
+                }
+            )
             print(f"  cold start {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in colds[-1].items()), flush=True)
         oai = OpenAI(base_url=f"{emu.base}/openai/v1", api_key="local", max_retries=0, timeout=120)
         model = oai.models.list().data[0].id
@@ -222,8 +272,11 @@ def main() -> None:
     finally:
         if emu is not None:
             emu.close()
-    stream = {"direct": best_direct, "emulator": min(natives, key=lambda r: r["s"]),
-              "openai": min(oais, key=lambda r: r["s"])}
+    stream = {
+        "direct": best_direct,
+        "emulator": min(natives, key=lambda r: r["s"]),
+        "openai": min(oais, key=lambda r: r["s"]),
+    }
     bad = {name: r["n"] for name, r in stream.items() if r["n"] != mt}
     assert not bad, f"output tokens {bad}, wanted {mt} each"
     cold = {k: [c[k] for c in colds] for k in colds[0]}
@@ -231,8 +284,18 @@ def main() -> None:
     from bench._common import machine_line, write_section
 
     cmd = "python -m bench.serving " + " ".join(sys.argv[1:])
-    md = render(imp, cold, n_cold, stream, {"imports": n_imp, "stream": n_stream}, mt, dres["prompt_tokens"],
-                cmd.strip(), machine_line("cpu"), load)
+    md = render(
+        imp,
+        cold,
+        n_cold,
+        stream,
+        {"imports": n_imp, "stream": n_stream},
+        mt,
+        dres["prompt_tokens"],
+        cmd.strip(),
+        machine_line("cpu"),
+        load,
+    )
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
     if docs is not None:
         write_section(docs / "benchmarks.md", "serving", md)

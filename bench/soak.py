@@ -13,6 +13,7 @@ that completed produced exactly its max_tokens; no request failed.
 
 Usage: python -m bench.soak [--minutes 10] [--load 0.7] [--write-docs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,13 @@ class Soak:
 
     async def native(self, cancel: bool) -> None:
         mt = self.rng.randint(16, 128)
-        job = {"input": {"prompt": words(self.rng, self.rng.randint(16, 256)), "stream": True,
-                         "sampling_params": {"temperature": 0, "max_tokens": mt, "ignore_eos": True}}}
+        job = {
+            "input": {
+                "prompt": words(self.rng, self.rng.randint(16, 256)),
+                "stream": True,
+                "sampling_params": {"temperature": 0, "max_tokens": mt, "ignore_eos": True},
+            }
+        }
         jid = (await self.http.post("/run", json=job)).json()["id"]
         cancel_after = now() + self.rng.uniform(0.5, 5) if cancel else None
         out = 0
@@ -65,8 +71,14 @@ class Soak:
     async def openai(self, client, hang_up: bool) -> None:
         mt = self.rng.randint(16, 128)
         stream = await client.completions.create(
-            model="SmolLM2-135M-Instruct", prompt=words(self.rng, self.rng.randint(16, 256)), max_tokens=mt,
-            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model="SmolLM2-135M-Instruct",
+            prompt=words(self.rng, self.rng.randint(16, 256)),
+            max_tokens=mt,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         events, out = 0, 0
         async for ch in stream:
             events += 1
@@ -157,22 +169,31 @@ def main() -> None:
     after = [mb for m, mb in samples if m >= 2]
     growth = max(after) / at2 - 1 if after else float("nan")
     ok = growth <= 0.05 and free == total and not s.counts["failed"] and not s.counts["wrong length"]
-    print(f"counts {s.counts}; RSS at 2 min {at2:.0f} MB, max after {max(after):.0f} MB ({growth:+.1%}); "
-          f"KV free {free}/{total}; errors {s.errors[:5]}")
+    print(
+        f"counts {s.counts}; RSS at 2 min {at2:.0f} MB, max after {max(after):.0f} MB ({growth:+.1%}); "
+        f"KV free {free}/{total}; errors {s.errors[:5]}"
+    )
     from bench._common import machine_line, write_section
 
-    md = "\n".join([
-        "## Soak: 70 % load with cancels and hang-ups", "",
-        f"`python -m bench.soak --minutes {args.minutes:g} --load {args.load:g}` on {time.strftime('%Y-%m-%d')}: "
-        f"{machine_line('cpu')}; load average {load:.2f} at start. The local emulator, SmolLM2-135M-Instruct, "
-        "bfloat16, CPU. Method: the docstring of `bench/soak.py`.", "",
-        "| saturating rate req/s | soak rate req/s | completed | cancelled | hung up | failed | wrong length | "
-        "worker RSS at 2 min MB | max after MB | growth | KV blocks free at the end | verdict |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        f"| {sat:.2f} | {rate:.2f} | {s.counts['completed']} | {s.counts['cancelled']} | {s.counts['hung up']} | "
-        f"{s.counts['failed']} | {s.counts['wrong length']} | {at2:.0f} | {max(after):.0f} | {growth:+.1%} | "
-        f"{free} / {total} | {'pass' if ok else '**fail**'} |", "",
-        "Worker RSS (MB) by minute: " + ", ".join(f"{m:.1f}: {mb:.0f}" for m, mb in samples[::3]), ""])
+    md = "\n".join(
+        [
+            "## Soak: 70 % load with cancels and hang-ups",
+            "",
+            f"`python -m bench.soak --minutes {args.minutes:g} --load {args.load:g}` on {time.strftime('%Y-%m-%d')}: "
+            f"{machine_line('cpu')}; load average {load:.2f} at start. The local emulator, SmolLM2-135M-Instruct, "
+            "bfloat16, CPU. Method: the docstring of `bench/soak.py`.",
+            "",
+            "| saturating rate req/s | soak rate req/s | completed | cancelled | hung up | failed | wrong length | "
+            "worker RSS at 2 min MB | max after MB | growth | KV blocks free at the end | verdict |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            f"| {sat:.2f} | {rate:.2f} | {s.counts['completed']} | {s.counts['cancelled']} | {s.counts['hung up']} | "
+            f"{s.counts['failed']} | {s.counts['wrong length']} | {at2:.0f} | {max(after):.0f} | {growth:+.1%} | "
+            f"{free} / {total} | {'pass' if ok else '**fail**'} |",
+            "",
+            "Worker RSS (MB) by minute: " + ", ".join(f"{m:.1f}: {mb:.0f}" for m, mb in samples[::3]),
+            "",
+        ]
+    )
     print(md + f"\n(total {time.perf_counter() - t_all:.0f} s)")
     if args.write_docs:
         write_section(REPO / "docs" / "benchmarks.md", "soak", md)

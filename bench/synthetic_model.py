@@ -1,15 +1,28 @@
 """A Llama-shaped checkpoint of random bf16 weights on disk (HF names, sharded, with an index, a config and a small
 trained tokenizer), for cold-start measurements of big models without downloading one."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention keeps KV blocks in a pool."
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 vocab_size=128256, num_hidden_layers=32)
-TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
-            num_hidden_layers=2)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    num_hidden_layers=32,
+)
+TINY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    num_hidden_layers=2,
+)
 
 
 def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30) -> list[Path]:
@@ -23,11 +36,17 @@ def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30)
     tensors: list[tuple[str, tuple]] = [("model.embed_tokens.weight", (v, h))]
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                    (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                    (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                    (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                    (p + "mlp.down_proj.weight", (h, inter))]
+        tensors += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+        ]
     tensors += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
     gen = torch.Generator(device).manual_seed(0)
     shards, cur, cur_bytes, weight_map = [], {}, 0, {}
@@ -59,12 +78,27 @@ def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30)
         f.rename(dst)
         final.append(dst)
     weight_map = {k: f"{Path(v).stem}-of-{len(shards):05d}.safetensors" for k, v in weight_map.items()}
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, **shape}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "torch_dtype": "bfloat16",
+                "hidden_act": "silu",
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "tie_word_embeddings": False,
+                "attention_bias": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                **shape,
+            }
+        )
+    )
     _tokenizer(out)
     return final
 
@@ -77,8 +111,10 @@ def _tokenizer(out: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([PROMPT] * 10, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="</s>").save_pretrained(str(out))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    ).save_pretrained(str(out))

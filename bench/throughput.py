@@ -29,6 +29,7 @@ Usage: python -m bench.throughput                 # full run, writes docs/benchm
        python -m bench.throughput --quick         # 8 short requests, prints only (smoke test)
        python -m bench.throughput --tune          # also tries hf-cb at several max_batch_tokens
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,14 @@ def build_llm(path, spec, args, workloads):
 
     blocks = max(sum(math.ceil((len(p) + o) / 16) for p, o in zip(w.prompts, w.out_lens)) for w in workloads)
     mem = (blocks + 16) * 16 * kv_bytes_per_token(spec, DTYPES[args.dtype])
-    return LLM(model=str(path), dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=args.max_batched_tokens,
-               kv_cache_memory=mem, log_stats_interval=0)
+    return LLM(
+        model=str(path),
+        dtype=args.dtype,
+        max_num_seqs=64,
+        max_num_batched_tokens=args.max_batched_tokens,
+        kv_cache_memory=mem,
+        log_stats_interval=0,
+    )
 
 
 def ours_generate(llm, wl: Workload) -> None:
@@ -95,6 +102,7 @@ def engine_overhead(llm, wl: Workload, device) -> dict:
             sync(device)
             acc[0] += time.perf_counter() - t
             return r
+
         return inner
 
     def execute(out, _orig=eng.runner.execute):
@@ -119,21 +127,33 @@ def engine_overhead(llm, wl: Workload, device) -> dict:
     dec = [s for s in steps if s[0] == batch and s[1] == batch] or steps  # full batch, each request decodes 1
     step_ms, fwd_ms = (1e3 * sum(s[i] for s in dec) / len(dec) for i in (2, 3))
     all_step, all_fwd = sum(s[2] for s in steps), sum(s[3] for s in steps)
-    return dict(batch=batch, n_steps=len(dec), step_ms=step_ms, fwd_ms=fwd_ms, overhead=1 - fwd_ms / step_ms,
-                all_overhead=1 - all_fwd / all_step)
+    return dict(
+        batch=batch,
+        n_steps=len(dec),
+        step_ms=step_ms,
+        fwd_ms=fwd_ms,
+        overhead=1 - fwd_ms / step_ms,
+        all_overhead=1 - all_fwd / all_step,
+    )
 
 
 # ---- HF transformers --------------------------------------------------------------------------------
 def hf_padded(model, wl: Workload, batch: int, device) -> None:
     for i in range(0, len(wl.prompts), batch):
-        ps, m = wl.prompts[i:i + batch], max(wl.out_lens[i:i + batch])
+        ps, m = wl.prompts[i : i + batch], max(wl.out_lens[i : i + batch])
         width = max(map(len, ps))
         ids = torch.full((len(ps), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, p in enumerate(ps):  # left padding
-            ids[j, width - len(p):], mask[j, width - len(p):] = torch.tensor(p), 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=m,
-                             min_new_tokens=m, do_sample=False, pad_token_id=PAD_ID)  # min_new: EOS can't stop a row
+            ids[j, width - len(p) :], mask[j, width - len(p) :] = torch.tensor(p), 1
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=m,
+            min_new_tokens=m,
+            do_sample=False,
+            pad_token_id=PAD_ID,
+        )  # min_new: EOS can't stop a row
         assert out.shape == (len(ps), width + m), f"hf-pad{batch}: got {tuple(out.shape)}"
 
 
@@ -154,9 +174,13 @@ def hf_cb(model, wl: Workload, max_batch_tokens: int, device) -> float:
     n = len(wl.prompts)
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID, max_new_tokens=max(wl.out_lens))
     hints = WorkloadHints(max(map(len, wl.prompts)), max(wl.out_lens), n)
-    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=30,
-                                                   continuous_batching_config=cb_config(wl, max_batch_tokens),
-                                                   workload_hints=hints) as mgr:
+    with model.continuous_batching_context_manager(
+        generation_config=gen,
+        block=True,
+        timeout=30,
+        continuous_batching_config=cb_config(wl, max_batch_tokens),
+        workload_hints=hints,
+    ) as mgr:
         t, done = time.perf_counter(), {}
         for i, (p, o) in enumerate(zip(wl.prompts, wl.out_lens)):
             mgr.add_request(p, request_id=f"r{i}", max_new_tokens=o, eos_token_id=-1)  # -1: no EOS
@@ -178,8 +202,11 @@ def hf_cb_generate_batch(model, wl: Workload, max_batch_tokens: int) -> None:
 
     m = max(wl.out_lens)
     gen = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID)
-    res = model.generate_batch(inputs=wl.prompts, generation_config=gen,
-                               continuous_batching_config=cb_config(wl, max_batch_tokens, [m] * len(wl.prompts)))
+    res = model.generate_batch(
+        inputs=wl.prompts,
+        generation_config=gen,
+        continuous_batching_config=cb_config(wl, max_batch_tokens, [m] * len(wl.prompts)),
+    )
     assert [len(r.generated_tokens) for r in res.values()] == [m] * len(wl.prompts), "hf-cb-gb: wrong outputs"
 
 
@@ -188,47 +215,64 @@ def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
     floor_s = flops / (peak * 1e9)
     ours = next((r for r in rows if r[0] == "ours"), None)
     hf = [r for r in rows if r[0] != "ours"]
-    lines = ["## Offline throughput", "",
-             f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}.", "",
-             f"Workload: {len(wl.prompts)} requests, prompt tokens uniform in [{args.min_prompt}, {args.max_prompt}] "
-             f"(sum {wl.n_prompt}), output tokens uniform in [{args.min_out}, {args.max_out}] (sum {wl.n_out}); "
-             f"random token ids (seed {args.seed}), ignore_eos, greedy, all submitted at t=0, {args.dtype}. "
-             f"Model: SmolLM2-135M-Instruct ({p_ne / 1e6:.1f} M non-embedding params, vocab {spec.vocab_size}). "
-             "One timed call per peer, all in one process run; output tok/s counts only each request's own output "
-             "tokens.", "",
-             "| peer | wall s | output tok/s | total tok/s | GFLOP/s | % of roofline | ours ÷ peer |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Offline throughput",
+        "",
+        f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}.",
+        "",
+        f"Workload: {len(wl.prompts)} requests, prompt tokens uniform in [{args.min_prompt}, {args.max_prompt}] "
+        f"(sum {wl.n_prompt}), output tokens uniform in [{args.min_out}, {args.max_out}] (sum {wl.n_out}); "
+        f"random token ids (seed {args.seed}), ignore_eos, greedy, all submitted at t=0, {args.dtype}. "
+        f"Model: SmolLM2-135M-Instruct ({p_ne / 1e6:.1f} M non-embedding params, vocab {spec.vocab_size}). "
+        "One timed call per peer, all in one process run; output tok/s counts only each request's own output "
+        "tokens.",
+        "",
+        "| peer | wall s | output tok/s | total tok/s | GFLOP/s | % of roofline | ours ÷ peer |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in rows:
         ratio = f"{s / ours[1]:.2f}×" if ours else "–"
-        lines.append(f"| {name} | {s:.2f} | {wl.n_out / s:,.0f} | {(wl.n_prompt + wl.n_out) / s:,.0f} | "
-                     f"{flops / s / 1e9:,.0f} | {100 * floor_s / s:.1f} % | {ratio} |")
+        lines.append(
+            f"| {name} | {s:.2f} | {wl.n_out / s:,.0f} | {(wl.n_prompt + wl.n_out) / s:,.0f} | "
+            f"{flops / s / 1e9:,.0f} | {100 * floor_s / s:.1f} % | {ratio} |"
+        )
     lines.append("")
     if ours and hf:
         best = min(hf, key=lambda r: r[1])
         lines += [f"**ours vs the best HF peer ({best[0]}): {best[1] / ours[1]:.2f}× the output tok/s.**", ""]
-    lines += [f"Roofline: a {args.dtype} 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
-              f"{flops / 1e12:.2f} TFLOP (2·params·tokens + 2·vocab·hidden·output tokens; attention left out), so "
-              f"its floor is {floor_s:.2f} s, {wl.n_out / floor_s:,.0f} output tok/s.", ""]
+    lines += [
+        f"Roofline: a {args.dtype} 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
+        f"{flops / 1e12:.2f} TFLOP (2·params·tokens + 2·vocab·hidden·output tokens; attention left out), so "
+        f"its floor is {floor_s:.2f} s, {wl.n_out / floor_s:,.0f} output tok/s.",
+        "",
+    ]
     if oh:
-        lines += [f"Engine overhead ({oh['n_req']} requests, prompt 32, {oh['n_out']} output tokens each): at the "
-                  f"{oh['n_steps']} decode steps of batch {oh['batch']}, a step takes {oh['step_ms']:.1f} ms, of which "
-                  f"the model forward + lm_head take {oh['fwd_ms']:.1f} ms, so **{100 * oh['overhead']:.1f} %** of "
-                  f"step time is outside the model (scheduling, input building, sampling, detokenizing); "
-                  f"{100 * oh['all_overhead']:.1f} % over all steps, prefill included.", ""]
-    lines += ["Notes:",
-              "- hf-pad*: `model.generate` on left-padded batches; each row generates its batch's max out_len "
-              "(`min_new_tokens = max_new_tokens`, so EOS cannot end it); padding and surplus tokens are not counted.",
-              "- hf-cb: the manager behind `generate_batch`, driven by `add_request`, which alone takes a per-request "
-              f"`max_new_tokens`; EOS off (`eos_token_id=-1`); page_size {CB_PAGE}, num_blocks = the pages the "
-              f"workload needs + 2, max_batch_tokens {args.cb_max_batch_tokens} unless named. Cache set-up is untimed.",
-              "- hf-cb-gb (if run): `generate_batch` itself: one max_new_tokens for all, set-up timed.",
-              "- Timings here are noisy: compare ratios within this run, not absolute numbers.",
-              "", "![Offline throughput: output tok/s per peer](throughput.png)"]
+        lines += [
+            f"Engine overhead ({oh['n_req']} requests, prompt 32, {oh['n_out']} output tokens each): at the "
+            f"{oh['n_steps']} decode steps of batch {oh['batch']}, a step takes {oh['step_ms']:.1f} ms, of which "
+            f"the model forward + lm_head take {oh['fwd_ms']:.1f} ms, so **{100 * oh['overhead']:.1f} %** of "
+            f"step time is outside the model (scheduling, input building, sampling, detokenizing); "
+            f"{100 * oh['all_overhead']:.1f} % over all steps, prefill included.",
+            "",
+        ]
+    lines += [
+        "Notes:",
+        "- hf-pad*: `model.generate` on left-padded batches; each row generates its batch's max out_len "
+        "(`min_new_tokens = max_new_tokens`, so EOS cannot end it); padding and surplus tokens are not counted.",
+        "- hf-cb: the manager behind `generate_batch`, driven by `add_request`, which alone takes a per-request "
+        f"`max_new_tokens`; EOS off (`eos_token_id=-1`); page_size {CB_PAGE}, num_blocks = the pages the "
+        f"workload needs + 2, max_batch_tokens {args.cb_max_batch_tokens} unless named. Cache set-up is untimed.",
+        "- hf-cb-gb (if run): `generate_batch` itself: one max_new_tokens for all, set-up timed.",
+        "- Timings here are noisy: compare ratios within this run, not absolute numbers.",
+        "",
+        "![Offline throughput: output tok/s per peer](throughput.png)",
+    ]
     return "\n".join(lines)
 
 
 def plot(rows, wl, floor_s, png: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -281,12 +325,15 @@ def main() -> None:
     path = default_model_path()
     spec = ModelSpec.from_hf(read_json(path / "config.json"), read_json(path / "generation_config.json"))
     p_ne = spec.num_params() - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    wl = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out,
-                       spec.vocab_size, args.seed)
+    wl = make_workload(
+        args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out, spec.vocab_size, args.seed
+    )
     flops = 2 * p_ne * (wl.n_prompt + wl.n_out) + 2 * spec.vocab_size * spec.hidden_size * wl.n_out
     peak = gemm_gflops(dtype, device)
-    print(f"{len(wl.prompts)} requests, {wl.n_prompt} prompt + {wl.n_out} output tokens; matmul {peak:.0f} GFLOP/s",
-          flush=True)
+    print(
+        f"{len(wl.prompts)} requests, {wl.n_prompt} prompt + {wl.n_out} output tokens; matmul {peak:.0f} GFLOP/s",
+        flush=True,
+    )
     rows, oh = [], None
 
     def record(name, seconds):
@@ -299,16 +346,20 @@ def main() -> None:
         ours_generate(llm, Workload([wl.prompts[0][:16]] * 2, [4, 4]))  # warmup
         record("ours", timed(lambda: ours_generate(llm, wl), device))
         oh = engine_overhead(llm, oh_wl, device) | dict(n_req=oh_n, n_out=oh_out)
-        print(f"  engine overhead at batch {oh['batch']}: step {oh['step_ms']:.1f} ms, forward {oh['fwd_ms']:.1f} ms, "
-              f"{100 * oh['overhead']:.1f} % outside the model", flush=True)
+        print(
+            f"  engine overhead at batch {oh['batch']}: step {oh['step_ms']:.1f} ms, forward {oh['fwd_ms']:.1f} ms, "
+            f"{100 * oh['overhead']:.1f} % outside the model",
+            flush=True,
+        )
         del llm
         gc.collect()
     if set(peers) - {"ours"}:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        model.generate(torch.tensor([wl.prompts[0][:16]], device=device), max_new_tokens=4, do_sample=False,
-                       pad_token_id=PAD_ID)  # warmup
+        model.generate(
+            torch.tensor([wl.prompts[0][:16]], device=device), max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID
+        )  # warmup
         for bs in (64, 16):
             if f"hf-pad{bs}" in peers:
                 record(f"hf-pad{bs}", timed(lambda bs=bs: hf_padded(model, wl, bs, device), device))

@@ -1,16 +1,17 @@
 """Public API of the inference engine. handler/ and warmup/ import only from here (tests/test_structure.py).
 
 `weights` is the model-files API (find a model, its safetensors, the fp8 snapshot) that `python -m warmup` uses."""
+
 from engine import weights
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, default_cache_root, writable_dir
 from engine.errors import (
-                           ConfigError,
-                           EngineError,
-                           EngineFault,
-                           InvalidRequestError,
-                           ModelNotFoundError,
-                           UnsupportedModelError,
+    ConfigError,
+    EngineError,
+    EngineFault,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UnsupportedModelError,
 )
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
@@ -19,7 +20,27 @@ from engine.timeline import Timeline
 from engine.tokenizer import Tokenizer, compare_with_transformers
 from engine.types import CompletionOutput, LoRARequest, RequestMetrics, RequestOutput, SamplingParams
 
-__all__ = ["AsyncEngine", "CompletionOutput", "ConfigError", "EngineConfig", "EngineError", "EngineFault",
-           "InvalidRequestError", "LLM", "LLMEngine", "LoRARequest", "ModelNotFoundError", "ModelSpec",
-           "RequestMetrics", "RequestOutput", "SamplingParams", "Timeline", "Tokenizer", "UnsupportedModelError",
-           "compare_with_transformers", "default_cache_root", "weights", "writable_dir"]
+__all__ = [
+    "AsyncEngine",
+    "CompletionOutput",
+    "ConfigError",
+    "EngineConfig",
+    "EngineError",
+    "EngineFault",
+    "InvalidRequestError",
+    "LLM",
+    "LLMEngine",
+    "LoRARequest",
+    "ModelNotFoundError",
+    "ModelSpec",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "Timeline",
+    "Tokenizer",
+    "UnsupportedModelError",
+    "compare_with_transformers",
+    "default_cache_root",
+    "weights",
+    "writable_dir",
+]

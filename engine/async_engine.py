@@ -3,6 +3,7 @@
 The event loop never runs model code. Requests and aborts reach the engine thread through an inbox
 that it drains between steps, so only that thread touches LLMEngine state. With no work, the thread
 blocks on the inbox instead of spinning."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,14 @@ log = logging.getLogger("engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
-                 timeline: Timeline | None = None, **kwargs):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine: LLMEngine | None = None,
+        timeline: Timeline | None = None,
+        **kwargs,
+    ):
         self.engine = engine or LLMEngine(config or EngineConfig(**kwargs), timeline)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -65,8 +72,13 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    async def generate(self, prompt: str | dict, params: SamplingParams | None = None,
-                       request_id: str | None = None, lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | dict,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step that produced something for this request (deltas in
         `outputs[i].delta_text` / `delta_token_ids`). Invalid input raises before anything runs.
         Leaving the loop early (break, cancel) aborts the request and frees its blocks."""
@@ -165,9 +177,15 @@ class AsyncEngine:
                 now, s = time.monotonic(), self._stats
                 rate = (s["num_generated_tokens"] - last_generated) / (now - last_log)
                 last_log, last_generated = now, s["num_generated_tokens"]
-                log.info("running %d, waiting %d, KV %.0f%%, prefix cache hit rate %.1f%%, preemptions %d, "
-                         "%.1f tok/s", s["running"], s["waiting"], 100 * s["kv_usage"],
-                         100 * s["prefix_cache_hit_rate"], s["num_preemptions"], rate)
+                log.info(
+                    "running %d, waiting %d, KV %.0f%%, prefix cache hit rate %.1f%%, preemptions %d, %.1f tok/s",
+                    s["running"],
+                    s["waiting"],
+                    100 * s["kv_usage"],
+                    100 * s["prefix_cache_hit_rate"],
+                    s["num_preemptions"],
+                    rate,
+                )
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":

@@ -1,4 +1,5 @@
 """The KV block pool with automatic prefix caching. Pure Python, so tests can assert exact block ids."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,9 +55,13 @@ class BlockManager:
 
     def stats(self) -> dict:
         q = self.queried_tokens
-        return {"prefix_cache_queried_tokens": q, "prefix_cache_hit_tokens": self.hit_tokens,
-                "prefix_cache_hit_rate": self.hit_tokens / q if q else 0.0,
-                "prefix_cache_blocks": len(self.cached), "prefix_cache_evictions": self.evictions}
+        return {
+            "prefix_cache_queried_tokens": q,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_hit_rate": self.hit_tokens / q if q else 0.0,
+            "prefix_cache_blocks": len(self.cached),
+            "prefix_cache_evictions": self.evictions,
+        }
 
     # ---- prefix lookup --------------------------------------------------------------------
     def _block_hashes(self, req: Request, num_full: int) -> list[bytes]:

@@ -9,6 +9,7 @@ assistant masks), a `tojson` that does not escape HTML, `raise_exception`, `strf
 what the worker sends: messages with None values dropped, reasoning fields aliased, tools as JSON schemas,
 documents, and continue_final_message. tests/test_tokenizer.py checks the output against transformers'
 apply_chat_template on the same templates."""
+
 from __future__ import annotations
 
 import json
@@ -77,21 +78,35 @@ class _Namespace(jinja2.utils.Namespace):
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
-                "Please rename the attribute.")
+                "Please rename the attribute."
+            )
 
 
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=_TemplateDict(), namespace=_Namespace)
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=_TemplateDict(),
+        namespace=_Namespace,
+    )
     return env.from_string(source)
 
 
-def render(source: str, messages: list[dict], *, add_generation_prompt: bool = False, tools: list[dict] | None = None,
-           documents: list[dict] | None = None, continue_final_message: bool | str = False, **variables) -> str:
+def render(
+    source: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    continue_final_message: bool | str = False,
+    **variables,
+) -> str:
     """One conversation through the template `source`; `variables` are the special tokens and the request's
     template kwargs. Errors are ValueError / TypeError / jinja2's TemplateError, with transformers' messages."""
     if not messages:
@@ -119,18 +134,22 @@ def render(source: str, messages: list[dict], *, add_generation_prompt: bool = F
             raise ValueError(f'continue_final_message is set but the final message has no "{field}" to continue!')
         fields = [f for f in _REASONING_FIELDS if chat[-1].get(f) == final] if field in _REASONING_FIELDS else [field]
         if not any(f in source for f in fields):
-            raise ValueError(f'continue_final_message is set to "{field}" but this is not an accepted field in the '
-                             "chat_template")
+            raise ValueError(
+                f'continue_final_message is set to "{field}" but this is not an accepted field in the chat_template'
+            )
         if not isinstance(final, str):
             raise ValueError("continue_final_message needs the final message's text as a string")
         for f in fields:
             chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
-    text = compile_template(source).render(messages=chat, tools=tools, documents=documents,
-                                           add_generation_prompt=add_generation_prompt, **variables)
+    text = compile_template(source).render(
+        messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables
+    )
     if final is not None:
         if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
-            raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
-                             "applying the chat template")
+            raise ValueError(
+                "continue_final_message is set but the final message does not appear in the chat after "
+                "applying the chat template"
+            )
         at = text.rindex(_CONTINUE_TAG.strip())
-        text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
     return text

@@ -1,4 +1,5 @@
 """The one frozen engine config. Validated at construction; run-time facts (block counts) live elsewhere."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,11 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
 
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
-        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
-             "must be auto, cpu or cuda[:N]")
+        need(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            "must be auto, cpu or cuda[:N]",
+        )
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         need(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")

@@ -1,4 +1,5 @@
 """Incremental detokenization with stop strings. Pure Python over a `tokenizers.Tokenizer`."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -20,8 +21,9 @@ class IncrementalDetokenizer:
     tokens. Stop strings may span tokens; text that could still become a stop string is held back
     from `pop_delta` until the request finishes."""
 
-    def __init__(self, decoder: Decoder, prompt_ids: list[int], stop: list[str], include_stop: bool,
-                 skip_special_tokens: bool):
+    def __init__(
+        self, decoder: Decoder, prompt_ids: list[int], stop: list[str], include_stop: bool, skip_special_tokens: bool
+    ):
         self.decoder = decoder
         self.ids = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
@@ -40,12 +42,12 @@ class IncrementalDetokenizer:
         if not emit:
             return None
         self.ids.append(token_id)
-        prefix = self.decoder.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
-        full = self.decoder.decode(self.ids[self.prefix_offset:], self.skip_special)
+        prefix = self.decoder.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
+        full = self.decoder.decode(self.ids[self.prefix_offset :], self.skip_special)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         start = len(self.text)
-        self.text += full[len(prefix):]
+        self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._find_stop(start)
 
@@ -61,6 +63,6 @@ class IncrementalDetokenizer:
 
     def pop_delta(self, finished: bool) -> str:
         end = len(self.text) if finished or not self.stop else max(self.sent, len(self.text) - self.holdback)
-        delta = self.text[self.sent:end]
+        delta = self.text[self.sent : end]
         self.sent = end
         return delta

@@ -1,4 +1,5 @@
 """The KV pool: one preallocated tensor, sized from a memory budget."""
+
 from __future__ import annotations
 
 import logging
@@ -36,13 +37,16 @@ class KVCapacity:
         return self.num_tokens / self.max_model_len
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} tokens, "
-                f"{self.bytes_per_token} B/token ({self.num_tokens * self.bytes_per_token / 2**20:.0f} MiB), "
-                f"{self.max_concurrent_seqs:.1f} concurrent sequences at max_model_len={self.max_model_len}")
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} tokens, "
+            f"{self.bytes_per_token} B/token ({self.num_tokens * self.bytes_per_token / 2**20:.0f} MiB), "
+            f"{self.max_concurrent_seqs:.1f} concurrent sequences at max_model_len={self.max_model_len}"
+        )
 
 
-def plan_capacity(cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device,
-                  weight_bytes: int) -> KVCapacity:
+def plan_capacity(
+    cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
+) -> KVCapacity:
     per_token = kv_bytes_per_token(spec, kv_dtype)
     per_block = per_token * cfg.block_size
     if cfg.num_kv_blocks is not None:
@@ -57,11 +61,14 @@ def plan_capacity(cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, dev
     if cfg.max_model_len is not None:
         max_len = cfg.max_model_len
         if max_len > spec.max_position_embeddings:
-            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                              f"{spec.max_position_embeddings}")
+            raise ConfigError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
+            )
         if max_len > pool_tokens:
-            raise ConfigError(f"max_model_len={max_len} does not fit the KV pool ({pool_tokens} tokens in "
-                              f"{num_blocks} blocks); raise the KV memory budget or lower max_model_len")
+            raise ConfigError(
+                f"max_model_len={max_len} does not fit the KV pool ({pool_tokens} tokens in "
+                f"{num_blocks} blocks); raise the KV memory budget or lower max_model_len"
+            )
     else:
         max_len = min(spec.max_position_embeddings, pool_tokens)
     if max_len < 1:
@@ -101,7 +108,7 @@ def _cpu_hugepage_zeros(shape, dtype) -> torch.Tensor:
         libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
     except (OSError, AttributeError):
         pass  # not Linux/glibc: ordinary pages, same results
-    return raw[offset:offset + nbytes].view(dtype).view(shape)
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 # A short built-in text for fp8 KV calibration: prose, code and numbers, so K/V ranges resemble real use.
@@ -112,7 +119,7 @@ CALIBRATION_TEXT = (
     "Photosynthesis converts light energy into chemical energy: 6 CO2 + 6 H2O -> C6H12O6 + 6 O2. "
     "User: Can you summarize the plot of Hamlet in two sentences?\nAssistant: Prince Hamlet seeks revenge "
     "on his uncle Claudius, who murdered Hamlet's father to seize the throne. His hesitation and feigned "
-    "madness lead to a chain of deaths, including his own. 3.14159 2.71828 1.41421 | {\"key\": [1, 2, 3]}"
+    'madness lead to a chain of deaths, including his own. 3.14159 2.71828 1.41421 | {"key": [1, 2, 3]}'
 )
 
 
@@ -133,8 +140,13 @@ class CalibrationAttention:
         self.over_448 += int((k.abs() > FP8_MAX).sum()) + int((v.abs() > FP8_MAX).sum())
         self.count += k.numel() + v.numel()
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
-            scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
         return o[0].transpose(0, 1)
 
 
@@ -143,13 +155,20 @@ def calibrate_kv_scales(model, token_ids: list[int], device) -> tuple[torch.Tens
     """Per-layer fp8 scales = max |x| / 448 over one forward of the calibration text, so nothing in it
     saturates. Logs the scales and what a blind 1.0 would have clipped."""
     spec = model.spec
-    cal = CalibrationAttention(spec.num_layers, spec.head_dim ** -0.5)
+    cal = CalibrationAttention(spec.num_layers, spec.head_dim**-0.5)
     ids = torch.tensor(token_ids, device=device)
     model(ids, torch.arange(len(token_ids), device=device), torch.empty(spec.num_layers, 2, 0), cal, None)
     k_scales = (cal.k_amax / FP8_MAX).clamp(min=1e-6)
     v_scales = (cal.v_amax / FP8_MAX).clamp(min=1e-6)
     blind = cal.over_448 / max(cal.count, 1)
-    log.info("fp8 KV scales calibrated on %d tokens: k %.3g..%.3g, v %.3g..%.3g; clipped 0 %% of calibration "
-             "values (a scale of 1.0 would clip %.4f %%)", len(token_ids), k_scales.min(), k_scales.max(),
-             v_scales.min(), v_scales.max(), 100 * blind)
+    log.info(
+        "fp8 KV scales calibrated on %d tokens: k %.3g..%.3g, v %.3g..%.3g; clipped 0 %% of calibration "
+        "values (a scale of 1.0 would clip %.4f %%)",
+        len(token_ids),
+        k_scales.min(),
+        k_scales.max(),
+        v_scales.min(),
+        v_scales.max(),
+        100 * blind,
+    )
     return k_scales.to(device), v_scales.to(device)

@@ -1,4 +1,5 @@
 """The offline API, shaped like vLLM's: LLM(model).generate(prompts, params) -> outputs in input order."""
+
 from __future__ import annotations
 
 import itertools
@@ -19,9 +20,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | dict | Sequence[str | dict],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 lora: LoRARequest | None | Sequence[LoRARequest | None] = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: LoRARequest | None | Sequence[LoRARequest | None] = None,
+    ) -> list[RequestOutput]:
         """Outputs in input order. `lora`: one adapter for all prompts, or one (or None) per prompt. A request
         that fails (its adapter cannot be loaded) raises its error."""
         if isinstance(prompts, (str, dict)):

@@ -1,4 +1,5 @@
 """LLMEngine: the model, KV pool, scheduler and output processor. `step()` = schedule, run, update, outputs."""
+
 from __future__ import annotations
 
 import logging
@@ -33,36 +34,54 @@ class LLMEngine:
         self.timeline = tl = timeline or Timeline()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.device = torch.device(cfg.device if cfg.device != "auto" else
-                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(
+            cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         tl.mark("engine setup")
         self._resolve_model()
         tl.mark("model resolution", str(self.model_path))
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
         self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.kv_dtype, self.device, self._weight_bytes())
         self.max_model_len = self.capacity.max_model_len
-        self.model, self.weights = load_model(cfg, self.model_path, self.spec.prequantized, self._build_model,
-                                              self.device)
+        self.model, self.weights = load_model(
+            cfg, self.model_path, self.spec.prequantized, self._build_model, self.device
+        )
         tl.mark(self.weights.phase, self.weights.note())
         kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
-        tl.mark("KV allocation", f"{self.capacity.num_blocks} blocks, "
-                                 f"{self.capacity.num_tokens * self.capacity.bytes_per_token / 2**20:.0f} MiB")
+        tl.mark(
+            "KV allocation",
+            f"{self.capacity.num_blocks} blocks, "
+            f"{self.capacity.num_tokens * self.capacity.bytes_per_token / 2**20:.0f} MiB",
+        )
         # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
-        self.kernel_backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else \
-            ("triton" if self.device.type == "cuda" else "torch")
+        self.kernel_backend = (
+            cfg.kernel_backend
+            if cfg.kernel_backend != "auto"
+            else ("triton" if self.device.type == "cuda" else "torch")
+        )
         self.lora = self._build_lora()
-        self.runner = ModelRunner(self.model, kv, self._build_attention(), cfg.block_size, self.device,
-                                  self.kernel_backend, self.lora)
+        self.runner = ModelRunner(
+            self.model, kv, self._build_attention(), cfg.block_size, self.device, self.kernel_backend, self.lora
+        )
         self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.max_model_len, cfg.long_prefill_token_threshold,
-                                   can_start=self.lora.can_start if self.lora is not None else None)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            self.max_model_len,
+            cfg.long_prefill_token_threshold,
+            can_start=self.lora.can_start if self.lora is not None else None,
+        )
         self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
         self.num_generated_tokens = 0
         # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
         # kernel warmup (Triton compiles on first use, into TRITON_CACHE_DIR, which lives on the volume).
-        tl.skip("kernel warmup", "Triton compiles on first use into TRITON_CACHE_DIR" if
-                self.kernel_backend == "triton" else "torch kernels on CPU: nothing to compile")
+        tl.skip(
+            "kernel warmup",
+            "Triton compiles on first use into TRITON_CACHE_DIR"
+            if self.kernel_backend == "triton"
+            else "torch kernels on CPU: nothing to compile",
+        )
         self._log_ready(time.perf_counter() - t0)
 
     # ---- builders (in the order __init__ calls them) ---------------------------------------------
@@ -83,15 +102,17 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
 
     def _weight_bytes(self) -> int:
-        return self.spec.num_params() * (1 if self.cfg.quantization == "fp8" else
-                                         torch.tensor([], dtype=self.dtype).element_size())
+        return self.spec.num_params() * (
+            1 if self.cfg.quantization == "fp8" else torch.tensor([], dtype=self.dtype).element_size()
+        )
 
     def _build_model(self) -> LlamaForCausalLM:
         return LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
 
     def _build_attention(self):
         attn = (TritonAttention if self.kernel_backend == "triton" else TorchAttention)(
-            self.cfg.block_size, self.spec.head_dim ** -0.5)
+            self.cfg.block_size, self.spec.head_dim**-0.5
+        )
         if self.kv_dtype == torch.float8_e4m3fn:
             attn.set_kv_scales(*self._kv_scales())
             self.timeline.mark("fp8 KV scales")
@@ -106,14 +127,31 @@ class LLMEngine:
 
     def _log_ready(self, seconds: float) -> None:
         cfg = self.cfg
-        other = plan_capacity(cfg.replace(num_kv_blocks=None), self.spec,
-                              self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn, self.device,
-                              self._weight_bytes()) if cfg.num_kv_blocks is None else None
-        log.info("model %s (%s, %s) on %s in %.1fs; %s [KV %s]%s", self.model_path, self.spec.architecture,
-                 str(self.dtype).removeprefix("torch."), self.device, seconds,
-                 self.capacity.describe(), str(self.kv_dtype).removeprefix("torch."),
-                 f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other.num_tokens} "
-                 f"tokens, {other.max_concurrent_seqs:.1f} sequences" if other else "")
+        other = (
+            plan_capacity(
+                cfg.replace(num_kv_blocks=None),
+                self.spec,
+                self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn,
+                self.device,
+                self._weight_bytes(),
+            )
+            if cfg.num_kv_blocks is None
+            else None
+        )
+        log.info(
+            "model %s (%s, %s) on %s in %.1fs; %s [KV %s]%s",
+            self.model_path,
+            self.spec.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            seconds,
+            self.capacity.describe(),
+            str(self.kv_dtype).removeprefix("torch."),
+            f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other.num_tokens} "
+            f"tokens, {other.max_concurrent_seqs:.1f} sequences"
+            if other
+            else "",
+        )
 
     @property
     def weights_source(self) -> str:
@@ -148,21 +186,24 @@ class LLMEngine:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:  # a lone UTF-16 surrogate ("\ud800") from a JSON escape
-                raise InvalidRequestError(f"the prompt is not valid Unicode text: {e.reason} at character "
-                                          f"{e.start}", field="prompt") from None
+                raise InvalidRequestError(
+                    f"the prompt is not valid Unicode text: {e.reason} at character {e.start}", field="prompt"
+                ) from None
             ids = self.tok.encode(prompt)
         else:
-            raise InvalidRequestError(f"prompt must be a str or a dict, not {type(prompt).__name__}",
-                                      field="prompt")
+            raise InvalidRequestError(f"prompt must be a str or a dict, not {type(prompt).__name__}", field="prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty", field="prompt")
         if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt_token_ids must be ints in [0, {self.spec.vocab_size})",
-                                      field="prompt_token_ids")
+            raise InvalidRequestError(
+                f"prompt_token_ids must be ints in [0, {self.spec.vocab_size})", field="prompt_token_ids"
+            )
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} and at least one "
-                f"token must be generated", field="prompt")
+                f"token must be generated",
+                field="prompt",
+            )
         return ids
 
     def resolve_lora(self, lora: LoRARequest):
@@ -174,15 +215,24 @@ class LLMEngine:
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone, against this engine; raises InvalidRequestError."""
         if params.n > self.cfg.max_num_seqs:  # n sequences must fit one batch (and n loops run on this thread)
-            raise InvalidRequestError(f"n={params.n} is more than this worker runs at once (max_num_seqs="
-                                      f"{self.cfg.max_num_seqs})", field="n")
+            raise InvalidRequestError(
+                f"n={params.n} is more than this worker runs at once (max_num_seqs={self.cfg.max_num_seqs})", field="n"
+            )
         bad = [t for t in params.stop_token_ids if t >= self.spec.vocab_size]
         if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
-                                      f"{self.spec.vocab_size})", field="stop_token_ids")
+            raise InvalidRequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})",
+                field="stop_token_ids",
+            )
 
-    def add_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None, lora: LoRARequest | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict | list[int],
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        lora: LoRARequest | None = None,
+    ) -> None:
         if request_id in self.output.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
         self.check_params(params)
@@ -196,8 +246,13 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             gen = torch.Generator(self.device).manual_seed(params.seed + i) if params.seed is not None else None
-            seq = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params,
-                          eos_token_ids=self.eos_token_ids, generator=gen)
+            seq = Request(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                ids,
+                params,
+                eos_token_ids=self.eos_token_ids,
+                generator=gen,
+            )
             seq.cache_key, seq.lora_key = key, lora_key
             seqs.append(seq)
         self.output.add(request_id, ids, params, seqs)
@@ -235,8 +290,11 @@ class LLMEngine:
     def _fail_lora_waiters(self) -> list[RequestOutput]:
         """Requests whose adapter failed to load, or not in time: finished with the error, alone."""
         errors = self.lora.failed_waiters(self.scheduler.waiting)
-        failed = {self.output.group_of[r].request_id: errors[r.lora_key] for r in self.scheduler.waiting
-                  if r.lora_key in errors}
+        failed = {
+            self.output.group_of[r].request_id: errors[r.lora_key]
+            for r in self.scheduler.waiting
+            if r.lora_key in errors
+        }
         outs = []
         for rid, err in failed.items():
             group = self.output.groups[rid]
@@ -251,10 +309,18 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
-        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
-                "kv_usage": bm.usage(), "running": len(sch.running), "waiting": len(sch.waiting),
-                "num_preemptions": sch.num_preemptions, "num_generated_tokens": self.num_generated_tokens,
-                "max_model_len": self.max_model_len, **bm.stats(), **(self.lora.stats() if self.lora else {})}
+        return {
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "kv_usage": bm.usage(),
+            "running": len(sch.running),
+            "waiting": len(sch.waiting),
+            "num_preemptions": sch.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "max_model_len": self.max_model_len,
+            **bm.stats(),
+            **(self.lora.stats() if self.lora else {}),
+        }
 
     def lora_names(self) -> list[str]:
         """Adapters this worker knows: configured in LORA_MODULES, or requested so far."""

@@ -1,5 +1,6 @@
 """Turns a SchedulerOutput into one flat varlen batch, runs the model, samples. The only place that
 builds tensors."""
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,16 @@ from engine.types import Request, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches: torch.Tensor, attn, block_size: int, device: torch.device,
-                 kernel_backend: str = "torch", lora=None):
+    def __init__(
+        self,
+        model,
+        kv_caches: torch.Tensor,
+        attn,
+        block_size: int,
+        device: torch.device,
+        kernel_backend: str = "torch",
+        lora=None,
+    ):
         self.model = model
         self.kernel_backend = kernel_backend
         self.kv_caches = kv_caches
@@ -52,9 +61,12 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)  # [T]
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)  # [T]
-        layout = StepLayout(slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-                            query_start_loc=qsl, seq_lens=seq_lens,
-                            block_tables=[r.block_ids for r in out.requests])
+        layout = StepLayout(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=[r.block_ids for r in out.requests],
+        )
         meta = self.attn.build(layout, dev)
         lora = None
         if any(s >= 0 for s in token_slot):  # a step without adapters pays nothing for LoRA

@@ -1,6 +1,7 @@
 """OutputProcessor: a step's sampled tokens in, RequestOutputs out. It owns what the step loop does not need: the
 user requests (n sequences sharing a prompt), their detokenizers and stop strings, and the latency metrics.
 As in vLLM v1, the engine core only schedules and runs; this turns its tokens into what a caller sees."""
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,12 @@ class OutputProcessor:
         self.group_of: dict[Request, Group] = {}
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams, seqs: list[Request]) -> None:
-        detoks = [IncrementalDetokenizer(self.tok, ids, params.stop, params.include_stop_str_in_output,
-                                         params.skip_special_tokens) for _ in seqs]
+        detoks = [
+            IncrementalDetokenizer(
+                self.tok, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            )
+            for _ in seqs
+        ]
         group = Group(request_id, ids, params, seqs, detoks, [0] * len(seqs))
         self.groups[request_id] = group
         for s in seqs:
@@ -64,8 +69,9 @@ class OutputProcessor:
             group = self.group_of[req]
             touched[group] = None
             p = req.params
-            hidden = (token in self.eos_token_ids and p.skip_special_tokens) or \
-                (req.stop_reason == token and not p.include_stop_str_in_output)
+            hidden = (token in self.eos_token_ids and p.skip_special_tokens) or (
+                req.stop_reason == token and not p.include_stop_str_in_output
+            )
             stop_str = group.detoks[group.seqs.index(req)].add_token(token, emit=not hidden)
             if stop_str is not None and not req.finished:
                 self.finish(req, "stop")
@@ -75,16 +81,28 @@ class OutputProcessor:
     def _output(self, group: Group) -> RequestOutput:
         outs = []
         for i, (seq, detok) in enumerate(zip(group.seqs, group.detoks)):
-            new_ids = seq.output_token_ids[group.sent_tokens[i]:]
+            new_ids = seq.output_token_ids[group.sent_tokens[i] :]
             group.sent_tokens[i] = len(seq.output_token_ids)
-            outs.append(CompletionOutput(
-                index=i, text=detok.text, token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                delta_text=detok.pop_delta(seq.finished), delta_token_ids=new_ids))
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                    delta_text=detok.pop_delta(seq.finished),
+                    delta_token_ids=new_ids,
+                )
+            )
         finished = all(s.finished for s in group.seqs)
         if finished:
             self.pop(group.request_id)
-        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
-                             sum(s.num_preemptions for s in group.seqs),
-                             RequestMetrics.of(group.seqs, time.monotonic()) if finished else None)
+        return RequestOutput(
+            group.request_id,
+            group.prompt_token_ids,
+            outs,
+            finished,
+            sum(s.num_preemptions for s in group.seqs),
+            RequestMetrics.of(group.seqs, time.monotonic()) if finished else None,
+        )

@@ -1,5 +1,6 @@
 """Batched sampling with per-request params, in vLLM's order:
 raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperature, min_p, top_k, top_p, draw."""
+
 from __future__ import annotations
 
 import torch

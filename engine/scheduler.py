@@ -1,5 +1,6 @@
 """Token-budget scheduler: chunked prefill mixed with decodes, prefix-cache hits at admission, recompute
 preemption. Pure Python."""
+
 from __future__ import annotations
 
 import time
@@ -17,9 +18,15 @@ class Scheduler:
     requests fill what is left, a chunk at a time. When blocks run out, the most recently admitted running
     request is preempted by recompute: its blocks are freed and it goes back to the front of the queue."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, long_prefill_token_threshold: int = 0,
-                 can_start: Callable[[Request, list[Request]], bool] | None = None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int = 0,
+        can_start: Callable[[Request, list[Request]], bool] | None = None,
+    ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -4,6 +4,7 @@ Generic on purpose: `python -m warmup` times its steps with it, and the worker c
 (imports, settings, model resolution, weight read, ..., ready, first token) the same way. Two ways to record:
 `with tl.phase(name):` around a block, or `tl.mark(name)` when code cannot be wrapped: the phase ends now and
 began where the previous entry ended (or at the start), so a run of marks tiles the time with no gaps."""
+
 from __future__ import annotations
 
 import time
@@ -64,14 +65,31 @@ class Timeline:
         return max((p.end for p in self.phases), default=0.0)
 
     def as_dict(self) -> dict:
-        return {"total_s": round(self.total(), 4),
-                "phases": [{"name": p.name, "start_s": round(p.start, 4), "seconds": round(p.seconds, 4),
-                            **({"note": p.note} if p.note else {})} for p in self.phases]}
+        return {
+            "total_s": round(self.total(), 4),
+            "phases": [
+                {
+                    "name": p.name,
+                    "start_s": round(p.start, 4),
+                    "seconds": round(p.seconds, 4),
+                    **({"note": p.note} if p.note else {}),
+                }
+                for p in self.phases
+            ],
+        }
 
     def table(self) -> str:
         total = self.total()
-        rows = [(p.name, f"{p.seconds:.2f}", f"{100 * p.seconds / total:.0f}%" if total > 0 else "-",
-                 f"{p.end:.2f}", p.note) for p in self.phases]
+        rows = [
+            (
+                p.name,
+                f"{p.seconds:.2f}",
+                f"{100 * p.seconds / total:.0f}%" if total > 0 else "-",
+                f"{p.end:.2f}",
+                p.note,
+            )
+            for p in self.phases
+        ]
         rows.append(("total", f"{total:.2f}", "100%" if total > 0 else "-", "", ""))
         head = ("phase", "seconds", "%", "at", "")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]

@@ -13,6 +13,7 @@ template that uses a special token tokenizer_config.json does not name (loaded a
 template does), and apply_chat_template options the fast path does not implement. `compare_with_transformers`
 checks both paths against transformers for a model folder; `python -m warmup` runs it when it prepares a volume,
 and the tests run it on every tokenizer they use."""
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,19 @@ PROBE = "Hello world! <s> </s> <|im_start|>user\n Grüße, 世界 😀  spaces\t
 # transformers' SpecialTokensMixin.SPECIAL_TOKENS_ATTRIBUTES: what its apply_chat_template hands the template
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # apply_chat_template's own parameters that the fast path does not implement: given one, transformers renders
-_HF_ONLY_KWARGS = frozenset({"tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                             "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+_HF_ONLY_KWARGS = frozenset(
+    {
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 def _content(tok) -> str | None:
@@ -64,8 +76,9 @@ class Tokenizer:
             self.eos_token_id = self._token_id(_content(cfg.get("eos_token")))
             # as transformers 5 reads them: special_tokens_map.json is legacy, read (and overriding the config)
             # only when tokenizer_config.json has no added_tokens_decoder
-            src = cfg if "added_tokens_decoder" in cfg else \
-                {**cfg, **read_json(self.folder / "special_tokens_map.json")}
+            src = (
+                cfg if "added_tokens_decoder" in cfg else {**cfg, **read_json(self.folder / "special_tokens_map.json")}
+            )
             self.special_tokens = {k: v for k in SPECIAL_TOKENS if (v := _content(src.get(k))) is not None}
             self.chat_template = _chat_templates(self.folder, cfg)
             own = self.chat_template.values() if isinstance(self.chat_template, dict) else [self.chat_template]
@@ -73,8 +86,10 @@ class Tokenizer:
                 if t is None:
                     continue
                 if self._pick_template(t, None) is None:
-                    log.info("the chat template uses special tokens tokenizer_config.json does not name: loading "
-                             "transformers' tokenizer now to render it")
+                    log.info(
+                        "the chat template uses special tokens tokenizer_config.json does not name: loading "
+                        "transformers' tokenizer now to render it"
+                    )
                     self.hf  # noqa: B018 - at start, so no request pays for it
                     break
                 from engine.chat_template import compile_template
@@ -108,24 +123,46 @@ class Tokenizer:
             return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None,
-                            documents: list[dict] | None = None, continue_final_message: bool | str = False,
-                            **kwargs) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        continue_final_message: bool | str = False,
+        **kwargs,
+    ) -> str:
         """The prompt text, as transformers' apply_chat_template(messages, tokenize=False, ...) renders it;
         kwargs are template variables (chat_template_kwargs). A template may be a name among the model's."""
-        template = None if self.backend is None or _HF_ONLY_KWARGS & kwargs.keys() else \
-            self._pick_template(chat_template, tools)
+        template = (
+            None
+            if self.backend is None or _HF_ONLY_KWARGS & kwargs.keys()
+            else self._pick_template(chat_template, tools)
+        )
         if template is None:  # transformers' tokenizer, exactly (and its error for a model without a template)
             return self.hf.apply_chat_template(
-                messages, tools=tools, documents=documents, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                tokenize=False, **kwargs)
+                messages,
+                tools=tools,
+                documents=documents,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
         from engine.chat_template import render
 
-        return render(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                      documents=documents, continue_final_message=continue_final_message,
-                      **{**self.special_tokens, **kwargs})
+        return render(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            continue_final_message=continue_final_message,
+            **{**self.special_tokens, **kwargs},
+        )
 
     def _pick_template(self, chat_template: str | None, tools) -> str | None:
         """transformers' get_chat_template; None where only transformers can answer: no template (its error
@@ -136,12 +173,10 @@ class Tokenizer:
             if chat_template in own:
                 chat_template = own[chat_template]
             elif chat_template is None:
-                chat_template = own.get("tool_use") if tools is not None and "tool_use" in own else \
-                    own.get("default")
+                chat_template = own.get("tool_use") if tools is not None and "tool_use" in own else own.get("default")
         elif chat_template is None:
             chat_template = own
-        if chat_template is None or any(k in chat_template for k in SPECIAL_TOKENS
-                                        if k not in self.special_tokens):
+        if chat_template is None or any(k in chat_template for k in SPECIAL_TOKENS if k not in self.special_tokens):
             return None
         return chat_template
 

@@ -1,4 +1,5 @@
 """Plain dataclasses that form the contracts between stages. Pure Python: no torch here."""
+
 from __future__ import annotations
 
 import enum
@@ -42,22 +43,38 @@ class SamplingParams:
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
+            (
+                "top_k",
+                isinstance(self.top_k, int) and self.top_k >= 0,
+                "must be -1, 0 (disabled) or a positive integer",
+            ),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "must be an integer >= 1"),
+            (
+                "max_tokens",
+                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                "must be an integer >= 1",
+            ),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "must be an integer in [0, 20]"),
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be an integer in [0, 20]",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative integers"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be non-negative integers",
+            ),
             # torch.Generator.manual_seed takes 64 bits; sequence i of n uses seed + i
-            ("seed", self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63),
-             "must be an integer in [-2**63, 2**63)"),
+            (
+                "seed",
+                self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+                "must be an integer in [-2**63, 2**63)",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -65,7 +82,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"SamplingParams.min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
-                field="min_tokens")
+                field="min_tokens",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -73,8 +91,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True)
@@ -143,8 +160,8 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def finished(self) -> bool:
@@ -211,14 +228,17 @@ class RequestMetrics:
         sched = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         gaps = sum(max(len(s.output_token_ids) - 1, 0) for s in seqs)
-        return cls(queue_time=min(sched) - arrival if sched else None,
-                   ttft=min(firsts) - arrival if firsts else None,
-                   mean_itl=sum(s.itl_sum for s in seqs) / gaps if gaps else None,
-                   max_itl=max(s.itl_max for s in seqs) if gaps else None,
-                   e2e_time=now - arrival, prompt_tokens=first.num_prompt_tokens,
-                   cached_prompt_tokens=first.num_cached_tokens or 0,
-                   output_tokens=sum(len(s.output_token_ids) for s in seqs),
-                   num_preemptions=sum(s.num_preemptions for s in seqs))
+        return cls(
+            queue_time=min(sched) - arrival if sched else None,
+            ttft=min(firsts) - arrival if firsts else None,
+            mean_itl=sum(s.itl_sum for s in seqs) / gaps if gaps else None,
+            max_itl=max(s.itl_max for s in seqs) if gaps else None,
+            e2e_time=now - arrival,
+            prompt_tokens=first.num_prompt_tokens,
+            cached_prompt_tokens=first.num_cached_tokens or 0,
+            output_tokens=sum(len(s.output_token_ids) for s in seqs),
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+        )
 
 
 @dataclass

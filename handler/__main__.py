@@ -7,6 +7,7 @@ error (a worker that dies at start makes Runpod retry it forever, and callers se
 runpod's local modes: `--rp_serve_api` is runpod's own dev server (it iterates generators). For
 `--test_input '{...}'` and `test_input.json`, the SDK does not iterate generator handlers, so we run the job
 ourselves, print each chunk and the aggregate, and exit 0 on success and 1 on error."""
+
 from __future__ import annotations
 
 import time
@@ -66,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         from handler.worker import run_test_job
 
         if test_job is None:
-            print("no job: pass --test_input '{\"input\": {...}}', add test_input.json, or run on Runpod "
-                  "(RUNPOD_WEBHOOK_GET_JOB) / under `python -m handler.local`", file=sys.stderr)
+            print(
+                "no job: pass --test_input '{\"input\": {...}}', add test_input.json, or run on Runpod "
+                "(RUNPOD_WEBHOOK_GET_JOB) / under `python -m handler.local`",
+                file=sys.stderr,
+            )
             return 1
         worker.ready()
         return asyncio.run(run_test_job(worker, test_job, sys.stdout))
@@ -78,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     import runpod
 
     grace = worker.settings.SHUTDOWN_GRACE_S
-    runpod_sdk.install(grace, lambda: worker.end_all(
-        f"the worker is shutting down (SIGTERM) and this job did not finish within its {grace:g} s grace "
-        "period; send it again"))
+    runpod_sdk.install(
+        grace,
+        lambda: worker.end_all(
+            f"the worker is shutting down (SIGTERM) and this job did not finish within its {grace:g} s grace "
+            "period; send it again"
+        ),
+    )
     worker.ready()  # the cold-start table, before the first job-take
 
-    config = {"handler": worker.handle, "return_aggregate_stream": True,
-              "concurrency_modifier": worker.concurrency}
+    config = {"handler": worker.handle, "return_aggregate_stream": True, "concurrency_modifier": worker.concurrency}
     worker.rp_config = config
     runpod.serverless.start(config)
     return 0

@@ -17,6 +17,7 @@ Back: the worker subprocess runs runpod-python's JobScaler against the routes de
 Worker output goes to our stderr. If it exits, its running jobs fail (queued ones too unless
 --restart-worker). "ready" is logged at its first job-take, request counts every 30 s and at exit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,18 @@ log = logging.getLogger("handler.local")
 
 
 class Emulator(WorkerSide):
-    def __init__(self, worker_cmd: list[str], base_url: str, *, runsync_wait: float = 90.0,
-                 stream_wait: float = 1.0, poll_hold: float = 10.0,
-                 restart: bool = False, grace: float = 5.0, retention: float = 900.0) -> None:
+    def __init__(
+        self,
+        worker_cmd: list[str],
+        base_url: str,
+        *,
+        runsync_wait: float = 90.0,
+        stream_wait: float = 1.0,
+        poll_hold: float = 10.0,
+        restart: bool = False,
+        grace: float = 5.0,
+        retention: float = 900.0,
+    ) -> None:
         self.worker_cmd, self.base, self.restart, self.grace = worker_cmd, base_url, restart, grace
         self.runsync_wait, self.stream_wait, self.poll_hold = runsync_wait, stream_wait, poll_hold
         self.retention = retention
@@ -180,7 +190,7 @@ class Emulator(WorkerSide):
         deadline = time.monotonic() + self.stream_wait
         while job.stream_pos >= len(job.chunks) and not job.done and time.monotonic() < deadline:
             await job.changed.wait(deadline - time.monotonic())
-        new, job.stream_pos = job.chunks[job.stream_pos:], len(job.chunks)
+        new, job.stream_pos = job.chunks[job.stream_pos :], len(job.chunks)
         out = {"id": job.id, "status": job.status, "stream": [{"output": c} for c in new]}
         return out | ({"error": job.error} if job.error is not None else {})
 
@@ -203,15 +213,30 @@ class Emulator(WorkerSide):
         running = sum(j.status == "IN_PROGRESS" for j in self.jobs.values())
         ready = self.state == "ready"
         return {
-            "jobs": {"completed": self.totals["COMPLETED"], "failed": self.totals["FAILED"],
-                     "cancelled": self.totals["CANCELLED"], "inProgress": running, "inQueue": len(self.queue),
-                     "retried": 0},
-            "workers": {"idle": int(ready and not running), "running": int(ready and running > 0),
-                        "ready": int(ready), "initializing": int(self.state == "initializing"),
-                        "throttled": 0, "unhealthy": int(self.state == "exited")},
-            "localWorker": {"state": self.state, "pid": self.proc and self.proc.pid,
-                            "returncode": self.proc and self.proc.returncode, "requests": dict(self.counts),
-                            "lastPingAgoS": self.last_ping and round(time.monotonic() - self.last_ping, 1)}}
+            "jobs": {
+                "completed": self.totals["COMPLETED"],
+                "failed": self.totals["FAILED"],
+                "cancelled": self.totals["CANCELLED"],
+                "inProgress": running,
+                "inQueue": len(self.queue),
+                "retried": 0,
+            },
+            "workers": {
+                "idle": int(ready and not running),
+                "running": int(ready and running > 0),
+                "ready": int(ready),
+                "initializing": int(self.state == "initializing"),
+                "throttled": 0,
+                "unhealthy": int(self.state == "exited"),
+            },
+            "localWorker": {
+                "state": self.state,
+                "pid": self.proc and self.proc.pid,
+                "returncode": self.proc and self.proc.returncode,
+                "requests": dict(self.counts),
+                "lastPingAgoS": self.last_ping and round(time.monotonic() - self.last_ping, 1),
+            },
+        }
 
     async def openai(self, request: Request) -> Response:
         self.counts["openai"] += 1
@@ -231,12 +256,14 @@ class Emulator(WorkerSide):
                 self.cancel(job)
         if not job.chunks:
             return openai_result(job)
-        return StreamingResponse(sse_events(job, self.cancel), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job.id})
+        return StreamingResponse(
+            sse_events(job, self.cancel),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job.id},
+        )
 
 
-def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: int = 8000,
-               **options: Any) -> FastAPI:
+def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> FastAPI:
     """The emulator app; the worker subprocess lives with its lifespan. ``options`` go to ``Emulator``:
     runsync_wait, stream_wait, poll_hold, restart, grace (SIGTERM -> SIGKILL), retention (of results)."""
     if isinstance(worker_cmd, str):
@@ -254,21 +281,31 @@ def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: in
 
     app = FastAPI(title="Local Runpod emulator", lifespan=lifespan)
     app.state.emulator = emu
-    routes = [("POST", "/run", emu.run), ("POST", "/runsync", emu.runsync),
-              ("GET", "/status/{job_id}", emu.status), ("GET", "/stream/{job_id}", emu.stream),
-              ("POST", "/cancel/{job_id}", emu.cancel_route), ("POST", "/purge-queue", emu.purge_queue),
-              ("GET", "/health", emu.health), ("POST", "/openai/v1/chat/completions", emu.openai),
-              ("POST", "/openai/v1/completions", emu.openai), ("GET", "/openai/v1/models", emu.openai)]
+    routes = [
+        ("POST", "/run", emu.run),
+        ("POST", "/runsync", emu.runsync),
+        ("GET", "/status/{job_id}", emu.status),
+        ("GET", "/stream/{job_id}", emu.stream),
+        ("POST", "/cancel/{job_id}", emu.cancel_route),
+        ("POST", "/purge-queue", emu.purge_queue),
+        ("GET", "/health", emu.health),
+        ("POST", "/openai/v1/chat/completions", emu.openai),
+        ("POST", "/openai/v1/completions", emu.openai),
+        ("GET", "/openai/v1/models", emu.openai),
+    ]
     for method, path, endpoint in routes:
         app.add_api_route(f"/v2/{EP}{path}", endpoint, methods=[method])
     # The worker-facing routes are plain Starlette routes (request in, Response out): a streaming worker POSTs
     # once per yield, so FastAPI's per-request validation and serialization would be paid hundreds of times a
     # second, on the cores the worker computes on.
     for method, path, endpoint in [
-            ("GET", "/job-take/{worker_id}", emu.job_take), ("GET", "/job-take-batch/{worker_id}", emu.job_take),
-            ("GET", "/job-stop/{worker_id}", emu.job_stop), ("GET", "/ping/{worker_id}", emu.ping),
-            ("POST", "/job-stream/{worker_id}/{job_id}", emu.job_result),
-            ("POST", "/job-done/{worker_id}/{job_id}", emu.job_result)]:
+        ("GET", "/job-take/{worker_id}", emu.job_take),
+        ("GET", "/job-take-batch/{worker_id}", emu.job_take),
+        ("GET", "/job-stop/{worker_id}", emu.job_stop),
+        ("GET", "/ping/{worker_id}", emu.ping),
+        ("POST", "/job-stream/{worker_id}/{job_id}", emu.job_result),
+        ("POST", "/job-done/{worker_id}/{job_id}", emu.job_result),
+    ]:
         app.router.add_route(f"/v2/{EP}{path}", endpoint, methods=[method])
     return app
 
@@ -286,19 +323,32 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m handler.local", description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--worker-cmd", default=f"{shlex.quote(sys.executable)} -m handler",
-                    help="the worker command line (default: %(default)s)")
+    ap.add_argument(
+        "--worker-cmd",
+        default=f"{shlex.quote(sys.executable)} -m handler",
+        help="the worker command line (default: %(default)s)",
+    )
     ap.add_argument("--restart-worker", action="store_true", help="restart the worker when it exits")
     ap.add_argument("--runsync-wait", type=float, default=90.0, help="seconds /runsync waits (90)")
     ap.add_argument("--stream-wait", type=float, default=1.0, help="seconds /stream long-polls (1)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
-                        format="%(asctime)s local-rp | %(message)s", datefmt="%H:%M:%S")
-    app = create_app(args.worker_cmd, host=args.host, port=args.port,
-                     runsync_wait=args.runsync_wait, stream_wait=args.stream_wait, restart=args.restart_worker)
-    _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                           timeout_graceful_shutdown=3)).run()
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s local-rp | %(message)s", datefmt="%H:%M:%S"
+    )
+    app = create_app(
+        args.worker_cmd,
+        host=args.host,
+        port=args.port,
+        runsync_wait=args.runsync_wait,
+        stream_wait=args.stream_wait,
+        restart=args.restart_worker,
+    )
+    _Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=3
+        )
+    ).run()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The emulator's job records and the pieces it shares with its routes: job state, wake-ups, the
 worker's environment, strict JSON bodies, SSE framing, and OpenAI responses.
 """
+
 from __future__ import annotations
 
 import ast
@@ -62,8 +63,11 @@ class Job:
         now = time.monotonic()
         out = {"id": self.id, "status": self.status, "delayTime": int(((self.started or now) - self.created) * 1e3)}
         if self.started is not None:
-            out |= {"executionTime": int(((self.finished or now) - self.started) * 1e3), "workerId": WORKER_ID,
-                    "streamPosts": len(self.chunks)}  # an emulator extension: one chunk per job-stream POST
+            out |= {
+                "executionTime": int(((self.finished or now) - self.started) * 1e3),
+                "workerId": WORKER_ID,
+                "streamPosts": len(self.chunks),
+            }  # an emulator extension: one chunk per job-stream POST
         if self.output is not None:
             out["output"] = self.output
         if self.error is not None:
@@ -128,6 +132,7 @@ def error_response(err: Any, default_code: int = 400) -> JSONResponse:
 def json_body(raw: bytes) -> Any:
     """Strict JSON, as an HTTP API should take it: NaN, Infinity, 1e400 and lone surrogates ("\\ud800") are
     refused here (ValueError), not accepted and then impossible to pass on to the worker."""
+
     def finite(text: str) -> float:
         if not math.isfinite(x := float(text)):
             raise ValueError(f"{text} is out of range for a JSON number")

@@ -14,6 +14,7 @@ x-www-form-urlencoded. Cancel: the SDK (>= 1.10) cancels the job's asyncio task 
 so CancelledError is raised in the handler and no job-done follows; here the job turns CANCELLED at once
 and later output for it is ignored. Not emulated: TIMED_OUT, webhooks, retries, several workers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -72,8 +73,11 @@ class WorkerSide:
         self.counts["job-take"] += 1
         if self.state == "initializing":
             self.state = "ready"
-            log.info("ready: the worker made its first job-take %.1f s after spawn; serving %s",
-                     time.monotonic() - self.spawned, self.base)
+            log.info(
+                "ready: the worker made its first job-take %.1f s after spawn; serving %s",
+                time.monotonic() - self.spawned,
+                self.base,
+            )
         deadline = time.monotonic() + self.poll_hold
         while not self.queue and not self.shutting_down and time.monotonic() < deadline:
             await self.queue_pulse.wait(deadline - time.monotonic())
@@ -135,23 +139,29 @@ class WorkerSide:
         self.counts["ping"] += 1
         self.last_ping = time.monotonic()
         if request.query_params.get("status") == "unhealthy":
-            log.error("worker unhealthy: %s: %s", request.query_params.get("check"),
-                      request.query_params.get("reason"))
+            log.error("worker unhealthy: %s: %s", request.query_params.get("check"), request.query_params.get("reason"))
         return _ok()
-
 
 
 def worker_env(base: str) -> dict:
     """The environment that points the SDK's JobScaler at the emulator at ``base`` (http://h:p/v2/local)."""
     env = inherited_env()
-    env.update(RUNPOD_WEBHOOK_GET_JOB=f"{base}/job-take/$ID?gpu=local",
-               RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
-               RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
-               RUNPOD_WEBHOOK_PING=f"{base}/ping/$RUNPOD_POD_ID?gpu=local",
-               RUNPOD_POD_ID=WORKER_ID, RUNPOD_AI_API_KEY="local",
-               LOCAL_EMULATOR="1")  # Runpod's protocol, but not Runpod: caches stay in the user's, no /runpod-volume
-    for key, value in (("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "true"), ("RUNPOD_SKIP_GPU_CHECK", "true"),
-                       ("RUNPOD_PING_INTERVAL", "5000"), ("RUNPOD_LOG_LEVEL", "INFO"), ("PYTHONUNBUFFERED", "1")):
+    env.update(
+        RUNPOD_WEBHOOK_GET_JOB=f"{base}/job-take/$ID?gpu=local",
+        RUNPOD_WEBHOOK_POST_OUTPUT=f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
+        RUNPOD_WEBHOOK_POST_STREAM=f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
+        RUNPOD_WEBHOOK_PING=f"{base}/ping/$RUNPOD_POD_ID?gpu=local",
+        RUNPOD_POD_ID=WORKER_ID,
+        RUNPOD_AI_API_KEY="local",
+        LOCAL_EMULATOR="1",
+    )  # Runpod's protocol, but not Runpod: caches stay in the user's, no /runpod-volume
+    for key, value in (
+        ("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "true"),
+        ("RUNPOD_SKIP_GPU_CHECK", "true"),
+        ("RUNPOD_PING_INTERVAL", "5000"),
+        ("RUNPOD_LOG_LEVEL", "INFO"),
+        ("PYTHONUNBUFFERED", "1"),
+    ):
         env.setdefault(key, value)
     return env
 
@@ -159,9 +169,15 @@ def worker_env(base: str) -> dict:
 async def spawn_worker(cmd: list[str], base: str) -> asyncio.subprocess.Process:
     """The worker process for the emulator at `base`: its own session (so its whole group can be reaped), its
     output on our stderr, SIGTERMed if we die first."""
-    proc = await asyncio.create_subprocess_exec(*cmd, env=worker_env(base), stdin=asyncio.subprocess.DEVNULL,
-                                                stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(),
-                                                start_new_session=True, preexec_fn=pdeathsig())
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        env=worker_env(base),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=sys.stderr.fileno(),
+        stderr=sys.stderr.fileno(),
+        start_new_session=True,
+        preexec_fn=pdeathsig(),
+    )
     log.info("worker started (pid %d): %s", proc.pid, shlex.join(cmd))
     return proc
 
@@ -179,7 +195,6 @@ def pdeathsig() -> Any:
     if sys.platform != "linux":
         return None
     import ctypes
+
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-

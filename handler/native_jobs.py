@@ -1,4 +1,5 @@
 """Native jobs (worker-vllm's classic input: prompt or messages, sampling_params): their chunks and final output."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,23 +29,28 @@ async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
     if job.use_openai_format:
         if not job.messages:
             raise JobError("use_openai_format needs messages", param="messages")
-        body = {"messages": [m.model_dump(exclude_none=True) for m in job.messages], "stream": job.stream,
-                **{k: v for k, v in job.sampling_params.model_dump(exclude_unset=True).items() if k != "logprobs"}}
+        body = {
+            "messages": [m.model_dump(exclude_none=True) for m in job.messages],
+            "stream": job.stream,
+            **{k: v for k, v in job.sampling_params.model_dump(exclude_unset=True).items() if k != "logprobs"},
+        }
         body.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
         async for chunk in openai_job(w, {"openai_route": "/v1/chat/completions", "openai_input": body}, rid, lora):
             yield chunk
         return
     prompt, params = w.fit(await _prompt(w, job), params, "sampling_params.max_tokens")
     s = w.settings
-    sizer = BatchSizer(job.min_batch_size or s.DEFAULT_MIN_BATCH_SIZE,
-                       job.batch_size_growth_factor or s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR,
-                       job.max_batch_size or s.DEFAULT_BATCH_SIZE)
+    sizer = BatchSizer(
+        job.min_batch_size or s.DEFAULT_MIN_BATCH_SIZE,
+        job.batch_size_growth_factor or s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR,
+        job.max_batch_size or s.DEFAULT_BATCH_SIZE,
+    )
     n = params.n
     pending: list[list[str]] = [[] for _ in range(n)]
     out_tokens, finish, n_input, metrics = 0, [None] * n, 0, None
     cold: list = []
     gen = w.generate(prompt, params, rid, lora, cold)
-    async for group in (w.paced(gen, sizer) if job.stream else _whole(gen)):
+    async for group in w.paced(gen, sizer) if job.stream else _whole(gen):
         for out in group:
             n_input, metrics = len(out.prompt_token_ids), out.metrics
             for c in out.outputs:
@@ -58,8 +64,9 @@ async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
     final = _chunk(pending, n_input, out_tokens, finish)
     if metrics is not None:  # worker-vllm's usage, extended
         final["usage"]["cached_input"] = metrics.cached_prompt_tokens
-        final["metrics"] = {k: round(v, 6) if isinstance(v, float) else v
-                            for k, v in dataclasses.asdict(metrics).items()}
+        final["metrics"] = {
+            k: round(v, 6) if isinstance(v, float) else v for k, v in dataclasses.asdict(metrics).items()
+        }
         if cold:
             final["metrics"]["cold_start"] = cold[0]
     final["max_tokens"] = params.max_tokens

@@ -1,4 +1,5 @@
 """OpenAI response shapes: chat.completion(.chunk), text_completion, models list, logprobs, SSE framing."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,19 @@ def new_id(prefix: str) -> str:
 
 def models_list(names: list[str]) -> dict:
     now = int(time.time())
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "runpod"}
-                                       for n in names]}
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": now, "owned_by": "runpod"} for n in names],
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def _token_str(tokenizer, tid: int) -> str:
@@ -37,16 +43,19 @@ def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], 
     """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     content = []
     for tid, d in zip(token_ids, lps):
+
         def entry(t, lp):
             s = _token_str(tokenizer, t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
         top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
         content.append({**entry(tid, d[tid]), "top_logprobs": [entry(t, lp) for t, lp in top]})
     return {"content": content}
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top_n: int,
-                        offset: int = 0) -> dict:
+def completion_logprobs(
+    tokenizer, token_ids: list[int], lps: list[dict[int, float]], top_n: int, offset: int = 0
+) -> dict:
     """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, d in zip(token_ids, lps):
@@ -71,17 +80,28 @@ class ChatShapes:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-        return {**self._head(self.object_chunk),
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        return {
+            **self._head(self.object_chunk),
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
 
     def usage_chunk(self, u: dict) -> dict:
         return {**self._head(self.object_chunk), "choices": [], "usage": u}
 
     def full(self, choices: list[dict], u: dict) -> dict:
-        return {**self._head(self.object_full),
-                "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                             "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]}
-                            for c in choices], "usage": u}
+        return {
+            **self._head(self.object_full),
+            "choices": [
+                {
+                    "index": c["index"],
+                    "message": {"role": "assistant", "content": c["text"]},
+                    "logprobs": c.get("logprobs"),
+                    "finish_reason": c["finish_reason"],
+                }
+                for c in choices
+            ],
+            "usage": u,
+        }
 
 
 class CompletionShapes(ChatShapes):
@@ -92,11 +112,24 @@ class CompletionShapes(ChatShapes):
         self.id = new_id("cmpl")
 
     def chunk(self, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-        return {**self._head(self.object_chunk),
-                "choices": [{"index": index, "text": delta.get("content", ""), "logprobs": logprobs,
-                             "finish_reason": finish_reason}]}
+        return {
+            **self._head(self.object_chunk),
+            "choices": [
+                {"index": index, "text": delta.get("content", ""), "logprobs": logprobs, "finish_reason": finish_reason}
+            ],
+        }
 
     def full(self, choices: list[dict], u: dict) -> dict:
-        return {**self._head(self.object_full),
-                "choices": [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
-                             "finish_reason": c["finish_reason"]} for c in choices], "usage": u}
+        return {
+            **self._head(self.object_full),
+            "choices": [
+                {
+                    "index": c["index"],
+                    "text": c["text"],
+                    "logprobs": c.get("logprobs"),
+                    "finish_reason": c["finish_reason"],
+                }
+                for c in choices
+            ],
+            "usage": u,
+        }

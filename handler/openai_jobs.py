@@ -1,5 +1,6 @@
 """OpenAI jobs (input {"openai_route", "openai_input"}): /v1/chat/completions, /v1/completions and /v1/models, whole
 or streamed as SSE events. The response shapes are in openai_compat.py."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -15,9 +16,23 @@ if TYPE_CHECKING:
 
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
 # request fields that map one to one onto SamplingParams
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "skip_special_tokens", "include_stop_str_in_output")
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 
 
 async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = None) -> AsyncIterator[Any]:
@@ -29,8 +44,9 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
     if route == CHAT:
         req = parse(ChatCompletionRequest, body, "openai_input")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt = await w.chat_prompt(messages, "openai_input.messages", req.add_generation_prompt,
-                                     req.chat_template_kwargs)
+        prompt = await w.chat_prompt(
+            messages, "openai_input.messages", req.add_generation_prompt, req.chat_template_kwargs
+        )
         shapes, max_tokens = oa.ChatShapes(w.served_name), req.max_completion_tokens or req.max_tokens
         top_n = req.top_logprobs or 0 if req.logprobs else None
     elif route == COMPLETIONS:
@@ -38,13 +54,24 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
         prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else req.prompt
         shapes, max_tokens, top_n = oa.CompletionShapes(w.served_name), req.max_tokens, req.logprobs
     else:
-        raise JobError(f"openai_route {route!r} is not one of {CHAT}, {COMPLETIONS}, {MODELS}",
-                       param="openai_route", type="not_found_error", code=404)
+        raise JobError(
+            f"openai_route {route!r} is not one of {CHAT}, {COMPLETIONS}, {MODELS}",
+            param="openai_route",
+            type="not_found_error",
+            code=404,
+        )
     lora = _adapter(w, req.model) or lora
-    params = sampling_params({**{f: getattr(req, f) for f in _SAMPLING_FIELDS}, "logprobs": top_n,
-                         "max_tokens": max_tokens or 1}, "openai_input")
-    prompt, params = w.fit(prompt, params, "openai_input.max_tokens", default_room=not max_tokens,
-                           prompt_param="openai_input.messages" if route == CHAT else "openai_input.prompt")
+    params = sampling_params(
+        {**{f: getattr(req, f) for f in _SAMPLING_FIELDS}, "logprobs": top_n, "max_tokens": max_tokens or 1},
+        "openai_input",
+    )
+    prompt, params = w.fit(
+        prompt,
+        params,
+        "openai_input.max_tokens",
+        default_room=not max_tokens,
+        prompt_param="openai_input.messages" if route == CHAT else "openai_input.prompt",
+    )
     chat = route == CHAT
     cold: list = []
     gen = w.generate(prompt, params, rid, lora, cold)
@@ -74,8 +101,12 @@ def _adapter(w: Worker, model: str | None) -> LoRARequest | None:
     if model is None or model == w.served_name:
         return None
     if not w.settings.ENABLE_LORA:
-        raise JobError(f"model {model!r} is not served here; use {w.served_name!r}", param="model",
-                       type="not_found_error", code=404)
+        raise JobError(
+            f"model {model!r} is not served here; use {w.served_name!r}",
+            param="model",
+            type="not_found_error",
+            code=404,
+        )
     lora = LoRARequest(model)
     try:
         w.engine.resolve_lora(lora)
@@ -106,7 +137,7 @@ async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n) -> AsyncIterat
                     continue
                 lp = None
                 if top_n is not None and c.delta_token_ids and c.logprobs:
-                    lp = _logprobs(w, chat, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids):], top_n)
+                    lp = _logprobs(w, chat, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids) :], top_n)
                 if c.delta_text or lp is not None:
                     events.append(oa.sse(shapes.chunk(c.index, {"content": c.delta_text}, None, lp)))
                 if c.finish_reason:

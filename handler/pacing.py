@@ -7,6 +7,7 @@ first. Count alone (worker-vllm's rule) made a 64-token stream at ~30 ms/token a
 to 0.8 s; time alone would POST every few ms on a fast GPU. With both, the gap between yields is at most about
 `flush_s` plus one engine step, and the POSTs per job at most about duration / flush_s plus the few early
 count-full yields."""
+
 from __future__ import annotations
 
 import asyncio

@@ -14,6 +14,7 @@
     long-polls and every job without limit, and stopped polling job-stop at SIGTERM, so a job cancelled
     while draining kept running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,8 +67,7 @@ def install(grace_s: float, on_grace_expired: Callable[[], None]) -> None:
 
         def kill_worker(self) -> None:  # SIGTERM / SIGINT, or refresh_worker after a job
             if self.is_alive():
-                log.info("shutting down: no new jobs; %d in flight get %.0f s to finish", len(self.jobs_tasks),
-                         grace_s)
+                log.info("shutting down: no new jobs; %d in flight get %.0f s to finish", len(self.jobs_tasks), grace_s)
             super().kill_worker()
 
         async def run(self) -> None:
@@ -148,8 +148,9 @@ def install(grace_s: float, on_grace_expired: Callable[[], None]) -> None:
             while True:
                 t = time.monotonic()
                 try:
-                    for job_id in await asyncio.wait_for(self.stop_signals_fetcher(session),
-                                                         timeout=self.stop_signals_fetcher_timeout):
+                    for job_id in await asyncio.wait_for(
+                        self.stop_signals_fetcher(session), timeout=self.stop_signals_fetcher_timeout
+                    ):
                         await self.stop_job(job_id)
                 except TooManyRequests:
                     await asyncio.sleep(5)

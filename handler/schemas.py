@@ -1,6 +1,7 @@
 """Pydantic job schemas: worker-vllm's native job and the OpenAI request bodies (with vLLM's extras).
 
 Unknown keys are rejected; every validation error becomes one JobError naming the field."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -15,8 +16,7 @@ DEFAULT_MAX_TOKENS = 100  # worker-vllm's default when a native job omits max_to
 class JobError(Exception):
     """A user error in a job. `param` names the offending field (dotted path)."""
 
-    def __init__(self, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: int = 400):
+    def __init__(self, message: str, param: str | None = None, type: str = "invalid_request_error", code: int = 400):
         super().__init__(message)
         self.message, self.param, self.type, self.code = message, param, type, code
 
@@ -65,8 +65,7 @@ class Message(_Strict):
     @classmethod
     def _text_only(cls, v):
         if isinstance(v, list):  # OpenAI content parts: only text parts are supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in v):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
                 raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
             return "".join(p["text"] for p in v)
         return v

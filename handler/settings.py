@@ -1,5 +1,6 @@
 """The only module that reads the environment. It parses worker-vllm's variable names with pydantic and
 builds the frozen EngineConfig. An invalid value fails fast with a message naming the variable."""
+
 from __future__ import annotations
 
 import json
@@ -69,10 +70,21 @@ class Settings(BaseModel):
     LORA_CACHE_BYTES: int = Field(default=10 << 30, gt=0)
     LORA_LOAD_TIMEOUT_S: float = Field(default=120.0, gt=0)
 
-    @field_validator("MODEL_NAME", "TOKENIZER_NAME", "BASE_PATH", "HF_HOME", "HF_HUB_CACHE", "QUANTIZATION",
-                     "HF_TOKEN", "TRITON_CACHE_DIR",
-                     "OPENAI_SERVED_MODEL_NAME_OVERRIDE", "CUSTOM_CHAT_TEMPLATE", "LORA_S3_URI", "S3_ENDPOINT_URL",
-                     mode="before")
+    @field_validator(
+        "MODEL_NAME",
+        "TOKENIZER_NAME",
+        "BASE_PATH",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "QUANTIZATION",
+        "HF_TOKEN",
+        "TRITON_CACHE_DIR",
+        "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
+        "CUSTOM_CHAT_TEMPLATE",
+        "LORA_S3_URI",
+        "S3_ENDPOINT_URL",
+        mode="before",
+    )
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
@@ -87,7 +99,7 @@ class Settings(BaseModel):
             try:
                 v = json.loads(v)
             except json.JSONDecodeError as e:
-                raise ValueError(f"must be JSON: {{\"name\": ..., \"path\": ...}} or a list of them ({e})") from None
+                raise ValueError(f'must be JSON: {{"name": ..., "path": ...}} or a list of them ({e})') from None
         items = [v] if isinstance(v, dict) else v
         if not isinstance(items, (list, tuple)):
             raise ValueError('must be {"name": ..., "path": ...} or a list of them')
@@ -146,9 +158,12 @@ class Settings(BaseModel):
         kw["hf_cache_dirs"] = self.hf_cache_dirs()  # the volume's HF cache is read even when it cannot be written
         root = self.cache_root()
         if root and not writable_dir(root):
-            log.warning("%s cannot be written by this user (read-only, or missing and not creatable): caches go to "
-                        "%s instead, and are lost with the container. Make the volume writable to keep them.",
-                        root, default_cache_root())
+            log.warning(
+                "%s cannot be written by this user (read-only, or missing and not creatable): caches go to "
+                "%s instead, and are lost with the container. Make the volume writable to keep them.",
+                root,
+                default_cache_root(),
+            )
         elif root:
             kw["cache_root"] = root
         try:
@@ -159,17 +174,32 @@ class Settings(BaseModel):
 
 
 # environment variable -> EngineConfig field
-ENGINE_FIELDS = {"MODEL_NAME": "model", "MODEL_REVISION": "revision", "TOKENIZER_NAME": "tokenizer",
-                 "MAX_MODEL_LEN": "max_model_len", "DTYPE": "dtype", "MAX_NUM_SEQS": "max_num_seqs",
-                 "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
-                 "LONG_PREFILL_TOKEN_THRESHOLD": "long_prefill_token_threshold", "BLOCK_SIZE": "block_size",
-                 "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization", "KV_CACHE_MEMORY": "kv_cache_memory",
-                 "KERNEL_BACKEND": "kernel_backend", "KV_CACHE_DTYPE": "kv_cache_dtype",
-                 "QUANTIZATION": "quantization", "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
-                 "ENABLE_LORA": "enable_lora", "MAX_LORAS": "max_loras", "MAX_LORA_RANK": "max_lora_rank",
-                 "LORA_MODULES": "lora_modules", "LORA_S3_URI": "lora_s3_uri",
-                 "LORA_ALLOWED_BUCKETS": "lora_allowed_buckets", "S3_ENDPOINT_URL": "s3_endpoint_url",
-                 "LORA_CACHE_BYTES": "lora_cache_bytes", "LORA_LOAD_TIMEOUT_S": "lora_load_timeout_s"}
+ENGINE_FIELDS = {
+    "MODEL_NAME": "model",
+    "MODEL_REVISION": "revision",
+    "TOKENIZER_NAME": "tokenizer",
+    "MAX_MODEL_LEN": "max_model_len",
+    "DTYPE": "dtype",
+    "MAX_NUM_SEQS": "max_num_seqs",
+    "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+    "LONG_PREFILL_TOKEN_THRESHOLD": "long_prefill_token_threshold",
+    "BLOCK_SIZE": "block_size",
+    "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
+    "KV_CACHE_MEMORY": "kv_cache_memory",
+    "KERNEL_BACKEND": "kernel_backend",
+    "KV_CACHE_DTYPE": "kv_cache_dtype",
+    "QUANTIZATION": "quantization",
+    "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
+    "ENABLE_LORA": "enable_lora",
+    "MAX_LORAS": "max_loras",
+    "MAX_LORA_RANK": "max_lora_rank",
+    "LORA_MODULES": "lora_modules",
+    "LORA_S3_URI": "lora_s3_uri",
+    "LORA_ALLOWED_BUCKETS": "lora_allowed_buckets",
+    "S3_ENDPOINT_URL": "s3_endpoint_url",
+    "LORA_CACHE_BYTES": "lora_cache_bytes",
+    "LORA_LOAD_TIMEOUT_S": "lora_load_timeout_s",
+}
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
 ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}

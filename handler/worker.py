@@ -3,6 +3,7 @@ openai_jobs.py), runs its life cycle, and turns every failure into the job's one
 
 Errors in a job end that job with one error object and never touch other jobs. An engine fault (the step
 loop raised) ends every in-flight job with an error and asks Runpod to replace this worker."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,13 @@ log = logging.getLogger("handler")
 
 
 class Worker:
-    def __init__(self, settings: Settings, engine: AsyncEngine | None, start_error: str | None = None,
-                 timeline: Timeline | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine | None,
+        start_error: str | None = None,
+        timeline: Timeline | None = None,
+    ):
         self.settings = settings
         self.engine = engine
         self.start_error = start_error
@@ -85,8 +91,9 @@ class Worker:
         outcome = "cancelled"
         try:
             if self.engine is None or self.fault:
-                raise JobError(f"the worker could not serve: {self.fault or self.start_error}", type="server_error",
-                               code=500)
+                raise JobError(
+                    f"the worker could not serve: {self.fault or self.start_error}", type="server_error", code=500
+                )
             if self.stop_error is not None:
                 raise self.stop_error
             if isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
@@ -119,14 +126,23 @@ class Worker:
         if isinstance(e, EngineError):  # not the job's fault (an adapter's S3 store is down): this job only
             return JobError(str(e), param=getattr(e, "field", None), type="server_error", code=502), f"failed ({e})"
         log.exception("job %s failed", job_id)  # a bug of ours
-        return JobError(f"internal error: {type(e).__name__}: {e}", type="server_error", code=500), \
-            f"failed ({type(e).__name__})"
+        return JobError(
+            f"internal error: {type(e).__name__}: {e}", type="server_error", code=500
+        ), f"failed ({type(e).__name__})"
 
     def _log_end(self, job_id, outcome: str) -> None:
         st = self.engine.stats() if self.engine is not None else {}
-        log.info("job %s %s (in flight: %d, max so far: %d); KV blocks free %s/%s, running %s, waiting %s", job_id,
-                 outcome, self.in_flight, self.max_in_flight, st.get("num_free_blocks"), st.get("num_total_blocks"),
-                 st.get("running"), st.get("waiting"))
+        log.info(
+            "job %s %s (in flight: %d, max so far: %d); KV blocks free %s/%s, running %s, waiting %s",
+            job_id,
+            outcome,
+            self.in_flight,
+            self.max_in_flight,
+            st.get("num_free_blocks"),
+            st.get("num_total_blocks"),
+            st.get("running"),
+            st.get("waiting"),
+        )
 
     def _on_fault(self, e: Exception) -> None:
         if self.fault is None:
@@ -135,27 +151,35 @@ class Worker:
         if self.rp_config is not None:
             self.rp_config["refresh_worker"] = True  # the SDK stops the pod once in-flight jobs report
 
-    async def chat_prompt(self, messages: list[dict], param: str, add_generation_prompt: bool = True,
-                           template_kwargs: dict | None = None) -> str:
+    async def chat_prompt(
+        self, messages: list[dict], param: str, add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> str:
         """Rendered on a thread: a template that only transformers can render loads its tokenizer on first use,
         which must not stall the other jobs' streams. template_kwargs: the request's chat_template_kwargs."""
         kw = dict(template_kwargs or {})
         taken = sorted(kw.keys() & _RESERVED_TEMPLATE_KWARGS)
         if taken:
-            raise JobError(f"chat_template_kwargs may not set {taken}: the request sets them",
-                           param=f"openai_input.chat_template_kwargs.{taken[0]}")
+            raise JobError(
+                f"chat_template_kwargs may not set {taken}: the request sets them",
+                param=f"openai_input.chat_template_kwargs.{taken[0]}",
+            )
         try:
             return await asyncio.to_thread(
-                self.engine.tok.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
-                chat_template=self.settings.CUSTOM_CHAT_TEMPLATE, **kw)
+                self.engine.tok.apply_chat_template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.settings.CUSTOM_CHAT_TEMPLATE,
+                **kw,
+            )
         except Exception as e:  # jinja errors from a template the messages do not fit
             raise JobError(f"{param}: the chat template rejected these messages: {e}", param=param) from None
 
     def paced(self, gen, sizer: BatchSizer):
         return paced(gen, sizer, self.settings.STREAM_FLUSH_MS / 1000)
 
-    def fit(self, prompt, params: SamplingParams, param: str, default_room: bool = False,
-             prompt_param: str | None = None):
+    def fit(
+        self, prompt, params: SamplingParams, param: str, default_room: bool = False, prompt_param: str | None = None
+    ):
         """Tokenize once and check the context: a max_tokens the context cannot hold is an error (as in
         vLLM's OpenAI server); with no max_tokens on OpenAI routes, use all the room left. param: the
         max_tokens field's path; prompt_param: the field the prompt came from (default: the engine's name)."""
@@ -171,14 +195,18 @@ class Worker:
         if default_room:
             params.max_tokens = room
         elif params.max_tokens > room:
-            raise JobError(f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
-                           f"context is {self.engine.max_model_len}, leaving room for {room}", param=param)
+            raise JobError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
+                f"context is {self.engine.max_model_len}, leaving room for {room}",
+                param=param,
+            )
         return {"prompt_token_ids": ids}, params
 
 
 # apply_chat_template's own arguments, which the request sets: a template kwarg cannot override them
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "chat_template",
-                                       "tokenize"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "add_generation_prompt", "chat_template", "tokenize"}
+)
 
 
 async def run_test_job(worker: Worker, job: Any, out) -> int:
@@ -195,8 +223,12 @@ async def run_test_job(worker: Worker, job: Any, out) -> int:
         if isinstance(chunk, dict) and chunk.get("error"):
             print(json.dumps({"status": "FAILED", "error": chunk["error"]}), file=out, flush=True)
             return 1
-    print(json.dumps({"status": "COMPLETED", "output": chunks,
-                      "executionTime": int(1000 * (time.perf_counter() - t0))}, ensure_ascii=False), file=out,
-          flush=True)
+    print(
+        json.dumps(
+            {"status": "COMPLETED", "output": chunks, "executionTime": int(1000 * (time.perf_counter() - t0))},
+            ensure_ascii=False,
+        ),
+        file=out,
+        flush=True,
+    )
     return 0
-

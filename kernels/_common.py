@@ -8,6 +8,7 @@ uses `backend(name)`, a per-thread override, so two engines in one process canno
 `round_to` is the fp32 -> x.dtype rounding every kernel here uses: Triton's interpreter casts fp32 -> bf16 by
 truncation (even with fp_downcast_rounding="rtne"), while torch and the GPU round to nearest even, so bf16
 rounding is done with integer ops that give RNE everywhere."""
+
 from __future__ import annotations
 
 import contextlib

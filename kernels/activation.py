@@ -4,6 +4,7 @@ Math (F.silu(gate) * up in x.dtype): silu is computed in fp32 and rounded to x.d
 `up` is rounded to x.dtype again. The kernel does the same two roundings
 (with _common.round_to, which rounds bf16 to nearest even under the interpreter too).
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ slot_mapping [T] int64 with slot = block_id * block_size + offset, and -1 for a 
 nothing. An fp8 (e4m3fn) cache stores (x.float() / scale).clamp(-448, 448) with per-tensor fp32 scales; other
 caches store x cast to their dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,11 +20,26 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8)
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ch, stride_cb, stride_co,
-    KVH, D, BLOCK_SIZE,
-    IS_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ch,
+    stride_cb,
+    stride_co,
+    KVH,
+    D,
+    BLOCK_SIZE,
+    IS_FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program per token: its [KVH, D] rows of k and v go to slot `slot` of every head's cache.
     t = tl.program_id(0).to(tl.int64)
@@ -51,16 +67,18 @@ def _reshape_and_cache_kernel(
 
 def _scale(s: torch.Tensor | None, name: str, device: torch.device) -> torch.Tensor:
     assert s is not None, f"an fp8 cache needs {name}"
-    assert s.numel() == 1 and s.dtype == torch.float32 and s.device == device, \
+    assert s.numel() == 1 and s.dtype == torch.float32 and s.device == device, (
         f"{name} must be a 1-element fp32 tensor on {device}, got {tuple(s.shape)} {s.dtype} {s.device}"
+    )
     return s.reshape(1)
 
 
 def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
     t, kvh, d = k.shape
     assert v.shape == k.shape and v.dtype == k.dtype, (k.shape, v.shape, k.dtype, v.dtype)
-    assert k_cache.dim() == 4 and k_cache.shape[0] == kvh and k_cache.shape[3] == d, \
+    assert k_cache.dim() == 4 and k_cache.shape[0] == kvh and k_cache.shape[3] == d, (
         f"cache {tuple(k_cache.shape)} vs k [T, {kvh}, {d}]"
+    )
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     assert k_cache.dtype in CACHE_DTYPES, k_cache.dtype
     assert slot_mapping.shape == (t,) and slot_mapping.dtype == torch.int64, (slot_mapping.shape, slot_mapping.dtype)
@@ -80,11 +98,26 @@ def reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None,
     if t == 0:
         return
     _reshape_and_cache_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        kvh, d, k_cache.shape[2],
-        IS_FP8=is_fp8, BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        kvh,
+        d,
+        k_cache.shape[2],
+        IS_FP8=is_fp8,
+        BLOCK_H=triton.next_power_of_2(kvh),
+        BLOCK_D=triton.next_power_of_2(d),
     )
 
 
@@ -106,9 +139,15 @@ def reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_
             cache.view(kvh, -1, d).index_copy_(1, slots, x.to(cache.dtype))
 
 
-def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> None:
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """Write k, v [T, KVH, D] into the caches [KVH, num_blocks, block_size, D] at slot_mapping [T] (in place)."""
     if use_triton(k):
         reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -12,6 +12,7 @@ even, `fp8e4m3_rne`), so the final cast has nothing left to round. The cast then
 in the Triton interpreter alike; the interpreter's own fp32->fp8 cast rounds ties up and, when the mantissa carry
 crosses a binade with an odd exponent, returns half the value (127.8 -> 64 instead of 128).
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,8 +71,7 @@ def quant_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m > 0 and k > 0:
-        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), k,
-                                 BLOCK_K=min(triton.next_power_of_2(k), 1024))
+        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), k, BLOCK_K=min(triton.next_power_of_2(k), 1024))
     return q, s
 
 
@@ -101,9 +101,22 @@ def quant_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr,
-    M, N, K, stride_am, stride_bn, stride_cm,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # c[M, N] = (a[M, K] @ b[N, K].T) * sa[M] * sb[N] + bias[N]; a, b fp8 with contiguous K.
     pid_m = tl.program_id(0)
@@ -129,8 +142,14 @@ def _fp8_gemm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_gemm_triton(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """xq [M, K] fp8, x_scale [M, 1] fp32, wq [N, K] fp8, w_scale [N, 1] fp32, bias [N] -> [M, N]."""
     m, k = xq.shape
     n = wq.shape[0]
@@ -145,9 +164,22 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w
     bk = min(64, max(16, triton.next_power_of_2(k)))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_gemm_kernel[grid](
-        xq, wq, x_scale, w_scale, bias if bias is not None else x_scale, out,
-        m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        xq,
+        wq,
+        x_scale,
+        w_scale,
+        bias if bias is not None else x_scale,
+        out,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        wq.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
     )
     return out
 
@@ -159,33 +191,50 @@ def _check_operands(xq, x_scale, wq, w_scale, bias) -> None:
     assert wq.shape == (n, k), f"wq {tuple(wq.shape)} vs x [.., {k}]"
     assert xq.stride(-1) == 1 and wq.stride(-1) == 1, "K must be contiguous"
     assert x_scale.shape == (m, 1) and x_scale.dtype == torch.float32 and x_scale.is_contiguous()
-    assert w_scale.shape == (n, 1) and w_scale.dtype == torch.float32 and w_scale.is_contiguous(), \
+    assert w_scale.shape == (n, 1) and w_scale.dtype == torch.float32 and w_scale.is_contiguous(), (
         f"w_scale must be [N, 1] fp32, got {tuple(w_scale.shape)} {w_scale.dtype}"
+    )
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be [N] contiguous"
 
 
 def scaled_mm_supported(x: torch.Tensor, n: int, k: int) -> bool:
     """torch._scaled_mm with rowwise scales: CUDA sm89+, and K and N multiples of 16."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
-            and k % 16 == 0 and n % 16 == 0)
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
 
 
-def fp8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_gemm_scaled_mm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """torch._scaled_mm, rowwise: mat1 [M, K] row-major, mat2 [K, N] column-major (wq.t() of a row-major
     [N, K]), scale_a [M, 1] and scale_b [1, N] fp32. The CUTLASS rowwise kernel (sm89, and sm90 with older
     cuBLAS) only writes bf16, so the GEMM always outputs bf16 and fuses the bias only when out_dtype is bf16."""
     _check_operands(xq, x_scale, wq, w_scale, bias)
     fuse_bias = bias is not None and out_dtype == torch.bfloat16
-    out = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(),
-                           bias=bias.to(torch.bfloat16) if fuse_bias else None, out_dtype=torch.bfloat16)
+    out = torch._scaled_mm(
+        xq,
+        wq.t(),
+        scale_a=x_scale,
+        scale_b=w_scale.t(),
+        bias=bias.to(torch.bfloat16) if fuse_bias else None,
+        out_dtype=torch.bfloat16,
+    )
     if bias is not None and not fuse_bias:
         return (out.float() + bias.float()).to(out_dtype)
     return out.to(out_dtype)
 
 
-def fp8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_linear_ref(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The fp8 products accumulated in fp32, then scaled per token and per channel, as the GEMM kernels do
     (and cheaper on CPU than dequantizing the weights first). x [..., K], wq [N, K], w_scale [N, 1] -> [..., N]."""
     xq, x_scale = quant_rows_ref(x.reshape(-1, x.shape[-1]))  # [T, K], [T, 1]
@@ -195,8 +244,13 @@ def fp8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bia
     return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """W8A8 linear: x [..., K] (quantized here, per token), wq [N, K] fp8, w_scale [N, 1] fp32 -> [..., N]."""
     if not use_triton(x):
         return fp8_linear_ref(x, wq, w_scale, bias, out_dtype)

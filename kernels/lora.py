@@ -32,6 +32,7 @@ Design:
   tf32: bf16/fp16 weights are exact in tf32, so only y loses bits (2^-11 relative), 8x less than casting y to
   bf16 as Punica does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,9 +46,24 @@ from kernels._common import round_to, use_triton
 
 @triton.jit
 def _sgmv_kernel(
-    x_ptr, w_ptr, out_ptr, order_ptr, start_ptr, count_ptr,
-    N, K, col_offset, stride_xt, stride_ws, stride_wn, stride_ot,
-    ADD: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    order_ptr,
+    start_ptr,
+    count_ptr,
+    N,
+    K,
+    col_offset,
+    stride_xt,
+    stride_ws,
+    stride_wn,
+    stride_ot,
+    ADD: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # out[t, col_offset + n] (+)= sum_k x[t, k] * w[s, n, k] for the tokens t of slot s = program_id(2).
     # Shrink: x [T, IN], w = lora_a [S, R, IN], out = y [T, R]. Expand: x = y, w = lora_b [S, OUT, R].
@@ -113,25 +129,44 @@ def _sgmv(x, w, out, runs, offset: int, add: bool, native_dot: bool | None) -> N
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     order, start, count = runs
     _sgmv_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n), s)](
-        x, w, out, order, start, count, n, k, offset, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ADD=add, DOT=_dot_mode(x, w, native_dot), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x,
+        w,
+        out,
+        order,
+        start,
+        count,
+        n,
+        k,
+        offset,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        ADD=add,
+        DOT=_dot_mode(x, w, native_dot),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
 
 
 def _check(x, w, token_slot, what: str) -> None:
     assert x.dim() == 2 and w.dim() == 3, f"{what}: x [T, K] and weights [S, N, K], got {x.shape}, {w.shape}"
     assert w.shape[2] == x.shape[1], f"{what}: weights {tuple(w.shape)} do not take x [.., {x.shape[1]}]"
-    assert token_slot.shape == (x.shape[0],) and token_slot.dtype in (torch.int32, torch.int64), \
+    assert token_slot.shape == (x.shape[0],) and token_slot.dtype in (torch.int32, torch.int64), (
         f"{what}: token_slot must be [T] int32/int64, got {tuple(token_slot.shape)} {token_slot.dtype}"
+    )
     assert x.stride(-1) == 1 and w.stride(-1) == 1, f"{what}: last dims must be contiguous"
     assert w.dtype in (torch.float32, torch.float16, torch.bfloat16), w.dtype
 
 
 def _check_out(y, lora_b, out, offset: int) -> None:
-    assert out.dim() == 2 and out.shape[0] == y.shape[0] and out.stride(-1) == 1, \
+    assert out.dim() == 2 and out.shape[0] == y.shape[0] and out.stride(-1) == 1, (
         f"out must be [T, N] with contiguous columns, got {tuple(out.shape)}"
-    assert 0 <= offset and offset + lora_b.shape[1] <= out.shape[1], \
+    )
+    assert 0 <= offset and offset + lora_b.shape[1] <= out.shape[1], (
         f"columns {offset}:{offset + lora_b.shape[1]} outside out [.., {out.shape[1]}]"
+    )
 
 
 def lora_shrink_triton(x, lora_a, token_slot, native_dot: bool | None = None, runs=None) -> torch.Tensor:
@@ -141,8 +176,9 @@ def lora_shrink_triton(x, lora_a, token_slot, native_dot: bool | None = None, ru
     return y
 
 
-def lora_expand_triton(y, lora_b, token_slot, out, offset: int = 0, add: bool = True,
-                       native_dot: bool | None = None, runs=None) -> torch.Tensor:
+def lora_expand_triton(
+    y, lora_b, token_slot, out, offset: int = 0, add: bool = True, native_dot: bool | None = None, runs=None
+) -> torch.Tensor:
     _check(y, lora_b, token_slot, "lora_expand")
     _check_out(y, lora_b, out, offset)
     _sgmv(y, lora_b, out, runs or _slot_runs(token_slot, lora_b.shape[0]), offset, add, native_dot)
@@ -171,24 +207,27 @@ def lora_shrink_ref(x, lora_a, token_slot, groups=None) -> torch.Tensor:
 
 
 def lora_expand_ref(y, lora_b, token_slot, out, offset: int = 0, add: bool = True, groups=None) -> torch.Tensor:
-    dst = out[:, offset:offset + lora_b.shape[1]]  # [T, OUT], a view: writes land in out
+    dst = out[:, offset : offset + lora_b.shape[1]]  # [T, OUT], a view: writes land in out
     for s, rows in groups if groups is not None else _slot_groups(token_slot):
         b_t = lora_b[s].float().t()  # [R, OUT]
         # [n, OUT] = dst + [n, R] @ [R, OUT] in fp32 (addmm saves a pass over dst), one rounding to out.dtype
-        dst[rows] = (torch.addmm(dst[rows].float(), y[rows].float(), b_t) if add else y[rows].float() @ b_t
-                     ).to(out.dtype)
+        dst[rows] = (torch.addmm(dst[rows].float(), y[rows].float(), b_t) if add else y[rows].float() @ b_t).to(
+            out.dtype
+        )
     return out
 
 
 def add_lora_ref(out, x, lora_a, lora_b, token_slot, offset: int = 0) -> torch.Tensor:
     groups = _slot_groups(token_slot)
-    return lora_expand_ref(lora_shrink_ref(x, lora_a, token_slot, groups), lora_b, token_slot, out, offset,
-                           groups=groups)
+    return lora_expand_ref(
+        lora_shrink_ref(x, lora_a, token_slot, groups), lora_b, token_slot, out, offset, groups=groups
+    )
 
 
 def add_lora_triton(out, x, lora_a, lora_b, token_slot, offset: int = 0, native_dot: bool | None = None):
-    assert lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == lora_b.shape[2], \
+    assert lora_a.shape[0] == lora_b.shape[0] and lora_a.shape[1] == lora_b.shape[2], (
         f"lora_a {tuple(lora_a.shape)} and lora_b {tuple(lora_b.shape)} disagree on slots or rank"
+    )
     runs = _slot_runs(token_slot, lora_a.shape[0])
     y = lora_shrink_triton(x, lora_a, token_slot, native_dot, runs)
     return lora_expand_triton(y, lora_b, token_slot, out, offset, True, native_dot, runs)
@@ -240,15 +279,16 @@ def slot_groups(token_slot: torch.Tensor, num_slots: int | None = None) -> SlotG
     real_pos = mask.flatten().nonzero().flatten()  # [N]
     dense = num_slots is not None and present.tolist() == list(range(num_slots))
     dev = token_slot.device
-    return SlotGroups(runs, idx.to(dev), mask.to(dev), present.to(dev), idx.flatten()[real_pos].to(dev),
-                      real_pos.to(dev), dense)
+    return SlotGroups(
+        runs, idx.to(dev), mask.to(dev), present.to(dev), idx.flatten()[real_pos].to(dev), real_pos.to(dev), dense
+    )
 
 
 def add_lora_bmm(out, x, lora_a, lora_b, g: SlotGroups, offset: int = 0) -> torch.Tensor:
     """The CPU serving path: sliced matmuls for long runs of one adapter, and one gather-based bmm (Punica's
     BGMV, gathering weights per slot rather than per token) for the other rows, so the op count does not grow
     with the number of adapters or decodes. fp32 math, one rounding of out + delta, as the reference."""
-    dst = out[:, offset:offset + lora_b.shape[1]]  # a view: the writes land in out
+    dst = out[:, offset : offset + lora_b.shape[1]]  # a view: the writes land in out
     for s, a, b in g.runs:
         y = x[a:b].float() @ lora_a[s].float().t()  # [n, R]
         # (out + delta) in fp32, rounded once: rounding the delta first loses bits when it cancels against out
@@ -267,12 +307,17 @@ def add_lora_bmm(out, x, lora_a, lora_b, g: SlotGroups, offset: int = 0) -> torc
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
     """x [T, IN], lora_a [S, R, IN], token_slot [T] (-1: none) -> y [T, R] fp32, y[t] = A[slot[t]] @ x[t]."""
-    return lora_shrink_triton(x, lora_a, token_slot) if use_triton(x) else \
-        lora_shrink_ref(x, lora_a, token_slot)
+    return lora_shrink_triton(x, lora_a, token_slot) if use_triton(x) else lora_shrink_ref(x, lora_a, token_slot)
 
 
-def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, token_slot: torch.Tensor, out: torch.Tensor,
-                offset: int = 0, add: bool = True) -> torch.Tensor:
+def lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slot: torch.Tensor,
+    out: torch.Tensor,
+    offset: int = 0,
+    add: bool = True,
+) -> torch.Tensor:
     """In place: out[t, offset:offset+OUT] += B[slot[t]] @ y[t] (add=False: =) for slot >= 0. lora_b [S, OUT, R],
     y [T, R]. Rows of slot -1 and columns outside the slice are not touched. Returns out."""
     if use_triton(y):
@@ -280,8 +325,15 @@ def lora_expand(y: torch.Tensor, lora_b: torch.Tensor, token_slot: torch.Tensor,
     return lora_expand_ref(y, lora_b, token_slot, out, offset, add)
 
 
-def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             token_slot: torch.Tensor, offset: int = 0, groups: SlotGroups | None = None) -> torch.Tensor:
+def add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slot: torch.Tensor,
+    offset: int = 0,
+    groups: SlotGroups | None = None,
+) -> torch.Tensor:
     """In place: out[:, offset:offset+OUT] += the LoRA delta of x (shrink then expand). Returns out.
     Off CUDA: the gather-based bmm, with `groups` (slot_groups(token_slot), once per step) when given."""
     if use_triton(x):

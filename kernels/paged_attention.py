@@ -11,6 +11,7 @@ Design (one unified kernel, tile numbering without a host sync, masking, fp32 vs
 splits): docs/kernels.md, "Paged attention".
 Rows of q past query_start_loc[-1] (padding) are left unspecified.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,16 +41,46 @@ def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-    bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
-    scale, num_seqs, num_tokens, num_heads, head_dim, block_size,
-    stride_qt, stride_qh, stride_qd,
-    stride_kh, stride_kb, stride_ks, stride_kd,
-    stride_vh, stride_vb, stride_vs, stride_vd,
-    stride_ot, stride_oh, stride_od,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale,
+    num_seqs,
+    num_tokens,
+    num_heads,
+    head_dim,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kh,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vh,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
     stride_bt,
-    REP: tl.constexpr, NUM_SPLITS: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    REP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -73,8 +104,11 @@ def _paged_attn_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
 
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     if not NATIVE_DOT:
         q = q.to(tl.float32)
     k_scale = tl.load(k_scale_ptr)
@@ -99,10 +133,16 @@ def _paged_attn_kernel(
         blk = tl.where(pos_ok, blk, 0).to(tl.int64)
         in_blk = pos % block_size
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_base + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(
+            k_base + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
         k = k.to(tl.float32) * k_scale
         v = v.to(tl.float32) * v_scale
         if NATIVE_DOT:
@@ -126,8 +166,11 @@ def _paged_attn_kernel(
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     else:
         idx = (split * num_tokens + tok) * num_heads + head  # [BLOCK_M] into scratch [S, T, H]
         tl.store(m_ptr + idx, m_i, mask=row_ok)
@@ -137,10 +180,19 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr,
-    num_tokens, num_heads, head_dim,
-    stride_ot, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    num_tokens,
+    num_heads,
+    head_dim,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program per (token, head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
     tok = tl.program_id(0).to(tl.int64)
@@ -155,13 +207,15 @@ def _reduce_splits_kernel(
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp(m - m_max)  # empty splits (m = -inf) weigh 0
-    acc = tl.load(acc_ptr + idx[:, None] * head_dim + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                  other=0.0)  # [BLOCK_S, BLOCK_D]
+    acc = tl.load(
+        acc_ptr + idx[:, None] * head_dim + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+    )  # [BLOCK_S, BLOCK_D]
     num = tl.sum(w[:, None] * acc, 0)
     den = tl.sum(w * l_s, 0)
     out = num / tl.where(den == 0.0, 1.0, den)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_ok
+    )
 
 
 def _scale_tensor(x, device) -> torch.Tensor:
@@ -180,9 +234,22 @@ def _auto_num_splits(q: torch.Tensor, programs: int, max_ctx: int) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), max_ctx // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           k_scale=None, v_scale=None, max_query_len=None, num_splits=None, *,
-                           native_dot: bool | None = None, block_n: int = 32) -> torch.Tensor:
+def paged_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    max_query_len=None,
+    num_splits=None,
+    *,
+    native_dot: bool | None = None,
+    block_n: int = 32,
+) -> torch.Tensor:
     """Launcher. `max_query_len` is a hint (1: pure decode, one token per tile); any value stays correct.
     `native_dot` None: 16-bit tl.dot operands on CUDA, fp32 operands elsewhere (interpreter)."""
     t, h, d = q.shape
@@ -216,24 +283,67 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
         m_buf = l_buf = acc_buf = out  # unused (NUM_SPLITS == 1)
     block_d = max(16, triton.next_power_of_2(d))
     _paged_attn_kernel[(num_tiles, kvh, num_splits)](
-        q, k_cache, v_cache, out, m_buf, l_buf, acc_buf,
-        block_tables, seq_lens, query_start_loc,
-        _scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device),
-        float(scale), b, t, h, d, bs,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_tables.stride(0),
-        REP=rep, NUM_SPLITS=num_splits, NATIVE_DOT=bool(native_dot),
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        m_buf,
+        l_buf,
+        acc_buf,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        _scale_tensor(k_scale, q.device),
+        _scale_tensor(v_scale, q.device),
+        float(scale),
+        b,
+        t,
+        h,
+        d,
+        bs,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        block_tables.stride(0),
+        REP=rep,
+        NUM_SPLITS=num_splits,
+        NATIVE_DOT=bool(native_dot),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(t, h)](
-            m_buf, l_buf, acc_buf, out, t, h, d, *out.stride(),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            m_buf,
+            l_buf,
+            acc_buf,
+            out,
+            t,
+            h,
+            d,
+            *out.stride(),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
         )
     return out
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                        k_scale=None, v_scale=None, max_query_len=None, num_splits=None) -> torch.Tensor:
+def paged_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    max_query_len=None,
+    num_splits=None,
+) -> torch.Tensor:
     """Plain torch, one sequence at a time: gather its blocks, dequantize, causal softmax in fp32.
     max_query_len and num_splits are accepted for signature parity and ignored."""
     t, h, d = q.shape
@@ -248,7 +358,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         n = e - s
         if n == 0:
             continue
-        blocks = block_tables[i, :triton.cdiv(ctx, bs)].long()
+        blocks = block_tables[i, : triton.cdiv(ctx, bs)].long()
         k = k_cache[:, blocks].reshape(kvh, -1, d)[:, :ctx].float() * ks  # [KVH, ctx, D]
         v = v_cache[:, blocks].reshape(kvh, -1, d)[:, :ctx].float() * vs
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [H, ctx, D]
@@ -261,9 +371,31 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    k_scale=None, v_scale=None, max_query_len=None, num_splits=None) -> torch.Tensor:
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    max_query_len=None,
+    num_splits=None,
+) -> torch.Tensor:
     """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc)."""
     fn = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-              k_scale=k_scale, v_scale=v_scale, max_query_len=max_query_len, num_splits=num_splits)
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        max_query_len=max_query_len,
+        num_splits=num_splits,
+    )

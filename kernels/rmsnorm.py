@@ -7,6 +7,7 @@ torch bit for bit; only the fp32 row sum differs in order.
 
 Every fp32 -> x.dtype rounding uses _common.round_to (nearest even, also under the interpreter).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,10 +19,19 @@ from kernels._common import round_to, use_triton
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_res, stride_out, stride_res_out,
-    hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # One program per row. x/res/out rows: [hidden], contiguous in the last dim.
     row = tl.program_id(0).to(tl.int64)
@@ -65,10 +75,19 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         r2 = ro2 = res_out = x2  # unused (HAS_RESIDUAL=False)
     if n > 0:
         _rms_norm_kernel[(n,)](
-            x2, r2, weight, out2, ro2,
-            x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-            hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+            x2,
+            r2,
+            weight,
+            out2,
+            ro2,
+            x2.stride(0),
+            r2.stride(0),
+            out2.stride(0),
+            ro2.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(hidden),
         )
     return out, (res_out if residual is not None else None)
 
@@ -77,8 +96,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return _launch(x, None, weight, eps)[0]
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes new tensors; x and residual are not modified."""
     return _launch(x, residual, weight, eps)
 
@@ -91,8 +111,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + x  # [..., hidden]
     return rms_norm_ref(residual, weight, eps), residual
 
@@ -102,8 +123,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_triton(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(residual + x), residual + x) as new tensors; inputs are not modified."""
     if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)

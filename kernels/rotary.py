@@ -8,6 +8,7 @@ matches the reference bit for bit. Scaling (linear, llama3) only changes the tab
 The Triton path works IN PLACE on q and k (each program reads both halves of a head before writing them);
 the public op returns (q, k) either way, so callers must use the returned tensors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,10 +39,22 @@ def _rope_rows(base_ptr, stride_h, n_heads, c1, c2, s1, s2, half, BLOCK_H: tl.co
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
-    n_q_heads, n_kv_heads, half,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    n_q_heads,
+    n_kv_heads,
+    half,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program per token: q[t] [H, D] and k[t] [KVH, D] share one cos/sin row.
     t = tl.program_id(0).to(tl.int64)
@@ -60,8 +73,9 @@ def _rotary_kernel(
     _rope_rows(k_ptr + t * stride_kt, stride_kh, n_kv_heads, c1, c2, s1, s2, half, BLOCK_HK, BLOCK_D)
 
 
-def rotary_embedding_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding_triton(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q and k; returns them."""
     assert q.dim() == 3 and k.dim() == 3, f"q [T, H, D], k [T, KVH, D]; got {tuple(q.shape)}, {tuple(k.shape)}"
     t, n_q, d = q.shape
@@ -74,10 +88,21 @@ def rotary_embedding_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     assert positions.is_contiguous()
     if t > 0:
         _rotary_kernel[(t,)](
-            q, k, cos, sin, positions,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            n_q, k.shape[1], d // 2,
-            BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            q,
+            k,
+            cos,
+            sin,
+            positions,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            n_q,
+            k.shape[1],
+            d // 2,
+            BLOCK_HQ=triton.next_power_of_2(n_q),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
             BLOCK_D=triton.next_power_of_2(d // 2),
             enable_fp_fusion=False,  # torch rounds q*cos and rot*sin separately: no fma, bit-exact on GPU
         )
@@ -89,16 +114,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotary_embedding_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     # q: [T, H, D], k: [T, KVH, D], cos/sin: [max_pos, D] fp32, positions: [T]
     c = cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
     s = sin[positions].unsqueeze(1).to(q.dtype)
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
-def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (q_rot, k_rot). The Triton path rotates q and k in place; the reference returns new tensors."""
     if use_triton(q):
         return rotary_embedding_triton(q, k, cos, sin, positions)

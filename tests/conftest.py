@@ -1,5 +1,6 @@
 """Shared fixtures: the real SmolLM2 weights (converted once into the user cache) and tiny random
 models of each supported architecture, saved as real HF checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,20 @@ TINY_VOCAB = 384
 # name -> (transformers config class name, extra config)
 TINY_ARCHS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama3-rope-tied": ("LlamaConfig", dict(
-        tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "llama3-rope-tied": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=48)),  # head_dim != hidden/heads
@@ -49,13 +60,21 @@ def _tiny_tokenizer(out: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ["The quick brown fox jumps over the lazy dog.", "Paged attention keeps KV blocks in a pool.",
-              "Hello world! Bonjour le monde. Grüße, 世界 😀", "def step(self): schedule, run, postprocess"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Paged attention keeps KV blocks in a pool.",
+        "Hello world! Bonjour le monde. Grüße, 世界 😀",
+        "def step(self): schedule, run, postprocess",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
     fast.save_pretrained(str(out))
 
 
@@ -64,10 +83,21 @@ def build_tiny_model(out: Path, arch: str, *, seed: int = 0, init_range: float =
 
     cls_name, extra = TINY_ARCHS[arch]
     cfg = getattr(transformers, cls_name)(
-        vocab_size=TINY_VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-        initializer_range=init_range, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        attention_bias=arch == "qwen2", **{**extra, **overrides})
+        vocab_size=TINY_VOCAB,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=init_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        attention_bias=arch == "qwen2",
+        **{**extra, **overrides},
+    )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if arch == "qwen2":  # random biases, so that a model ignoring them would fail the parity test
@@ -105,9 +135,15 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, top_n: 
     results = []
     for ids in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=2)
-        new = out.sequences[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=2,
+            )
+        new = out.sequences[0, len(ids) :].tolist()
         tops = []
         for step_logits in out.logits[: len(new)]:
             lp = torch.log_softmax(step_logits[0].float(), -1)
@@ -117,18 +153,21 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, top_n: 
     return results
 
 
-def check_logprobs_close(ours: list[int], ours_lp: list[dict], ref: list[int], ref_lp: list[dict], name: str,
-                         atol: float = 1e-3) -> None:
+def check_logprobs_close(
+    ours: list[int], ours_lp: list[dict], ref: list[int], ref_lp: list[dict], name: str, atol: float = 1e-3
+) -> None:
     """vLLM's rule: at the first differing position, each side's token must be in the other's top-N.
     Where tokens agree, the chosen token's logprob must be close."""
     for pos, (a, b) in enumerate(zip(ours, ref)):
         if a != b:
-            assert a in ref_lp[pos] and b in ours_lp[pos], \
+            assert a in ref_lp[pos] and b in ours_lp[pos], (
                 f"{name}: position {pos}: ours {a} vs ref {b}; not in each other's top-N"
+            )
             return
         if b in ref_lp[pos]:
-            assert abs(ours_lp[pos][a] - ref_lp[pos][b]) < atol, \
+            assert abs(ours_lp[pos][a] - ref_lp[pos][b]) < atol, (
                 f"{name}: position {pos}: logprob {ours_lp[pos][a]:.5f} vs ref {ref_lp[pos][b]:.5f}"
+            )
 
 
 def write_json(path: Path, obj) -> None:

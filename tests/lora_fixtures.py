@@ -3,6 +3,7 @@ the server side, and real PEFT adapters for the tiny models of tests/conftest.py
 
 Requests are counted from the server's own access log (werkzeug writes one line per request before the response
 body), so a cache cannot fake a hit: a GET it made shows up there whatever the client does."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,14 @@ from bench.procs import MotoServer
 def moto_server(tmp_path_factory):
     # Dummy credentials for this process only; the server process gets none (moto does not check them).
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_SESSION_TOKEN="testing",
-                         AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull,
-                         AWS_SHARED_CREDENTIALS_FILE=os.devnull).items():
+        for k, v in dict(
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_SESSION_TOKEN="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+            AWS_CONFIG_FILE=os.devnull,
+            AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        ).items():
             mp.setenv(k, v)
         server = MotoServer(tmp_path_factory.mktemp("moto") / "server.log")
         try:
@@ -38,8 +44,9 @@ def s3(moto_server):
     return boto3.session.Session().client("s3", endpoint_url=moto_server.url)
 
 
-def upload_adapter(s3, bucket: str, prefix: str, folder: Path, files=("adapter_config.json",
-                                                                      "adapter_model.safetensors")) -> str:
+def upload_adapter(
+    s3, bucket: str, prefix: str, folder: Path, files=("adapter_config.json", "adapter_model.safetensors")
+) -> str:
     """Put `files` of `folder` under s3://bucket/prefix/ (bucket created if needed); returns the URI."""
     try:
         s3.create_bucket(Bucket=bucket)
@@ -51,9 +58,18 @@ def upload_adapter(s3, bucket: str, prefix: str, folder: Path, files=("adapter_c
     return f"s3://{bucket}/{prefix}"
 
 
-def make_peft_adapter(base: Path, out: Path, *, r: int = 4, alpha: float = 8, rslora: bool = False,
-                      targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                      seed: int = 0, b_std: float = 0.1, **lora_kwargs):
+def make_peft_adapter(
+    base: Path,
+    out: Path,
+    *,
+    r: int = 4,
+    alpha: float = 8,
+    rslora: bool = False,
+    targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    seed: int = 0,
+    b_std: float = 0.1,
+    **lora_kwargs,
+):
     """A real PEFT adapter: get_peft_model + random non-zero A and B + save_pretrained.
 
     Returns (folder, expected) where expected = {"scaling": PEFT's own scaling, "weights": {(layer, module):
@@ -63,8 +79,10 @@ def make_peft_adapter(base: Path, out: Path, *, r: int = 4, alpha: float = 8, rs
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     targets = list(targets) if not isinstance(targets, str) else targets
-    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-                                          lora_dropout=0.0, **lora_kwargs))
+    pm = get_peft_model(
+        model,
+        LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, lora_dropout=0.0, **lora_kwargs),
+    )
     g = torch.Generator().manual_seed(seed)
     weights, scaling = {}, set()
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """AsyncEngine: streaming deltas, cancellation, event-loop health, and a 10x-oversubscribed load test."""
+
 from __future__ import annotations
 
 import asyncio
@@ -104,8 +105,7 @@ def test_32_streams_do_not_block_event_loop(smol_async):
                 lags.append(time.perf_counter() - t - 0.005)
 
         tick = asyncio.create_task(ticker())
-        results = await asyncio.gather(*(_collect(smol_async, f"Count to ten, take {i}:", params)
-                                         for i in range(32)))
+        results = await asyncio.gather(*(_collect(smol_async, f"Count to ten, take {i}:", params) for i in range(32)))
         stop.set()
         await tick
         return results, lags
@@ -115,16 +115,21 @@ def test_32_streams_do_not_block_event_loop(smol_async):
     lags.sort()
     # The model runs on the engine thread. The loop only tokenizes and moves queue items, so even
     # its worst stall stays far below one model step (~100+ ms here).
-    print(f"event-loop lag: median {lags[len(lags) // 2] * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms, "
-          f"{len(lags)} ticks")
+    print(f"event-loop lag: median {lags[len(lags) // 2] * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms, {len(lags)} ticks")
     assert len(lags) > 20
     assert lags[-1] < 0.1, f"event loop stalled for {lags[-1] * 1e3:.0f} ms"
 
 
 def test_200_requests_over_10x_kv_pool(tiny_llama):
     """Together they need ~10x the pool: preemption must finish all of them, correctly."""
-    cfg = dict(model=str(tiny_llama), dtype="float32", num_kv_blocks=40, max_model_len=128,
-               max_num_batched_tokens=256, log_stats_interval=0)
+    cfg = dict(
+        model=str(tiny_llama),
+        dtype="float32",
+        num_kv_blocks=40,
+        max_model_len=128,
+        max_num_batched_tokens=256,
+        log_stats_interval=0,
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(8, 48))] for _ in range(200)]
     lens = [rng.randrange(8, 40) for _ in range(200)]
@@ -134,9 +139,12 @@ def test_200_requests_over_10x_kv_pool(tiny_llama):
     eng = AsyncEngine(EngineConfig(**cfg))
 
     async def main():
-        return await asyncio.gather(*(
-            _collect(eng, {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts, lens)))
+        return await asyncio.gather(
+            *(
+                _collect(eng, {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, lens)
+            )
+        )
 
     results = asyncio.run(main())
     stats = eng.stats()
@@ -147,6 +155,7 @@ def test_200_requests_over_10x_kv_pool(tiny_llama):
     # spot-check against the same prompts run one at a time
     single = LLM(**cfg)
     for i in range(0, 200, 25):
-        ref = single.generate({"prompt_token_ids": prompts[i]},
-                              SamplingParams(temperature=0, max_tokens=lens[i], ignore_eos=True))
+        ref = single.generate(
+            {"prompt_token_ids": prompts[i]}, SamplingParams(temperature=0, max_tokens=lens[i], ignore_eos=True)
+        )
         assert results[i][1] == ref[0].outputs[0].token_ids, f"request {i}"

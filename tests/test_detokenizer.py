@@ -1,4 +1,5 @@
 """Incremental detokenization on the real SmolLM2 tokenizer: no half characters, stop strings across tokens."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,6 @@ def test_streaming_holds_back_possible_stop_prefix(tok):
     for t in tok(TEXT).input_ids:
         d.add_token(t)
         emitted += d.pop_delta(finished=False)
-        assert not TEXT[len(emitted):].startswith("München!") or "Mün" not in emitted[-3:]
+        assert not TEXT[len(emitted) :].startswith("München!") or "Mün" not in emitted[-3:]
     emitted += d.pop_delta(finished=True)
     assert emitted == TEXT

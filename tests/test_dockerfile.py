@@ -2,6 +2,7 @@
 that can be checked from the repo is: copied files exist and are in the build context, the modules it runs
 import, it runs as non-root, no secret sits in ENV/ARG, its CUDA base and pins agree with pyproject.toml, and
 the worker finds a model baked at build time. hadolint lints it when installed (the test extra)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -66,7 +67,7 @@ PROJECT_PINS = pins(PYPROJECT["dependencies"] + [r for v in PYPROJECT["optional-
 def strip_flags(args: str) -> tuple[list[str], list[str]]:
     """An instruction's leading --flags and the rest, as words (the JSON form too)."""
     flags = re.findall(r"^(?:--\S+\s+)*", args)[0].split()
-    rest = args[len(" ".join(flags)):].strip() if flags else args
+    rest = args[len(" ".join(flags)) :].strip() if flags else args
     return flags, json.loads(rest) if rest.startswith("[") else shlex.split(rest)
 
 
@@ -79,10 +80,12 @@ def env_pairs(args: str) -> dict[str, str]:
 
 def expand(value: str, env: dict[str, str]) -> str:
     """Docker's $VAR, ${VAR}, ${VAR:-word} and ${VAR:+word} (what the Dockerfile uses)."""
+
     def sub(m):
         name, op, word = m["name"] or m["bare"], m["op"], m["word"] or ""
         val = env.get(name, "")
         return {":-": val or word, ":+": word if val else ""}.get(op, val)
+
     return re.sub(r"\$(?:\{(?P<name>\w+)(?:(?P<op>:[-+])(?P<word>[^}]*))?\}|(?P<bare>\w+))", sub, value)
 
 
@@ -113,8 +116,10 @@ def dockerignore_excludes(rel: str) -> bool:
         if not pat or pat.startswith("#"):
             continue
         neg, pat = pat.startswith("!"), pat.lstrip("!").strip("/")
-        rx = "".join(".*" if t == "**" else "[^/]*" if t == "*" else "[^/]" if t == "?" else re.escape(t)
-                     for t in re.split(r"(\*\*|\*|\?)", pat))
+        rx = "".join(
+            ".*" if t == "**" else "[^/]*" if t == "*" else "[^/]" if t == "?" else re.escape(t)
+            for t in re.split(r"(\*\*|\*|\?)", pat)
+        )
         rx = rx.replace(".*/", "(?:.*/)?")  # `**/x` also matches a top-level x
         if any(re.fullmatch(rx, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
             excluded = not neg

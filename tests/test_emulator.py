@@ -1,5 +1,6 @@
 """End to end over real HTTP: `python -m handler.local` runs the real worker (runpod's JobScaler) on SmolLM2,
 and the official `openai` client and `runpod.Endpoint` talk to it unmodified."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,14 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def emu(smollm2_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(MODEL_NAME=str(smollm2_path), DTYPE="float32", MAX_CONCURRENCY="8", MAX_MODEL_LEN="2048",
-               HF_HUB_OFFLINE="1", OPENAI_SERVED_MODEL_NAME_OVERRIDE="smol")
+    env.update(
+        MODEL_NAME=str(smollm2_path),
+        DTYPE="float32",
+        MAX_CONCURRENCY="8",
+        MAX_MODEL_LEN="2048",
+        HF_HUB_OFFLINE="1",
+        OPENAI_SERVED_MODEL_NAME_OVERRIDE="smol",
+    )
     e = Emulator(env)
     yield e
     e.close()
@@ -50,8 +57,9 @@ def test_openai_client(oai):
     full = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0)
     text = full.choices[0].message.content
     assert text and full.usage.completion_tokens > 0
-    stream = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0, stream=True,
-                                         stream_options={"include_usage": True})
+    stream = oai.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     pieces, usage = [], None
     for chunk in stream:
         if chunk.choices:
@@ -62,17 +70,26 @@ def test_openai_client(oai):
     # the same prompt again: its full 16-token blocks come from the prefix cache
     cached = usage.prompt_tokens_details.cached_tokens
     assert cached == (usage.prompt_tokens - 1) // 16 * 16 > 0
-    comp = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=4, temperature=0,
-                                  extra_body={"top_k": 1, "ignore_eos": True})
+    comp = oai.completions.create(
+        model="smol",
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"top_k": 1, "ignore_eos": True},
+    )
     assert comp.choices[0].text.startswith(" Paris")
     from openai import NotFoundError
+
     with pytest.raises(NotFoundError):
         oai.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2)
 
 
 def test_runpod_endpoint(endpoint):
-    job = {"prompt": "The capital of France is", "stream": True,
-           "sampling_params": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+    job = {
+        "prompt": "The capital of France is",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_tokens": 12, "ignore_eos": True},
+    }
     out = endpoint.run_sync(job, timeout=120)
     text = "".join(t for c in out for t in c["choices"][0]["tokens"])
     assert text.startswith(" Paris") and out[-1]["usage"]["output"] == 12
@@ -86,12 +103,18 @@ def _native_text(chunks):
 
 
 def test_32_concurrent_mixed_jobs(emu, oai):
-    kinds = [("native", "Write one sentence about the sea."), ("native", "List two animals:"),
-             ("openai", "Say hello in French."), ("openai", "What is 3+3?")]
+    kinds = [
+        ("native", "Write one sentence about the sea."),
+        ("native", "List two animals:"),
+        ("openai", "Say hello in French."),
+        ("openai", "What is 3+3?"),
+    ]
 
     def native(prompt):
-        r = requests.post(f"{emu.base}/run", json={"input": {
-            "prompt": prompt, "stream": True, "sampling_params": {"temperature": 0, "max_tokens": 24}}}).json()
+        r = requests.post(
+            f"{emu.base}/run",
+            json={"input": {"prompt": prompt, "stream": True, "sampling_params": {"temperature": 0, "max_tokens": 24}}},
+        ).json()
         t0, first, chunks = time.time(), None, []
         while True:
             s = requests.get(f"{emu.base}/stream/{r['id']}", timeout=60).json()
@@ -104,8 +127,9 @@ def test_32_concurrent_mixed_jobs(emu, oai):
 
     def openai(prompt):
         t0, first, text = time.time(), None, ""
-        for chunk in oai.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
-                                                 max_tokens=24, temperature=0, stream=True):
+        for chunk in oai.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, stream=True
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.time() - t0
                 text += chunk.choices[0].delta.content
@@ -126,9 +150,16 @@ def test_32_concurrent_mixed_jobs(emu, oai):
 
 
 def test_cancel_frees_kv_blocks(emu):
-    r = requests.post(f"{emu.base}/run", json={"input": {
-        "prompt": "Tell me a very long story.", "stream": True,
-        "sampling_params": {"max_tokens": 1500, "ignore_eos": True}}}).json()
+    r = requests.post(
+        f"{emu.base}/run",
+        json={
+            "input": {
+                "prompt": "Tell me a very long story.",
+                "stream": True,
+                "sampling_params": {"max_tokens": 1500, "ignore_eos": True},
+            }
+        },
+    ).json()
     while not requests.get(f"{emu.base}/stream/{r['id']}", timeout=60).json().get("stream"):
         pass
     assert requests.post(f"{emu.base}/cancel/{r['id']}").json()["status"] == "CANCELLED"
@@ -140,16 +171,23 @@ def test_cancel_frees_kv_blocks(emu):
 def test_non_json_numbers_and_lone_surrogates_are_refused_at_the_door(emu):
     """NaN, Infinity, 1e400 and "\\ud800" parse in Python but cannot be sent on to the worker: they used to be
     queued, then break the job-take that carried them (and lose the good jobs in the same batch)."""
-    bodies = ['{"input": {"prompt": "hi", "sampling_params": {"temperature": NaN}}}',
-              '{"input": {"prompt": "hi", "sampling_params": {"temperature": 1e400}}}',
-              '{"input": {"prompt": "bad \\ud800"}}']
+    bodies = [
+        '{"input": {"prompt": "hi", "sampling_params": {"temperature": NaN}}}',
+        '{"input": {"prompt": "hi", "sampling_params": {"temperature": 1e400}}}',
+        '{"input": {"prompt": "bad \\ud800"}}',
+    ]
     for body in bodies:
         r = requests.post(f"{emu.base}/run", data=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"], (body, r.text)
-    r = requests.post(f"{emu.base}/openai/v1/chat/completions", data='{"messages": [{"role": "user", "content": '
-                      '"hi"}], "temperature": Infinity}', headers={"Content-Type": "application/json"}, timeout=60)
+    r = requests.post(
+        f"{emu.base}/openai/v1/chat/completions",
+        data='{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     # and the queue still serves
-    ok = requests.post(f"{emu.base}/runsync", json={"input": {"prompt": "hi", "sampling_params": {"max_tokens": 2}}},
-                       timeout=120).json()
+    ok = requests.post(
+        f"{emu.base}/runsync", json={"input": {"prompt": "hi", "sampling_params": {"max_tokens": 2}}}, timeout=120
+    ).json()
     assert ok["status"] == "COMPLETED", ok

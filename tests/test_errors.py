@@ -1,4 +1,5 @@
 """Bad input raises a typed error naming the problem, and the engine keeps serving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,9 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_llama):
     shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
     for f, ns in shards.items():
         save_file({n: tensors[n] for n in ns}, str(tmp_path / f))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}})
+    )
     for f in tiny_llama.iterdir():
         if f.suffix == ".json" or f.name.startswith("tokenizer"):
             (tmp_path / f.name).write_bytes(f.read_bytes())
@@ -67,13 +69,23 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_llama):
     assert a == b
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"temperature": -0.1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_p": 0}, "top_p"),
-    ({"n": 0}, "n"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
-    ({"min_p": 2}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 50}, "logprobs"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_p": 2}, "min_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
@@ -97,8 +109,9 @@ def test_bad_requests_fail_alone_engine_keeps_serving(tiny_llama):
         return out
 
     async def main():
-        good = asyncio.create_task(run({"prompt_token_ids": [5] * 10},
-                                       SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)))
+        good = asyncio.create_task(
+            run({"prompt_token_ids": [5] * 10}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        )
         with pytest.raises(InvalidRequestError, match="max_model_len") as e:
             await run({"prompt_token_ids": [5] * 64})
         assert e.value.field == "prompt"

@@ -1,13 +1,19 @@
 """FP8 (e4m3) KV cache: twice the tokens for the same bytes, calibrated per-layer scales, and outputs that stay
 close to the 16-bit cache on the real SmolLM2 weights."""
+
 from __future__ import annotations
 
 import torch
 
 from engine import LLM, SamplingParams
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "List three fruits:", "Photosynthesis is the process by which"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three fruits:",
+    "Photosynthesis is the process by which",
+]
 
 
 def _first_step(llm):
@@ -73,8 +79,16 @@ def test_fp8_kv_scales_from_checkpoint(tiny_llama, tmp_path):
 
 def test_fp8_kv_triton_path_matches_torch_path(tiny_models):
     """The kernels read and write the fp8 cache with the same arithmetic as the CPU reference path."""
-    kw = dict(model=str(tiny_models["llama"]), dtype="float32", kv_cache_dtype="fp8", block_size=8,
-              max_num_batched_tokens=8, num_kv_blocks=16, max_model_len=64, log_stats_interval=0)
+    kw = dict(
+        model=str(tiny_models["llama"]),
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        block_size=8,
+        max_num_batched_tokens=8,
+        num_kv_blocks=16,
+        max_model_len=64,
+        log_stats_interval=0,
+    )
     prompts = [{"prompt_token_ids": [5, 9, 33, 7, 21, 62, 11]}, {"prompt_token_ids": [40, 41]}]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ref = LLM(kernel_backend="torch", **kw).generate(prompts, params)

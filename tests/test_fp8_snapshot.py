@@ -1,5 +1,6 @@
 """FP8 snapshots: written after the first online quantization, loaded on the next start (identical outputs),
 and a truncated or tampered snapshot is ignored and rebuilt."""
+
 from __future__ import annotations
 
 import json
@@ -123,12 +124,23 @@ def _compressed_tensors_copy(src, dst, strategy: str):
             shutil.copy(f, dst / f.name)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"],
-                                      "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
-                                                  "dynamic": False, "symmetric": True},
-                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                                            "dynamic": True, "symmetric": True}}}}
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "dynamic": True,
+                    "symmetric": True,
+                },
+            }
+        },
+    }
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
@@ -139,14 +151,16 @@ def test_prequantized_checkpoint_matches_online_quantization(tiny_models, tmp_pa
     pre = LLM(model=str(ckpt), dtype="float32", log_stats_interval=0)
     assert pre.engine.weights_source == "fp8 checkpoint"
     assert pre.engine.model.layers[0].qkv.dtype == torch.float8_e4m3fn
-    online = LLM(model=str(src), dtype="float32", quantization="fp8", cache_root=str(tmp_path / "c"),
-                 log_stats_interval=0)
+    online = LLM(
+        model=str(src), dtype="float32", quantization="fp8", cache_root=str(tmp_path / "c"), log_stats_interval=0
+    )
     a = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in pre.generate(PROMPTS, PARAMS)]
     b = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in online.generate(PROMPTS, PARAMS)]
     assert a == b  # same per-channel quantization, same W8A8 arithmetic
     # per-tensor scales load too, and the fp32 model's greedy tokens mostly survive
-    per_tensor = LLM(model=str(_compressed_tensors_copy(src, tmp_path / "pt", "tensor")), dtype="float32",
-                     log_stats_interval=0)
+    per_tensor = LLM(
+        model=str(_compressed_tensors_copy(src, tmp_path / "pt", "tensor")), dtype="float32", log_stats_interval=0
+    )
     outs = per_tensor.generate(PROMPTS, PARAMS)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
 

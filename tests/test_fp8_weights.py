@@ -1,4 +1,5 @@
 """QUANTIZATION=fp8: W8A8 linear layers quantized per channel while loading, on the real SmolLM2 weights."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,11 @@ from tests.test_fp8_kv import PROMPTS, _first_step, _gap
 
 
 def _linear_bytes(llm) -> int:
-    return sum(getattr(layer, n).numel() * getattr(layer, n).element_size()
-               for layer in llm.engine.model.layers for n in layer.LINEARS)
+    return sum(
+        getattr(layer, n).numel() * getattr(layer, n).element_size()
+        for layer in llm.engine.model.layers
+        for n in layer.LINEARS
+    )
 
 
 def test_fp8_weights_half_the_bytes_and_close_outputs(smollm2_path, tmp_path):

@@ -1,5 +1,6 @@
 """`python -m handler` as users run it: runpod's --test_input / test_input.json / --rp_serve_api modes, a
 failed start, and an engine fault injected into a step."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,13 @@ from engine import AsyncEngine, EngineConfig
 from handler.settings import load_settings
 from handler.worker import Worker
 
-JOB = {"input": {"prompt": "hello there", "stream": True,
-                 "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}}
+JOB = {
+    "input": {
+        "prompt": "hello there",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True},
+    }
+}
 
 
 def _env(model) -> dict:
@@ -25,8 +31,9 @@ def _env(model) -> dict:
 
 
 def _run(args, env, cwd, timeout=120):
-    return subprocess.run([sys.executable, "-m", "handler", *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "handler", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
@@ -39,8 +46,17 @@ def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
     # the first job reports the cold-start timeline; the log shows it as a table at ready
     cold = final["output"][-1]["metrics"]["cold_start"]
     names = [p["name"] for p in cold["phases"]]
-    assert names == ["imports", "settings", "engine setup", "model resolution", "weight read", "KV allocation",
-                     "kernel warmup", "ready", "first token"], names
+    assert names == [
+        "imports",
+        "settings",
+        "engine setup",
+        "model resolution",
+        "weight read",
+        "KV allocation",
+        "kernel warmup",
+        "ready",
+        "first token",
+    ], names
     assert abs(cold["total_s"] - sum(p["seconds"] for p in cold["phases"])) < 0.05  # marks tile the time
     assert "cold start:" in r.stderr and "first token" in r.stderr
 
@@ -49,14 +65,17 @@ def test_heavy_imports_stay_off_the_cold_start_path(tiny_llama, tmp_path):
     """`import handler` loads no torch, and a worker is ready without transformers, boto3 or runpod: they load
     when something needs them (LoRA, the SDK loop; transformers only when asked for). jinja2 loads at start for
     a model with a chat template (compiled then, so no job pays for it); this tiny model has none."""
-    code = ("import sys, handler\n"
-            "assert 'torch' not in sys.modules\n"
-            "from handler.__main__ import build_worker\n"
-            "w = build_worker()\n"
-            "assert w.engine is not None\n"
-            "print(sorted(m for m in ('transformers', 'jinja2', 'boto3', 'botocore', 'runpod') if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", code], env=_env(tiny_llama), cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
+    code = (
+        "import sys, handler\n"
+        "assert 'torch' not in sys.modules\n"
+        "from handler.__main__ import build_worker\n"
+        "w = build_worker()\n"
+        "assert w.engine is not None\n"
+        "print(sorted(m for m in ('transformers', 'jinja2', 'boto3', 'botocore', 'runpod') if m in sys.modules))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=_env(tiny_llama), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
 
@@ -65,8 +84,11 @@ def test_test_input_json_file_and_bad_job_exit_code(tiny_llama, tmp_path):
     (tmp_path / "test_input.json").write_text(json.dumps(JOB))
     r = _run([], _env(tiny_llama), tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["status"] == "COMPLETED"
-    r = _run(["--test_input", json.dumps({"input": {"prompt": "x", "sampling_params": {"top_p": 7}}})],
-             _env(tiny_llama), tmp_path)
+    r = _run(
+        ["--test_input", json.dumps({"input": {"prompt": "x", "sampling_params": {"top_p": 7}}})],
+        _env(tiny_llama),
+        tmp_path,
+    )
     assert r.returncode == 1
     final = json.loads(r.stdout.strip().splitlines()[-1])
     assert final["status"] == "FAILED" and "top_p" in final["error"]
@@ -91,15 +113,22 @@ def _free_port() -> int:
 
 def test_rp_serve_api_runsync_returns_aggregate(tiny_llama, tmp_path):
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "handler", "--rp_serve_api", "--rp_api_port", str(port)],
-                            env={**_env(tiny_llama), "STREAM_FLUSH_MS": "600000"},  # the count bound alone
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "handler", "--rp_serve_api", "--rp_api_port", str(port)],
+        env={**_env(tiny_llama), "STREAM_FLUSH_MS": "600000"},  # the count bound alone
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 90
         while True:
             try:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/runsync", data=json.dumps(JOB).encode(),
-                                             headers={"Content-Type": "application/json"})
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/runsync",
+                    data=json.dumps(JOB).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
                 out = json.loads(urllib.request.urlopen(req, timeout=60).read())
                 break
             except OSError:
@@ -132,6 +161,7 @@ def test_engine_fault_fails_everything_and_asks_for_replacement(tiny_llama):
     async def go():
         async def one():
             return [c async for c in worker.handle({"id": "j", "input": job})]
+
         return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(4))), timeout=30)
 
     results = asyncio.run(go())

@@ -1,4 +1,5 @@
 """The handler's job logic, called as runpod calls it (an async generator per job), on real SmolLM2."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,7 @@ from handler.worker import Worker
 @pytest.fixture(scope="module")
 def worker(smollm2_path):
     # fp32: greedy text must not depend on what else is in the batch (bf16 GEMMs round differently by M)
-    eng = AsyncEngine(EngineConfig(model=str(smollm2_path), dtype="float32", max_model_len=2048,
-                                   log_stats_interval=0))
+    eng = AsyncEngine(EngineConfig(model=str(smollm2_path), dtype="float32", max_model_len=2048, log_stats_interval=0))
     yield Worker(load_settings({"MAX_CONCURRENCY": "8"}), eng)
     eng.shutdown()
 
@@ -26,6 +26,7 @@ def worker(smollm2_path):
 def run_job(worker, inp) -> list:
     async def go():
         return [c async for c in worker.handle({"id": "t", "input": inp})]
+
     return asyncio.run(go())
 
 
@@ -37,8 +38,14 @@ def error_of(chunks) -> dict | None:
 
 def test_native_stream_batches_and_usage(worker):
     counts_only = Worker(load_settings({"STREAM_FLUSH_MS": "3600000"}), worker.engine)  # the count bound alone
-    chunks = run_job(counts_only, {"prompt": "The capital of France is", "stream": True,
-                              "sampling_params": {"temperature": 0, "max_tokens": 20, "ignore_eos": True}})
+    chunks = run_job(
+        counts_only,
+        {
+            "prompt": "The capital of France is",
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 20, "ignore_eos": True},
+        },
+    )
     sizes = [len(c["choices"][0]["tokens"]) for c in chunks]
     assert sizes[:3] == [1, 3, 9] and sum(sizes) <= 20 and len(chunks) == 4
     assert chunks[-1]["usage"] == {"input": 5, "output": 20, "cached_input": 0}
@@ -58,12 +65,16 @@ def test_streams_flush_on_time_native_and_openai(worker):
     whole = run_job(fast, {"prompt": "The capital of France is", "sampling_params": sp})
     assert len(chunks) > 10 and all(c["choices"][0]["tokens"] for c in chunks[:-1])
     assert "".join(t for c in chunks for t in c["choices"][0]["tokens"]) == "".join(whole[0]["choices"][0]["tokens"])
-    body = {"prompt": "The capital of France is", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 30,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     sse = run_job(fast, {"openai_route": "/v1/completions", "openai_input": body})
     assert len(sse) > 10 and sse[-1].endswith("data: [DONE]\n\n")
-    texts = [json.loads(e[6:])["choices"][0]["text"] for s in sse for e in s.split("\n\n")
-             if e.startswith("data: {")]
+    texts = [json.loads(e[6:])["choices"][0]["text"] for s in sse for e in s.split("\n\n") if e.startswith("data: {")]
     assert "".join(texts) == "".join(whole[0]["choices"][0]["tokens"])
 
 
@@ -74,8 +85,13 @@ def test_native_default_max_tokens_is_stated(worker):
 
 
 def test_native_messages_and_n(worker):
-    chunks = run_job(worker, {"messages": [{"role": "user", "content": "Say hi"}],
-                              "sampling_params": {"n": 2, "temperature": 0.8, "seed": 1, "max_tokens": 8}})
+    chunks = run_job(
+        worker,
+        {
+            "messages": [{"role": "user", "content": "Say hi"}],
+            "sampling_params": {"n": 2, "temperature": 0.8, "seed": 1, "max_tokens": 8},
+        },
+    )
     assert len(chunks[0]["choices"]) == 2
 
 
@@ -84,31 +100,57 @@ def test_openai_chat_nonstream_and_stream_agree(worker):
     full = run_job(worker, {"openai_route": "/v1/chat/completions", "openai_input": body})[0]
     assert full["object"] == "chat.completion" and full["choices"][0]["message"]["role"] == "assistant"
     assert full["usage"]["completion_tokens"] > 0
-    streamed = run_job(worker, {"openai_route": "/v1/chat/completions",
-                                "openai_input": {**body, "stream": True, "stream_options": {"include_usage": True}}})
+    streamed = run_job(
+        worker,
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {**body, "stream": True, "stream_options": {"include_usage": True}},
+        },
+    )
     events = [e for s in streamed for e in s.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    objs = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    objs = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     text = "".join(o["choices"][0]["delta"].get("content", "") for o in objs if o["choices"])
     assert text == full["choices"][0]["message"]["content"]
     u = objs[-1]["usage"]
-    assert objs[-1]["choices"] == [] and {k: v for k, v in u.items() if k != "prompt_tokens_details"} == \
-        {k: v for k, v in full["usage"].items() if k != "prompt_tokens_details"}
+    assert objs[-1]["choices"] == [] and {k: v for k, v in u.items() if k != "prompt_tokens_details"} == {
+        k: v for k, v in full["usage"].items() if k != "prompt_tokens_details"
+    }
     # the second request with this prompt finds its full blocks in the prefix cache
     assert u["prompt_tokens_details"]["cached_tokens"] == (u["prompt_tokens"] - 1) // 16 * 16 > 0
     assert objs[-2]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
 
 
 def test_openai_completions_logprobs_and_models(worker):
-    out = run_job(worker, {"openai_route": "/v1/completions",
-                           "openai_input": {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logprobs": 2,
-                                            "top_k": 5, "ignore_eos": True}})[0]
+    out = run_job(
+        worker,
+        {
+            "openai_route": "/v1/completions",
+            "openai_input": {
+                "prompt": "Hello",
+                "max_tokens": 5,
+                "temperature": 0,
+                "logprobs": 2,
+                "top_k": 5,
+                "ignore_eos": True,
+            },
+        },
+    )[0]
     lp = out["choices"][0]["logprobs"]
     assert out["object"] == "text_completion" and len(lp["tokens"]) == 5 and len(lp["top_logprobs"][0]) >= 2
     assert "".join(lp["tokens"]) == out["choices"][0]["text"]
-    chat = run_job(worker, {"openai_route": "/v1/chat/completions",
-                            "openai_input": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                                             "logprobs": True, "top_logprobs": 2}})[0]
+    chat = run_job(
+        worker,
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        },
+    )[0]
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == 3 and len(content[0]["top_logprobs"]) == 2 and content[0]["logprob"] <= 0
     models = run_job(worker, {"openai_route": "/v1/models"})[0]
@@ -134,7 +176,7 @@ BAD_JOBS = [
     ({"prompt": "x", "sampling_params": {"unknown_knob": 1}}, "sampling_params.unknown_knob"),
     ({"prompt": "x", "sampling_params": []}, "sampling_params"),
     ({"prompt": "x", "max_batch_size": 0}, "max_batch_size"),
-    ({"prompt": "x", "sampling_params": {"max_tokens": 10 ** 6}}, "sampling_params.max_tokens"),
+    ({"prompt": "x", "sampling_params": {"max_tokens": 10**6}}, "sampling_params.max_tokens"),
     ({"prompt": "x", "stream": "yes please"}, "stream"),
     ({"prompt": "word " * 3000}, "prompt"),  # longer than max_model_len
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
@@ -143,40 +185,88 @@ BAD_JOBS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content"),
     ({"openai_route": "/v1/embeddings", "openai_input": {}}, "openai_route"),
     ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": []}}, "openai_input.messages"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "model": "gpt-4"}}, "model"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "max_tokens": 10 ** 9}}, "max_tokens"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "wat": True}}, "openai_input.wat"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "tools": [{"type": "function"}]}}, "openai_input.tools"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "logit_bias": {"5": 1}}}, "openai_input.logit_bias"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "top_logprobs": 50}}, "openai_input.top_logprobs"),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"},
+        },
+        "model",
+    ),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9},
+        },
+        "max_tokens",
+    ),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "wat": True},
+        },
+        "openai_input.wat",
+    ),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        },
+        "openai_input.tools",
+    ),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}},
+        },
+        "openai_input.logit_bias",
+    ),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50},
+        },
+        "openai_input.top_logprobs",
+    ),
     ({"openai_route": "/v1/completions", "openai_input": {"prompt": ["a", "b"]}}, "openai_input.prompt"),
-    ({"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 2, 10 ** 7]}}, "prompt_token_ids"),
-    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "temperature": "hot"}},
-     "openai_input.temperature"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 2, 10**7]}}, "prompt_token_ids"),
+    (
+        {"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "temperature": "hot"}},
+        "openai_input.temperature",
+    ),
     ({"openai_route": "/v1/completions", "openai_input": "x"}, "openai_input"),
     # found by probing a running worker: each of these once failed the engine for every job, hung it, or
     # escaped as a raw traceback
-    ({"prompt": "x", "sampling_params": {"min_tokens": 1, "stop_token_ids": [60000]}},
-     "sampling_params.stop_token_ids"),
+    (
+        {"prompt": "x", "sampling_params": {"min_tokens": 1, "stop_token_ids": [60000]}},
+        "sampling_params.stop_token_ids",
+    ),
     ({"prompt": "x", "sampling_params": {"n": 20000}}, "sampling_params.n"),
-    ({"prompt": "x", "sampling_params": {"seed": 2 ** 64}}, "sampling_params.seed"),
+    ({"prompt": "x", "sampling_params": {"seed": 2**64}}, "sampling_params.seed"),
     ({"prompt": "bad \ud800 surrogate"}, "prompt"),
     ({"messages": [{"role": "user"}]}, "messages.0"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "chat_template_kwargs": {"messages": []}}},
-     "openai_input.chat_template_kwargs.messages"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "top_logprobs": 2}}, "openai_input.top_logprobs"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "x"}],
-                                                               "tool_choice": "required"}}, "openai_input.tool_choice"),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
+        },
+        "openai_input.chat_template_kwargs.messages",
+    ),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        },
+        "openai_input.top_logprobs",
+    ),
+    (
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        },
+        "openai_input.tool_choice",
+    ),
     ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "max_tokens": 0}}, "openai_input.max_tokens"),
-    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "n": 10 ** 6}}, "openai_input.n"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "n": 10**6}}, "openai_input.n"),
 ]
 
 
@@ -187,11 +277,14 @@ def test_bad_jobs_get_clear_errors_while_good_jobs_run(worker):
     async def go():
         async def one(inp):
             return [c async for c in worker.handle({"id": "j", "input": inp})]
+
         return await asyncio.gather(*(one(good) for _ in range(3)), *(one(inp) for inp, _ in BAD_JOBS))
 
     results = asyncio.run(go())
+
     def untimed(chunks):
         return [{k: v for k, v in c.items() if k != "metrics"} for c in chunks]
+
     for r in results[:3]:
         assert untimed(r) == untimed(solo)  # good jobs unaffected
     assert len(BAD_JOBS) >= 30
@@ -206,27 +299,52 @@ def test_bad_jobs_get_clear_errors_while_good_jobs_run(worker):
 def test_error_params_are_field_paths(worker):
     err = error_of(run_job(worker, {"prompt": "x", "sampling_params": {"stop": 5}}))
     assert err["param"] == "sampling_params.stop"  # not pydantic's union member ("...stop.str")
-    err = error_of(run_job(worker, {"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 10 ** 7]}}))
+    err = error_of(run_job(worker, {"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 10**7]}}))
     assert err["param"] == "openai_input.prompt"
 
 
 def test_edge_values_that_are_valid(worker):
     # any top_k at or past the vocabulary means "no top-k" (it once overflowed a tensor and failed the engine)
-    out = run_job(worker, {"prompt": "Hi", "sampling_params": {"max_tokens": 3, "top_k": 2 ** 63, "seed": 7}})
+    out = run_job(worker, {"prompt": "Hi", "sampling_params": {"max_tokens": 3, "top_k": 2**63, "seed": 7}})
     assert error_of(out) is None and out[-1]["usage"]["output"] == 3
     # /v1/completions without max_tokens: 16 tokens, as OpenAI and vLLM
-    out = run_job(worker, {"openai_route": "/v1/completions", "openai_input": {"prompt": "1, 2, 3,",
-                                                                               "ignore_eos": True}})
+    out = run_job(
+        worker, {"openai_route": "/v1/completions", "openai_input": {"prompt": "1, 2, 3,", "ignore_eos": True}}
+    )
     assert out[-1]["usage"]["completion_tokens"] == 16
     assert worker.fault is None
 
 
 @hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
-                        st.sampled_from(["prompt", "messages", "sampling_params", "stream", "max_tokens", "n",
-                                         "openai_route", "openai_input", "temperature", "role", "content", "x"]),
-                        kids, max_size=4), max_leaves=8))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+        lambda kids: (
+            st.lists(kids, max_size=3)
+            | st.dictionaries(
+                st.sampled_from(
+                    [
+                        "prompt",
+                        "messages",
+                        "sampling_params",
+                        "stream",
+                        "max_tokens",
+                        "n",
+                        "openai_route",
+                        "openai_input",
+                        "temperature",
+                        "role",
+                        "content",
+                        "x",
+                    ]
+                ),
+                kids,
+                max_size=4,
+            )
+        ),
+        max_leaves=8,
+    )
+)
 def test_random_json_never_crashes_the_schema(worker, data):
     from handler.schemas import ChatCompletionRequest, JobError, NativeJob, parse
 
@@ -238,8 +356,11 @@ def test_random_json_never_crashes_the_schema(worker, data):
 
 
 def test_cancelling_the_job_task_frees_kv(worker):
-    job = {"prompt": "Tell a long story", "stream": True,
-           "sampling_params": {"max_tokens": 500, "ignore_eos": True, "temperature": 0}}
+    job = {
+        "prompt": "Tell a long story",
+        "stream": True,
+        "sampling_params": {"max_tokens": 500, "ignore_eos": True, "temperature": 0},
+    }
 
     async def go():
         got = asyncio.Event()

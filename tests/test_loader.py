@@ -2,6 +2,7 @@
 
 The CUDA path (pinned staging buffers, per-reader streams) cannot run here: its chunk loop runs below with CPU
 stand-ins, and bench/coldstart_gpu.py checks it for real against the CPU path on a GPU."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,12 @@ def _shards() -> list[dict[str, torch.Tensor]]:
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     return [
         {"a.w": r(64, 33).bfloat16(), "a.b": r(7), "a.scalar": torch.tensor(3.5), "a.empty": torch.zeros(0, 4).half()},
-        {"b.fp8": r(16, 16).clamp(-400, 400).to(torch.float8_e4m3fn), "b.i64": torch.arange(5) * 7,
-         "b.big": r(300, 257).bfloat16(), "b.mask": torch.rand(9, generator=g) > 0.5},
+        {
+            "b.fp8": r(16, 16).clamp(-400, 400).to(torch.float8_e4m3fn),
+            "b.i64": torch.arange(5) * 7,
+            "b.big": r(300, 257).bfloat16(),
+            "b.mask": torch.rand(9, generator=g) > 0.5,
+        },
         {f"c.{i:02d}": r(3, 50 + i) for i in range(40)},
     ]
 
@@ -53,8 +58,11 @@ def _sequential(path: Path) -> dict[str, torch.Tensor]:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical, for any dtype (fp8 and bool included), shape and dtype too."""
-    return a.dtype == b.dtype and a.shape == b.shape and \
-        torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _readers_alive() -> list[str]:
@@ -109,7 +117,7 @@ def test_header_entries_match_safetensors(ckpt):
             for e in loader._entries(f):
                 t = h.get_tensor(e.name)
                 assert loader._torch_dtype(e.dtype) == t.dtype and e.shape == tuple(t.shape)
-                assert data[e.start:e.start + e.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                assert data[e.start : e.start + e.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_reader_error_reaches_the_consumer_before_tensors_already_read(ckpt, monkeypatch):

@@ -1,5 +1,6 @@
 """[lora] in the engine: PEFT-exact greedy outputs (fp32, CPU) for mixed-adapter batches, device slots (LRU,
 pinning), adapters fetched from a real S3 server (moto, its own process), and faults that fail one request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,10 @@ def peft_greedy(base, adapter, prompts, max_new_tokens=10) -> list[list[int]]:
     out = []
     with torch.no_grad():
         for ids in prompts:
-            seq = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=2)
-            out.append(seq[0, len(ids):].tolist())
+            seq = model.generate(
+                input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2
+            )
+            out.append(seq[0, len(ids) :].tolist())
     return out
 
 
@@ -39,9 +41,12 @@ def peft_greedy(base, adapter, prompts, max_new_tokens=10) -> list[list[int]]:
 def tiny_adapters(lora_bases, tmp_path_factory):
     """Four adapters on the tiny llama: ranks 2..16, rsLoRA, a subset of modules; each changes the output."""
     root, base = tmp_path_factory.mktemp("engine-adapters"), lora_bases["llama"]
-    specs = {"a1": dict(r=4, alpha=8, seed=1), "a2": dict(r=8, alpha=16, rslora=True, seed=2),
-             "a3": dict(r=2, alpha=4, seed=3, targets=("q_proj", "v_proj", "down_proj")),
-             "a4": dict(r=16, alpha=8, seed=4, targets=("o_proj", "gate_proj", "up_proj", "k_proj"))}
+    specs = {
+        "a1": dict(r=4, alpha=8, seed=1),
+        "a2": dict(r=8, alpha=16, rslora=True, seed=2),
+        "a3": dict(r=2, alpha=4, seed=3, targets=("q_proj", "v_proj", "down_proj")),
+        "a4": dict(r=16, alpha=8, seed=4, targets=("o_proj", "gate_proj", "up_proj", "k_proj")),
+    }
     paths = {n: make_peft_adapter(base, root / n, b_std=0.3, **kw)[0] for n, kw in specs.items()}
     ref = {n: peft_greedy(base, p, PROMPTS) for n, p in paths.items()}
     ref[None] = peft_greedy(base, None, PROMPTS)
@@ -52,8 +57,14 @@ def tiny_adapters(lora_bases, tmp_path_factory):
 
 def lora_llm(base, paths, tmp_path, **kw) -> LLM:
     kw = {"max_loras": 4, "max_lora_rank": 16, **kw}
-    return LLM(model=str(base), dtype="float32", enable_lora=True, lora_modules=tuple(paths.items()),
-               cache_root=str(tmp_path), **kw)
+    return LLM(
+        model=str(base),
+        dtype="float32",
+        enable_lora=True,
+        lora_modules=tuple(paths.items()),
+        cache_root=str(tmp_path),
+        **kw,
+    )
 
 
 def test_mixed_adapter_batch_matches_peft(tiny_adapters, tmp_path):
@@ -83,8 +94,11 @@ def test_slots_lru_and_pinning(tiny_adapters, tmp_path):
     assert {mgr.refs[k].name for k in mgr.slot_of} == {"a1", "a3"} and mgr.num_loads == 3
     # one slot, four adapters at once: each waits until the slot's user finishes, none is dropped
     llm = lora_llm(base, paths, tmp_path, max_loras=1)
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * 5, GREEDY,
-                        lora=[LoRARequest("a1"), LoRARequest("a2"), None, LoRARequest("a3"), LoRARequest("a4")])
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[1]}] * 5,
+        GREEDY,
+        lora=[LoRARequest("a1"), LoRARequest("a2"), None, LoRARequest("a3"), LoRARequest("a4")],
+    )
     assert [o.outputs[0].token_ids for o in outs] == [ref[n][1] for n in ("a1", "a2", None, "a3", "a4")]
 
 
@@ -111,20 +125,29 @@ def bucket(tiny_adapters, s3, tmp_path_factory):
     root = tmp_path_factory.mktemp("broken")
     big = make_peft_adapter(base, root / "big", r=32, alpha=32, seed=9)[0]
     upload_adapter(s3, "loras", "adapters/rank32", big)
-    s3.put_object(Bucket="loras", Key="adapters/nokey/adapter_config.json",
-                  Body=(paths["a1"] / "adapter_config.json").read_bytes())
+    s3.put_object(
+        Bucket="loras",
+        Key="adapters/nokey/adapter_config.json",
+        Body=(paths["a1"] / "adapter_config.json").read_bytes(),
+    )
     blob = (paths["a1"] / "adapter_model.safetensors").read_bytes()
     upload_adapter(s3, "loras", "adapters/corrupt", paths["a1"], files=("adapter_config.json",))
     s3.put_object(Bucket="loras", Key="adapters/corrupt/adapter_model.safetensors", Body=blob[: len(blob) // 2])
-    s3.put_object(Bucket="loras", Key="adapters/pickle/adapter_config.json",
-                  Body=(paths["a1"] / "adapter_config.json").read_bytes())
+    s3.put_object(
+        Bucket="loras",
+        Key="adapters/pickle/adapter_config.json",
+        Body=(paths["a1"] / "adapter_config.json").read_bytes(),
+    )
     s3.put_object(Bucket="loras", Key="adapters/pickle/adapter_model.bin", Body=b"\x80\x04pickle")
     wrong = root / "wrong"  # shapes for another model: in_features doubled
     shutil.copytree(paths["a1"], wrong)
     from safetensors.torch import load_file, save_file
+
     t = load_file(str(wrong / "adapter_model.safetensors"))
-    save_file({k: (torch.cat([v, v], 1) if "lora_A" in k else v) for k, v in t.items()},
-              str(wrong / "adapter_model.safetensors"))
+    save_file(
+        {k: (torch.cat([v, v], 1) if "lora_A" in k else v) for k, v in t.items()},
+        str(wrong / "adapter_model.safetensors"),
+    )
     upload_adapter(s3, "loras", "adapters/wrongshape", wrong)
     s3.create_bucket(Bucket="other")
     upload_adapter(s3, "other", "x/a1", paths["a1"])
@@ -143,21 +166,42 @@ def run_async(engine: AsyncEngine, jobs: list[tuple[list[int], LoRARequest | Non
 
     async def all_():
         return await asyncio.gather(*(one(i, lr) for i, lr in jobs))
+
     return asyncio.run(all_())
 
 
 def test_s3_adapters_and_faults_fail_only_their_request(tiny_adapters, bucket, moto_server, tmp_path):
     base, _, ref = tiny_adapters
-    eng = AsyncEngine(EngineConfig(model=str(base), dtype="float32", enable_lora=True, max_loras=4,
-                                   max_lora_rank=16, lora_s3_uri=bucket, s3_endpoint_url=moto_server.url,
-                                   lora_allowed_buckets=("loras",), cache_root=str(tmp_path),
-                                   log_stats_interval=0))
+    eng = AsyncEngine(
+        EngineConfig(
+            model=str(base),
+            dtype="float32",
+            enable_lora=True,
+            max_loras=4,
+            max_lora_rank=16,
+            lora_s3_uri=bucket,
+            s3_endpoint_url=moto_server.url,
+            lora_allowed_buckets=("loras",),
+            cache_root=str(tmp_path),
+            log_stats_interval=0,
+        )
+    )
     try:
         good = [(PROMPTS[0], LoRARequest("a1")), (PROMPTS[1], None), (PROMPTS[2], LoRARequest("a2"))]
-        bad = {"rank32": "rank", "nokey": "has no adapter_model.safetensors", "corrupt": "corrupt", "pickle": "pickle",
-               "wrongshape": "shape", "../etc": "only letters", "a1/x": "only letters"}
-        jobs = good + [(PROMPTS[0], LoRARequest(n)) for n in bad] + \
-            [(PROMPTS[0], LoRARequest("z", s3_uri="s3://other/x/a1/"))]
+        bad = {
+            "rank32": "rank",
+            "nokey": "has no adapter_model.safetensors",
+            "corrupt": "corrupt",
+            "pickle": "pickle",
+            "wrongshape": "shape",
+            "../etc": "only letters",
+            "a1/x": "only letters",
+        }
+        jobs = (
+            good
+            + [(PROMPTS[0], LoRARequest(n)) for n in bad]
+            + [(PROMPTS[0], LoRARequest("z", s3_uri="s3://other/x/a1/"))]
+        )
         results = run_async(eng, jobs)
         assert results[:3] == [ref["a1"][0], ref[None][1], ref["a2"][2]]
         for (name, why), res in zip(list(bad.items()) + [("z", "LORA_ALLOWED_BUCKETS")], results[3:]):
@@ -173,9 +217,18 @@ def test_s3_adapters_and_faults_fail_only_their_request(tiny_adapters, bucket, m
 
 def test_eight_concurrent_first_requests_download_once(tiny_adapters, bucket, moto_server, tmp_path):
     base, _, ref = tiny_adapters
-    eng = AsyncEngine(EngineConfig(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=16,
-                                   lora_s3_uri=bucket, s3_endpoint_url=moto_server.url, cache_root=str(tmp_path),
-                                   log_stats_interval=0))
+    eng = AsyncEngine(
+        EngineConfig(
+            model=str(base),
+            dtype="float32",
+            enable_lora=True,
+            max_lora_rank=16,
+            lora_s3_uri=bucket,
+            s3_endpoint_url=moto_server.url,
+            cache_root=str(tmp_path),
+            log_stats_interval=0,
+        )
+    )
     try:
         before = moto_server.count("GET", "/loras/adapters/a3/adapter_model.safetensors")
         res = run_async(eng, [(PROMPTS[i % 3], LoRARequest("a3")) for i in range(8)])
@@ -194,12 +247,23 @@ def test_s3_down_or_slow_fails_only_that_request(tiny_adapters, tmp_path):
     slow.bind(("127.0.0.1", 0))
     slow.listen(16)
     try:
-        for url, timeout, why in ((f"http://127.0.0.1:{dead_port}", 60.0, "Could not connect"),
-                                  (f"http://127.0.0.1:{slow.getsockname()[1]}", 1.0, "LORA_LOAD_TIMEOUT_S")):
-            eng = AsyncEngine(EngineConfig(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=16,
-                                           lora_s3_uri="s3://loras/adapters/", s3_endpoint_url=url,
-                                           lora_load_timeout_s=timeout, cache_root=str(tmp_path),
-                                           log_stats_interval=0))
+        for url, timeout, why in (
+            (f"http://127.0.0.1:{dead_port}", 60.0, "Could not connect"),
+            (f"http://127.0.0.1:{slow.getsockname()[1]}", 1.0, "LORA_LOAD_TIMEOUT_S"),
+        ):
+            eng = AsyncEngine(
+                EngineConfig(
+                    model=str(base),
+                    dtype="float32",
+                    enable_lora=True,
+                    max_lora_rank=16,
+                    lora_s3_uri="s3://loras/adapters/",
+                    s3_endpoint_url=url,
+                    lora_load_timeout_s=timeout,
+                    cache_root=str(tmp_path),
+                    log_stats_interval=0,
+                )
+            )
             try:
                 t = time.monotonic()
                 res = run_async(eng, [(PROMPTS[0], LoRARequest("a1")), (PROMPTS[1], None)])

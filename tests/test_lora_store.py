@@ -1,5 +1,6 @@
 """[lora] before the device: name resolution, S3 fetch against a real (moto) server, the disk cache, and loading
 real PEFT adapters into validated tensors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,9 @@ def adapters(lora_bases, tmp_path_factory):
     llama = lora_bases["llama"]
     return {
         "plain": make_peft_adapter(llama, root / "plain", r=4, alpha=8, seed=1),
-        "rslora": make_peft_adapter(llama, root / "rslora", r=8, alpha=16, rslora=True, seed=2,
-                                    targets=("q_proj", "v_proj", "down_proj")),
+        "rslora": make_peft_adapter(
+            llama, root / "rslora", r=8, alpha=16, rslora=True, seed=2, targets=("q_proj", "v_proj", "down_proj")
+        ),
         "qwen3": make_peft_adapter(lora_bases["qwen3"], root / "qwen3", r=2, alpha=3, seed=3),
         "big": make_peft_adapter(llama, root / "big", r=16, alpha=16, seed=4),
     }
@@ -53,6 +55,7 @@ def _cache(tmp_path, moto_server, max_bytes=1 << 30, slow=0.0) -> AdapterDiskCac
     def fetch_fn(ref, dest):
         time.sleep(slow)  # widens the window in which concurrent gets must coalesce
         fetch(ref, dest, moto_server.url)
+
     return AdapterDiskCache(tmp_path / "lora-cache", max_bytes, fetch_fn)
 
 
@@ -65,10 +68,21 @@ def test_valid_names(name):
     assert validate_name(name) == name
 
 
-@pytest.mark.parametrize("name,why", [("", "non-empty"), (None, "non-empty"), ("../x", "only letters"),
-                                      ("a/b", "only letters"), ("a\\b", "only letters"), ("a b", "only letters"),
-                                      (".hidden", "start with '.'"), ("a..b", "'..'"), ("..", "'..'"),
-                                      ("x" * 129, "at most 128")])
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("", "non-empty"),
+        (None, "non-empty"),
+        ("../x", "only letters"),
+        ("a/b", "only letters"),
+        ("a\\b", "only letters"),
+        ("a b", "only letters"),
+        (".hidden", "start with '.'"),
+        ("a..b", "'..'"),
+        ("..", "'..'"),
+        ("x" * 129, "at most 128"),
+    ],
+)
 def test_bad_names(name, why):
     with pytest.raises(InvalidRequestError, match=why) as e:
         validate_name(name)
@@ -76,8 +90,11 @@ def test_bad_names(name, why):
 
 
 def test_resolve_order(tmp_path):
-    c = cfg(lora_modules=(("local", str(tmp_path)), ("static", "s3://static-bkt/ad/one")),
-            lora_s3_uri="s3://pool-bkt/adapters", lora_allowed_buckets=("user-bkt",))
+    c = cfg(
+        lora_modules=(("local", str(tmp_path)), ("static", "s3://static-bkt/ad/one")),
+        lora_s3_uri="s3://pool-bkt/adapters",
+        lora_allowed_buckets=("user-bkt",),
+    )
     assert resolve(c, "local") == AdapterRef("local", str(tmp_path.resolve()))
     assert resolve(c, "static") == AdapterRef("static", "s3://static-bkt/ad/one/")  # static wins over the prefix
     assert resolve(c, "static", "s3://static-bkt/ad/one/").uri == "s3://static-bkt/ad/one/"
@@ -93,8 +110,11 @@ def test_resolve_order(tmp_path):
         resolve(c, "mine", "/etc/passwd")
     with pytest.raises(InvalidRequestError, match="only letters"):
         resolve(c, "../etc")
-    with pytest.raises(InvalidRequestError, match=r"unknown adapter 'nope' \(configured: local, static\).*"
-                                                  "LORA_S3_URI") as e:
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"unknown adapter 'nope' \(configured: local, static\).*"
+        "LORA_S3_URI",
+    ) as e:
         resolve(cfg(lora_modules=c.lora_modules), "nope")
     assert e.value.field == "lora"
     with pytest.raises(InvalidRequestError, match="ENABLE_LORA"):
@@ -147,6 +167,7 @@ def test_eight_concurrent_gets_one_download(adapters, moto_server, s3, tmp_path)
             paths.append(cache.get(AdapterRef("a", uri)))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
+
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
         t.start()
@@ -168,6 +189,7 @@ def test_different_adapters_download_in_parallel(adapters, moto_server, s3, tmp_
             both.set()
         assert both.wait(5), "the second download did not start while the first was in progress"
         fetch(ref, dest, moto_server.url)
+
     cache = AdapterDiskCache(tmp_path / "c", 1 << 30, fetch_fn)
     threads = [threading.Thread(target=cache.get, args=(AdapterRef(f"p{i}", u),)) for i, u in enumerate(uris)]
     for t in threads:
@@ -296,21 +318,33 @@ def test_unsupported_target_modules_refused(lora_bases, tmp_path):
 
 def test_wrong_shapes_refused(adapters, lora_bases):
     spec = model_spec(lora_bases["llama"])
-    with pytest.raises(InvalidRequestError, match=r"down_proj.lora_A.weight' has shape \[4, 192\]; this model needs "
-                                                  r"\[4, 256\]"):
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"down_proj.lora_A.weight' has shape \[4, 192\]; this model needs "
+        r"\[4, 256\]",
+    ):
         load_adapter(adapters["plain"][0], dataclasses.replace(spec, intermediate_size=256), 16, "plain")
     with pytest.raises(InvalidRequestError, match="layer 1 does not exist"):
         load_adapter(adapters["plain"][0], dataclasses.replace(spec, num_layers=1), 16, "plain")
-    with pytest.raises(InvalidRequestError, match=r"k_proj.lora_B.weight' has shape \[32, 4\]; this model needs "
-                                                  r"\[96, 4\]"):  # a llama adapter on qwen3 (head_dim 48)
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"k_proj.lora_B.weight' has shape \[32, 4\]; this model needs "
+        r"\[96, 4\]",
+    ):  # a llama adapter on qwen3 (head_dim 48)
         load_adapter(adapters["plain"][0], model_spec(lora_bases["qwen3"]), 16, "plain")
 
 
-@pytest.mark.parametrize("change,why", [
-    (dict(use_dora=True), "use_dora=True"), (dict(bias="all"), "bias='all'"),
-    (dict(modules_to_save=["lm_head"]), "modules_to_save"), (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
-    (dict(alpha_pattern={"q_proj": 8}), "alpha_pattern"), (dict(peft_type="IA3"), "peft_type"),
-])
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        (dict(use_dora=True), "use_dora=True"),
+        (dict(bias="all"), "bias='all'"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
+        (dict(alpha_pattern={"q_proj": 8}), "alpha_pattern"),
+        (dict(peft_type="IA3"), "peft_type"),
+    ],
+)
 def test_refused_config_settings(change, why, adapters, lora_bases, tmp_path):
     src = adapters["plain"][0]
     (tmp_path / FILES[1]).write_bytes((src / FILES[1]).read_bytes())
@@ -326,8 +360,10 @@ def test_missing_half_and_nan_refused(adapters, lora_bases, tmp_path):
     save_file({key.format("A"): torch.ones(4, 96)}, str(tmp_path / FILES[1]))
     with pytest.raises(InvalidRequestError, match="layer 0 q_proj has no lora_B"):
         load_adapter(tmp_path, spec, 16, "x")
-    save_file({key.format("A"): torch.ones(4, 96), key.format("B"): torch.full((96, 4), float("nan"))},
-              str(tmp_path / FILES[1]))
+    save_file(
+        {key.format("A"): torch.ones(4, 96), key.format("B"): torch.full((96, 4), float("nan"))},
+        str(tmp_path / FILES[1]),
+    )
     with pytest.raises(InvalidRequestError, match="NaN"):
         load_adapter(tmp_path, spec, 16, "x")
 

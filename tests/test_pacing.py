@@ -1,6 +1,7 @@
 """handler.pacing: streamed yields go out when their count is full or when the flush interval has passed with a
 token pending. The source here is a scripted stand-in for the engine's stream (the real engine runs through the
 same function in test_handler_jobs.py), so each test controls exactly when tokens arrive."""
+
 from __future__ import annotations
 
 import asyncio
@@ -62,6 +63,7 @@ def test_count_bound_when_the_flush_interval_is_long():
             src.q.put_nowait(tok())
         src.q.put_nowait(tok(finished=True))
         return [len(g) async for g in paced(src.gen(), BatchSizer(1, 3, 50), flush_s=3600)]
+
     assert asyncio.run(go()) == [1, 3, 9, 8]  # the last group ends with the finished output, however short
 
 
@@ -82,6 +84,7 @@ def test_a_pending_token_goes_out_after_the_flush_interval_while_the_engine_is_s
         with pytest.raises(StopAsyncIteration):
             await collect(p)
         assert src.closed
+
     asyncio.run(go())
 
 
@@ -93,6 +96,7 @@ def test_no_flush_without_a_pending_token():
         await collect(p)
         with pytest.raises(asyncio.TimeoutError):  # nothing pending: no empty yields, however long we wait
             await collect(p, timeout=0.2)
+
     asyncio.run(go())
 
 
@@ -106,6 +110,7 @@ def test_a_token_arriving_after_the_interval_goes_out_at_once():
         src.q.put_nowait(tok())
         src.q.put_nowait(tok())
         return len(await collect(p))
+
     assert asyncio.run(go()) == 1  # flushed on arrival, not held for the count of 3
 
 
@@ -128,4 +133,5 @@ def test_closing_the_consumer_closes_the_engine_stream_and_errors_pass_through()
         src2.q.put_nowait(RuntimeError("engine fault"))
         with pytest.raises(RuntimeError, match="engine fault"):
             await collect(p2)
+
     asyncio.run(go())

@@ -1,4 +1,5 @@
 """Greedy token ids equal HF transformers' (fp32, CPU), and logprobs are close by vLLM's rule."""
+
 from __future__ import annotations
 
 import pytest
@@ -66,8 +67,9 @@ def test_tiny_architectures_match_hf(tiny_models, arch):
     ref = hf_greedy(path, prompts, 24)
     for setting in ({}, {"max_num_batched_tokens": 8, "num_kv_blocks": 14, "max_model_len": 128}):
         llm = LLM(model=str(path), dtype="float32", log_stats_interval=0, **setting)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=24, logprobs=5))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24, logprobs=5)
+        )
         for i, (out, (ref_ids, ref_lp)) in enumerate(zip(outs, ref)):
             got = out.outputs[0]
             assert got.token_ids == ref_ids, f"{arch} {setting} prompt {i}"

@@ -1,4 +1,5 @@
 """warmup.plan reproduces the seed's worked example from a config alone."""
+
 from __future__ import annotations
 
 import json
@@ -6,12 +7,26 @@ import json
 from engine.models.llama import ModelSpec
 from warmup.plan import main, make_plan, parse_bytes
 
-LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
-              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-              "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-              "rope_theta": 500000.0, "tie_word_embeddings": False,
-              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192}}
+LLAMA3_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
 
 
 def test_seed_worked_example(tmp_path, capsys):
@@ -26,8 +41,25 @@ def test_seed_worked_example(tmp_path, capsys):
     assert bf16.kv_bytes_per_token == 2 * p.kv_bytes_per_token and bf16.tensor_parallel == 2
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
-    assert main(["--model", str(tmp_path), "--gpu-mem", "80GiB", "--max-model-len", "4096", "--quantization", "fp8",
-                 "--kv-cache-dtype", "fp8", "--requests", "100"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path),
+                "--gpu-mem",
+                "80GiB",
+                "--max-model-len",
+                "4096",
+                "--quantization",
+                "fp8",
+                "--kv-cache-dtype",
+                "fp8",
+                "--requests",
+                "100",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "163,840 B (160 KiB)" in out and "65,536,000 KiB" in out and "fits on one GPU" in out
 

@@ -1,5 +1,6 @@
 """Automatic prefix caching: the block manager with exact block ids (no model), then the engine, whose
 outputs must not change when caching is switched on."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,9 @@ from engine.types import Request, SamplingParams
 
 
 def req(rid: str, tokens: list[int], key: tuple = ("base",), max_tokens: int = 100) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}),
-                   cache_key=key)
+    return Request(
+        rid, list(tokens), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}), cache_key=key
+    )
 
 
 def admit(bm: BlockManager, r: Request) -> list[int]:
@@ -129,13 +131,14 @@ def _run(path, prompts, caching: bool, **kw):
     from engine import LLM
 
     llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=caching, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     return [o.outputs[0].token_ids for o in outs], outs, llm.engine.stats()
 
 
 @pytest.mark.parametrize("budget", [2048, 24])  # all in one step; chunked, so later requests hit
-def test_engine_outputs_identical_with_caching_on_and_off(tiny_llama, budget):   # blocks still being filled
+def test_engine_outputs_identical_with_caching_on_and_off(tiny_llama, budget):  # blocks still being filled
     import random
 
     rng = random.Random(0)
@@ -157,8 +160,9 @@ def test_engine_n_siblings_share_prompt_blocks_even_with_caching_off(tiny_llama)
 
     llm = LLM(model=str(tiny_llama), dtype="float32", enable_prefix_caching=False)
     eng = llm.engine
-    eng.add_request("r", {"prompt_token_ids": list(range(3, 40))},
-                    SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4))
+    eng.add_request(
+        "r", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4)
+    )
     eng.step()
     seqs = eng.output.groups["r"].seqs
     assert seqs[0].block_ids[:2] == seqs[1].block_ids[:2] == seqs[2].block_ids[:2]  # 37 tokens: 2 full blocks

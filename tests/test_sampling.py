@@ -1,4 +1,5 @@
 """Sampler: seeds independent of the batch, penalties as vLLM defines them, top-k/top-p/min-p, n > 1."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,13 +26,15 @@ def test_seed_reproduces_alone_and_inside_a_batch(llm):
     p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone = llm.generate(PROMPT, p)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": [7 + i, 8 + 2 * i, 9]} for i in range(16)]
-    other_params = [SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True,
-                                   seed=None if i % 2 else i) for i in range(16)]
+    other_params = [
+        SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True, seed=None if i % 2 else i) for i in range(16)
+    ]
     batch = llm.generate(others[:8] + [PROMPT] + others[8:], other_params[:8] + [p] + other_params[8:])
     assert batch[8].outputs[0].token_ids == alone
     # the check can fail: another seed gives another sequence
-    other_seed = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24,
-                                                     ignore_eos=True))
+    other_seed = llm.generate(
+        PROMPT, SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -45,16 +48,18 @@ def test_n_sequences(llm):
 
 
 def _req(output_ids, prompt_ids=(1,), **kw):
-    return Request("r", list(prompt_ids), SamplingParams(**kw), eos_token_ids=frozenset({2}),
-                   output_token_ids=list(output_ids))
+    return Request(
+        "r", list(prompt_ids), SamplingParams(**kw), eos_token_ids=frozenset({2}), output_token_ids=list(output_ids)
+    )
 
 
 def test_penalties_match_vllm_definition():
     torch.manual_seed(0)
     logits = torch.randn(1, 10) * 3
     s = Sampler(10, torch.device("cpu"))
-    r = _req([3, 3, 5], prompt_ids=[7], temperature=0, repetition_penalty=1.5, frequency_penalty=0.4,
-             presence_penalty=0.3)
+    r = _req(
+        [3, 3, 5], prompt_ids=[7], temperature=0, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3
+    )
     ref = logits.clone()[0]
     for t in (3, 5, 7):  # repetition: prompt and output tokens
         ref[t] = ref[t] / 1.5 if ref[t] > 0 else ref[t] * 1.5
@@ -116,14 +121,16 @@ def test_stop_strings_and_stop_ids_in_engine(llm):
     stop = base.text[3:6]  # spans whatever tokens it spans
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))
     c = out[0].outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason == stop and c.text == base.text[:base.text.index(stop)]
-    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
-                                              include_stop_str_in_output=True))
-    assert out[0].outputs[0].text == base.text[:base.text.index(stop) + len(stop)]
+    assert c.finish_reason == "stop" and c.stop_reason == stop and c.text == base.text[: base.text.index(stop)]
+    out = llm.generate(
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )
+    assert out[0].outputs[0].text == base.text[: base.text.index(stop) + len(stop)]
     stop_id = base.token_ids[4]
     first = base.token_ids.index(stop_id)
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]))
     c = out[0].outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason == stop_id and c.token_ids == base.token_ids[:first + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_id and c.token_ids == base.token_ids[: first + 1]
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 5

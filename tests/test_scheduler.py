@@ -1,4 +1,5 @@
 """Block manager and scheduler, with no model: exact block ids, budgets and preemption order."""
+
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
@@ -7,15 +8,17 @@ from engine.types import Request, RequestStatus, SamplingParams
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 100) -> Request:
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
-                   eos_token_ids=frozenset({0}))
+    return Request(
+        rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0})
+    )
 
 
 def run_step(sched: Scheduler, token: int = 7):
     """Schedule, then pretend the model ran: every request whose chunk reached its end samples `token`."""
     out = sched.schedule()
-    sampled = {r: token for r, n in zip(out.requests, out.num_scheduled_tokens)
-               if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {
+        r: token for r, n in zip(out.requests, out.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens
+    }
     sched.update(out, sampled)
     return out
 
@@ -146,8 +149,13 @@ def test_max_model_len_finishes_with_length():
 
 
 def test_long_prefill_token_threshold_caps_each_request_per_step():
-    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=100, max_model_len=1000,
-                  long_prefill_token_threshold=8)
+    s = Scheduler(
+        BlockManager(100, 4),
+        max_num_seqs=8,
+        max_num_batched_tokens=100,
+        max_model_len=1000,
+        long_prefill_token_threshold=8,
+    )
     a, b, c = req("a", 3), req("b", 30), req("c", 20)
     for r in (a, b, c):
         s.add(r)

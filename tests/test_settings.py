@@ -1,4 +1,5 @@
 """handler/settings.py: worker-vllm env names -> a frozen EngineConfig; bad values name the variable."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,9 @@ def test_defaults_locally_and_on_runpod():
     emulated = load_settings({"RUNPOD_POD_ID": "local-worker", "LOCAL_EMULATOR": "1"})  # handler.local's worker
     assert not emulated.on_runpod and emulated.engine_config().cache_root == default_cache_root()
     assert load_settings({"BASE_PATH": "/vol", "HF_HOME": "/hf"}).engine_config().hf_cache_dirs[:2] == (
-        "/hf/hub", "/vol/huggingface-cache/hub")
+        "/hf/hub",
+        "/vol/huggingface-cache/hub",
+    )
 
 
 def test_cache_root_falls_back_when_the_volume_cannot_be_written(tmp_path, caplog):
@@ -33,10 +36,15 @@ def test_cache_root_falls_back_when_the_volume_cannot_be_written(tmp_path, caplo
     assert writable_dir(tmp_path / "new" / "deeper") and not writable_dir(blocker / "x")
 
 
-@pytest.mark.parametrize("env,name", [
-    ({"MAX_MODEL_LEN": "lots"}, "MAX_MODEL_LEN"), ({"MAX_NUM_SEQS": "0"}, "MAX_NUM_SEQS"),
-    ({"GPU_MEMORY_UTILIZATION": "1.5"}, "GPU_MEMORY_UTILIZATION"), ({"DTYPE": "int4"}, "DTYPE"),
-])
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        ({"MAX_MODEL_LEN": "lots"}, "MAX_MODEL_LEN"),
+        ({"MAX_NUM_SEQS": "0"}, "MAX_NUM_SEQS"),
+        ({"GPU_MEMORY_UTILIZATION": "1.5"}, "GPU_MEMORY_UTILIZATION"),
+        ({"DTYPE": "int4"}, "DTYPE"),
+    ],
+)
 def test_invalid_values_name_the_variable(env, name):
     with pytest.raises(SettingsError, match=name):
         load_settings(env)
@@ -53,17 +61,30 @@ def test_every_documented_variable_is_parsed():
     documented = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", doc)) - {"RUNPOD_POD_ID", "RUNPOD_ENDPOINT_ID"}
     known = set(Settings.model_fields) | {"MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR"}
     assert documented <= known, documented - known
-    undocumented = set(Settings.model_fields) - documented - {"RUNPOD_POD_ID", "RUNPOD_ENDPOINT_ID",
-                                                               "RUNPOD_WEBHOOK_GET_JOB"}
+    undocumented = (
+        set(Settings.model_fields) - documented - {"RUNPOD_POD_ID", "RUNPOD_ENDPOINT_ID", "RUNPOD_WEBHOOK_GET_JOB"}
+    )
     assert not undocumented, undocumented
 
 
 def test_job_variables_and_worker_vllm_aliases():
-    s = load_settings({"MAX_CONCURRENCY": "8", "DEFAULT_BATCH_SIZE": "20", "MIN_BATCH_SIZE": "2",
-                       "BATCH_SIZE_GROWTH_FACTOR": "2.5", "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "my-model",
-                       "CUSTOM_CHAT_TEMPLATE": "{{ messages[0]['content'] }}", "ENABLE_PREFIX_CACHING": "false",
-                       "MAX_NUM_SEQS": "16", "MAX_NUM_BATCHED_TOKENS": "512", "KV_CACHE_MEMORY": "1000000",
-                       "BLOCK_SIZE": "32", "TOKENIZER_NAME": "/tok", "MODEL_REVISION": "v1"})
+    s = load_settings(
+        {
+            "MAX_CONCURRENCY": "8",
+            "DEFAULT_BATCH_SIZE": "20",
+            "MIN_BATCH_SIZE": "2",
+            "BATCH_SIZE_GROWTH_FACTOR": "2.5",
+            "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "my-model",
+            "CUSTOM_CHAT_TEMPLATE": "{{ messages[0]['content'] }}",
+            "ENABLE_PREFIX_CACHING": "false",
+            "MAX_NUM_SEQS": "16",
+            "MAX_NUM_BATCHED_TOKENS": "512",
+            "KV_CACHE_MEMORY": "1000000",
+            "BLOCK_SIZE": "32",
+            "TOKENIZER_NAME": "/tok",
+            "MODEL_REVISION": "v1",
+        }
+    )
     assert (s.MAX_CONCURRENCY, s.DEFAULT_BATCH_SIZE, s.DEFAULT_MIN_BATCH_SIZE) == (8, 20, 2)
     assert s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR == 2.5 and s.ENABLE_PREFIX_CACHING is False
     cfg = s.engine_config()
@@ -76,23 +97,42 @@ def test_job_variables_and_worker_vllm_aliases():
     fp8 = load_settings({"QUANTIZATION": "fp8", "KV_CACHE_DTYPE": "fp8"}).engine_config()
     assert (fp8.quantization, fp8.kv_cache_dtype) == ("fp8", "fp8")
     assert load_settings({"ENABLE_LORA": "true"}).ignored() == []
-    assert load_settings({"LORA_MODULES": '{"name": "a", "path": "/x"}'}).ignored() == \
-        ["LORA_MODULES (ignored unless ENABLE_LORA=true)"]
-    lora = load_settings({"ENABLE_LORA": "1", "MAX_LORAS": "4", "LORA_MODULES": '[{"name": "a", "path": "s3://b/a"}]',
-                          "LORA_ALLOWED_BUCKETS": "b,c", "S3_ENDPOINT_URL": "http://127.0.0.1:9"}).engine_config()
-    assert (lora.enable_lora, lora.max_loras, lora.lora_modules, lora.lora_allowed_buckets, lora.s3_endpoint_url) == \
-        (True, 4, (("a", "s3://b/a"),), ("b", "c"), "http://127.0.0.1:9")
+    assert load_settings({"LORA_MODULES": '{"name": "a", "path": "/x"}'}).ignored() == [
+        "LORA_MODULES (ignored unless ENABLE_LORA=true)"
+    ]
+    lora = load_settings(
+        {
+            "ENABLE_LORA": "1",
+            "MAX_LORAS": "4",
+            "LORA_MODULES": '[{"name": "a", "path": "s3://b/a"}]',
+            "LORA_ALLOWED_BUCKETS": "b,c",
+            "S3_ENDPOINT_URL": "http://127.0.0.1:9",
+        }
+    ).engine_config()
+    assert (lora.enable_lora, lora.max_loras, lora.lora_modules, lora.lora_allowed_buckets, lora.s3_endpoint_url) == (
+        True,
+        4,
+        (("a", "s3://b/a"),),
+        ("b", "c"),
+        "http://127.0.0.1:9",
+    )
     with pytest.raises(SettingsError, match="LORA_MODULES"):
         load_settings({"LORA_MODULES": '[{"name": "a"}]'})
     with pytest.raises(SettingsError, match="QUANTIZATION"):
         load_settings({"QUANTIZATION": "awq"}).engine_config()
 
 
-@pytest.mark.parametrize("env,name", [
-    ({"MAX_CONCURRENCY": "0"}, "MAX_CONCURRENCY"), ({"MIN_BATCH_SIZE": "zero"}, "MIN_BATCH_SIZE"),
-    ({"BATCH_SIZE_GROWTH_FACTOR": "0.5"}, "BATCH_SIZE_GROWTH_FACTOR"), ({"ENABLE_LORA": "maybe"}, "ENABLE_LORA"),
-    ({"KV_CACHE_MEMORY": "-1"}, "KV_CACHE_MEMORY"), ({"MAX_LORA_RANK": "x"}, "MAX_LORA_RANK"),
-])
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        ({"MAX_CONCURRENCY": "0"}, "MAX_CONCURRENCY"),
+        ({"MIN_BATCH_SIZE": "zero"}, "MIN_BATCH_SIZE"),
+        ({"BATCH_SIZE_GROWTH_FACTOR": "0.5"}, "BATCH_SIZE_GROWTH_FACTOR"),
+        ({"ENABLE_LORA": "maybe"}, "ENABLE_LORA"),
+        ({"KV_CACHE_MEMORY": "-1"}, "KV_CACHE_MEMORY"),
+        ({"MAX_LORA_RANK": "x"}, "MAX_LORA_RANK"),
+    ],
+)
 def test_more_invalid_values(env, name):
     with pytest.raises(SettingsError, match=name):
         load_settings(env)

@@ -2,6 +2,7 @@
 finishes within SHUTDOWN_GRACE_S or comes back FAILED with an error naming the shutdown; none stays
 IN_PROGRESS; a job cancelled while the worker drains is still stopped; the worker exits by itself and leaves
 no process behind (the emulator says so when it has to kill leftovers)."""
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,25 @@ N = 8
 
 def _emulator(smollm2_path, grace: float) -> Emulator:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(MODEL_NAME=str(smollm2_path), DTYPE="bfloat16", MAX_CONCURRENCY=str(N), MAX_MODEL_LEN="2048",
-               HF_HUB_OFFLINE="1", SHUTDOWN_GRACE_S=str(grace))
+    env.update(
+        MODEL_NAME=str(smollm2_path),
+        DTYPE="bfloat16",
+        MAX_CONCURRENCY=str(N),
+        MAX_MODEL_LEN="2048",
+        HF_HUB_OFFLINE="1",
+        SHUTDOWN_GRACE_S=str(grace),
+    )
     return Emulator(env)
 
 
 def _submit(emu: Emulator, max_tokens: int) -> list[str]:
-    job = {"input": {"prompt": "Tell me a long story about a lighthouse.", "stream": True,
-                     "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}}
+    job = {
+        "input": {
+            "prompt": "Tell me a long story about a lighthouse.",
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
+        }
+    }
     return [requests.post(f"{emu.base}/run", json=job, timeout=30).json()["id"] for _ in range(N)]
 
 
@@ -35,7 +47,7 @@ def _status(emu: Emulator, jid: str) -> dict:
 def _wait(pred, timeout: float, what: str):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (v := pred()):
+        if v := pred():
             return v
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")

@@ -9,8 +9,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kernels", "engine", "handler", "warmup")
 # the scheduler side: plain Python over plain dataclasses, so it can be read and tested without a device
-NO_TORCH = {"engine/scheduler.py", "engine/block_manager.py", "engine/types.py", "engine/detokenizer.py",
-            "engine/config.py", "engine/output.py"}
+NO_TORCH = {
+    "engine/scheduler.py",
+    "engine/block_manager.py",
+    "engine/types.py",
+    "engine/detokenizer.py",
+    "engine/config.py",
+    "engine/output.py",
+}
 MAX_LINES = 400
 
 
@@ -57,15 +63,25 @@ def test_import_floors():
 
 def test_the_rules_catch_what_they_forbid():
     """The checker itself: each forbidden edge is reported, each allowed one is not."""
-    bad = [("kernels", "kernels/x.py", "engine.types"), ("engine", "engine/x.py", "warmup"),
-           ("engine", "engine/x.py", "handler.settings"), ("handler", "handler/x.py", "engine.llm_engine"),
-           ("warmup", "warmup/x.py", "engine.weights"), ("warmup", "warmup/x.py", "handler.worker"),
-           ("engine", "engine/scheduler.py", "torch")]
+    bad = [
+        ("kernels", "kernels/x.py", "engine.types"),
+        ("engine", "engine/x.py", "warmup"),
+        ("engine", "engine/x.py", "handler.settings"),
+        ("handler", "handler/x.py", "engine.llm_engine"),
+        ("warmup", "warmup/x.py", "engine.weights"),
+        ("warmup", "warmup/x.py", "handler.worker"),
+        ("engine", "engine/scheduler.py", "torch"),
+    ]
     for pkg, rel, mod in bad:
         assert _violations(pkg, rel, [(mod, [])]), (pkg, mod)
-    good = [("engine", "engine/x.py", "kernels"), ("handler", "handler/x.py", "engine"),
-            ("warmup", "warmup/x.py", "engine"), ("warmup", "warmup/x.py", "handler.settings"),
-            ("engine", "engine/x.py", "engine.types"), ("handler", "handler/x.py", "pydantic")]
+    good = [
+        ("engine", "engine/x.py", "kernels"),
+        ("handler", "handler/x.py", "engine"),
+        ("warmup", "warmup/x.py", "engine"),
+        ("warmup", "warmup/x.py", "handler.settings"),
+        ("engine", "engine/x.py", "engine.types"),
+        ("handler", "handler/x.py", "pydantic"),
+    ]
     for pkg, rel, mod in good:
         assert not _violations(pkg, rel, [(mod, [])]), (pkg, mod)
 
@@ -74,8 +90,14 @@ def test_engine_public_api_exists():
     """What handler/ and warmup/ import from `engine` is exported there."""
     import engine
 
-    wanted = {name for pkg, _, f in _sources() if pkg in ("handler", "warmup")
-              for mod, names in _imports(f) if mod == "engine" for name in names}
+    wanted = {
+        name
+        for pkg, _, f in _sources()
+        if pkg in ("handler", "warmup")
+        for mod, names in _imports(f)
+        if mod == "engine"
+        for name in names
+    }
     assert wanted <= set(engine.__all__), wanted - set(engine.__all__)
 
 

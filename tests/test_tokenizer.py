@@ -1,13 +1,20 @@
 """engine/tokenizer.py: the Rust tokenizer used from the start must encode exactly as transformers does, and
 the engine switches to transformers if they ever disagree."""
+
 from __future__ import annotations
 
 import pytest
 
 from engine.tokenizer import PROBE, Tokenizer, compare_with_transformers
 
-TEXTS = [PROBE, "The capital of France is", "  leading spaces and trailing  ", "<|im_start|>system\nHi<|im_end|>",
-         "def f(x):\n\treturn x ** 2  # ünïcödé", ""]
+TEXTS = [
+    PROBE,
+    "The capital of France is",
+    "  leading spaces and trailing  ",
+    "<|im_start|>system\nHi<|im_end|>",
+    "def f(x):\n\treturn x ** 2  # ünïcödé",
+    "",
+]
 
 
 @pytest.mark.parametrize("which", ["tiny", "smollm2"])
@@ -40,16 +47,28 @@ def test_compare_with_transformers_names_a_disagreement(tiny_llama):
 # ---- chat templates: transformers' renderer without transformers' tokenizer -------------------------------
 CHATS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Grüße, 世界 😀"},
-     {"role": "assistant", "content": "Hallo."}, {"role": "user", "content": "Again?"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Grüße, 世界 😀"},
+        {"role": "assistant", "content": "Hallo."},
+        {"role": "user", "content": "Again?"},
+    ],
 ]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 MULTI = {  # chat_template.jinja + additional_chat_templates/tool_use.jinja, both using the special tokens
     "default": "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
-               "{% if add_generation_prompt %}<assistant>{% endif %}",
+    "{% if add_generation_prompt %}<assistant>{% endif %}",
     "tool_use": "{{ bos_token }}TOOLS {{ tools | tojson }}\n{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
-                "{% endfor %}{{ greeting | default('') }}",
+    "{% endfor %}{{ greeting | default('') }}",
 }
 
 
@@ -63,9 +82,12 @@ def test_chat_template_renders_like_transformers_without_loading_it(smollm2_path
     tok, hf = Tokenizer(smollm2_path), AutoTokenizer.from_pretrained(str(smollm2_path))
     custom = "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}{{ extra }}"
     for msgs in CHATS:
-        for kw in ({"add_generation_prompt": True}, {"add_generation_prompt": False},
-                   {"add_generation_prompt": False, "continue_final_message": True},
-                   {"add_generation_prompt": True, "chat_template": custom, "extra": "!"}):
+        for kw in (
+            {"add_generation_prompt": True},
+            {"add_generation_prompt": False},
+            {"add_generation_prompt": False, "continue_final_message": True},
+            {"add_generation_prompt": True, "chat_template": custom, "extra": "!"},
+        ):
             assert tok.apply_chat_template(msgs, **kw) == _hf_render(hf, msgs, **kw), (msgs, kw)
     assert tok._hf is None  # the fast path never touched transformers' tokenizer
     with pytest.raises(ValueError, match="empty conversation"):
@@ -85,8 +107,12 @@ def test_named_templates_tools_and_special_tokens(tiny_llama, tmp_path):
     tok, hf = Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
     assert tok.chat_template == hf.chat_template == MULTI and tok.special_tokens == hf.special_tokens_map
     msgs = CHATS[1]
-    for kw in ({}, {"tools": TOOLS}, {"chat_template": "tool_use", "tools": TOOLS, "greeting": "hey"},
-               {"chat_template": "default", "add_generation_prompt": False}):
+    for kw in (
+        {},
+        {"tools": TOOLS},
+        {"chat_template": "tool_use", "tools": TOOLS, "greeting": "hey"},
+        {"chat_template": "default", "add_generation_prompt": False},
+    ):
         ours = tok.apply_chat_template(msgs, **{"add_generation_prompt": True, **kw})
         assert ours == _hf_render(hf, msgs, **{"add_generation_prompt": True, **kw}), kw
     assert "<s>" in ours and tok._hf is None
@@ -105,8 +131,9 @@ def test_chat_falls_back_to_transformers_where_it_must(tiny_llama, tmp_path):
     assert tok.apply_chat_template(CHATS[0]) == _hf_render(hf, CHATS[0], add_generation_prompt=True)
     assert tok._hf is not None
     # apply_chat_template options the fast path does not implement also go to transformers
-    assert Tokenizer(folder).apply_chat_template(CHATS[0], return_dict=False) == \
-        _hf_render(hf, CHATS[0], add_generation_prompt=True, return_dict=False)
+    assert Tokenizer(folder).apply_chat_template(CHATS[0], return_dict=False) == _hf_render(
+        hf, CHATS[0], add_generation_prompt=True, return_dict=False
+    )
     with pytest.raises(ValueError, match="chat_template"):  # transformers' own error for a model without one
         Tokenizer(tiny_llama).apply_chat_template(CHATS[0])
 
@@ -125,20 +152,30 @@ def test_special_tokens_come_from_where_transformers_reads_them(case, smollm2_pa
     for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(smollm2_path / f, folder / f)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
-                            "[{{ unk_token }}]")
+    cfg["chat_template"] = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}[{{ unk_token }}]"
+    )
     if case == "decoder-ignores-map":
-        cfg["added_tokens_decoder"] = {"0": {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
-                                             "rstrip": False, "single_word": False, "special": True}}
+        cfg["added_tokens_decoder"] = {
+            "0": {
+                "content": "<|endoftext|>",
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+        }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "unk_token": "<|im_start|>"}))
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "unk_token": "<|im_start|>"})
+    )
     tok, hf = Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
     assert tok.special_tokens == hf.special_tokens_map
-    assert tok.apply_chat_template(CHATS[0], add_generation_prompt=False) == \
-        _hf_render(hf, CHATS[0], add_generation_prompt=False)
+    assert tok.apply_chat_template(CHATS[0], add_generation_prompt=False) == _hf_render(
+        hf, CHATS[0], add_generation_prompt=False
+    )
     assert tok._hf is None
-
-
 
 
 FEATURES = (  # what Hub templates use from transformers' environment
@@ -157,18 +194,23 @@ def test_chat_template_features_render_like_transformers(smollm2_path):
     from transformers import AutoTokenizer
 
     tok, hf = Tokenizer(smollm2_path), AutoTokenizer.from_pretrained(str(smollm2_path))
-    chats = CHATS + [[{"role": "user", "content": "<b>&</b> \"q\" é"},
-                      {"role": "assistant", "content": None, "thinking": "hmm"}]]
+    chats = CHATS + [
+        [{"role": "user", "content": '<b>&</b> "q" é'}, {"role": "assistant", "content": None, "thinking": "hmm"}]
+    ]
     for msgs in chats:
         for kw in ({"add_generation_prompt": True, "tools": TOOLS}, {"add_generation_prompt": False}):
-            assert tok.apply_chat_template(msgs, chat_template=FEATURES, **kw) == \
-                _hf_render(hf, msgs, chat_template=FEATURES, **kw), (msgs, kw)
+            assert tok.apply_chat_template(msgs, chat_template=FEATURES, **kw) == _hf_render(
+                hf, msgs, chat_template=FEATURES, **kw
+            ), (msgs, kw)
     date = "{{ strftime_now('%Y-%m-%d') }}"
     assert tok.apply_chat_template(CHATS[0], chat_template=date) == _hf_render(hf, CHATS[0], chat_template=date)
     with pytest.raises(jinja2.TemplateError, match="no system role"):
         tok.apply_chat_template(CHATS[0], chat_template="{{ raise_exception('no system role') }}")
-    for escape in ("{{ ''.__class__.__mro__ }}", "{% set ns = namespace() %}{% set ns._x = 1 %}",
-                   "{{ messages.append(1) }}"):  # the sandbox holds, as in transformers
+    for escape in (
+        "{{ ''.__class__.__mro__ }}",
+        "{% set ns = namespace() %}{% set ns._x = 1 %}",
+        "{{ messages.append(1) }}",
+    ):  # the sandbox holds, as in transformers
         with pytest.raises(jinja2.exceptions.SecurityError):
             tok.apply_chat_template(CHATS[0], chat_template=escape)
     assert tok._hf is None

@@ -1,6 +1,7 @@
 """Where the worker writes its caches, run as users run it: `make demo` on a laptop (not root, no /runpod-volume)
 must serve, and a Runpod volume that cannot be written is a warning, never a worker that fails every job.
 Each test writes an fp8 snapshot (QUANTIZATION=fp8), so the cache root is really used."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,17 @@ JOB = {"input": {"prompt": "hello there", "sampling_params": {"temperature": 0, 
 
 def _env(model: Path, home: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k not in ("BASE_PATH", "HOME")}
-    return {**env, "HOME": str(home), "MODEL_NAME": str(model), "DTYPE": "float32", "QUANTIZATION": "fp8",
-            "MAX_MODEL_LEN": "256", "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1", **extra}
+    return {
+        **env,
+        "HOME": str(home),
+        "MODEL_NAME": str(model),
+        "DTYPE": "float32",
+        "QUANTIZATION": "fp8",
+        "MAX_MODEL_LEN": "256",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        **extra,
+    }
 
 
 def _snapshots(root: Path) -> set[str]:
@@ -46,8 +56,14 @@ def test_an_unwritable_base_path_is_a_warning_and_the_worker_serves(tiny_llama, 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")  # nothing can be created under a file, whoever runs this (CI runs as root)
     env = _env(tiny_llama, tmp_path / "home", BASE_PATH=str(blocker / "volume"), RUNPOD_ENDPOINT_ID="ep")
-    r = subprocess.run([sys.executable, "-m", "handler", "--test_input", json.dumps(JOB)], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "handler", "--test_input", json.dumps(JOB)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cannot be written" in r.stderr and json.loads(r.stdout.splitlines()[-1])["status"] == "COMPLETED"
     assert _snapshots(tmp_path / "home" / ".cache" / "rp-llm-worker")  # the fallback cache was used
@@ -90,8 +106,15 @@ def test_a_non_root_user_runs_the_demo(tiny_llama):
                 os.setuid(nobody.pw_uid)
 
             try:  # root's Python often lives under /root (mode 700), where nobody cannot start it
-                subprocess.run([sys.executable, "-c", "import handler.local"], preexec_fn=preexec, cwd=base,
-                               env={"HOME": str(home)}, check=True, capture_output=True, timeout=120)
+                subprocess.run(
+                    [sys.executable, "-c", "import handler.local"],
+                    preexec_fn=preexec,
+                    cwd=base,
+                    env={"HOME": str(home)},
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
             except (OSError, subprocess.CalledProcessError) as e:
                 pytest.skip(f"this machine's interpreter or repository cannot be run by 'nobody': {e}")
         emu = Emulator(_env(model, home), preexec_fn=preexec, cwd=str(base))

@@ -1,5 +1,6 @@
 """`python -m warmup` as a user runs it (a subprocess, settings from the environment) on a tiny random model in
 a fake HF cache on a fake volume, and the Timeline it prints."""
+
 from __future__ import annotations
 
 import os
@@ -28,12 +29,24 @@ def volume(tmp_path_factory) -> Path:
 
 def warmup(base: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     # A clean environment: none of this machine's HF or model settings leak in; HOME keeps ~/.cache out of it.
-    keep = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODEL_", "QUANTIZATION", "BASE_PATH",
-                                                                      "RUNPOD_", "KV_", "MAX_"))}
-    full = {**keep, "HOME": str(base / "home"), "BASE_PATH": str(base), "MODEL_NAME": "org/name",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRITON_CACHE_DIR": str(base / "triton"), **env}
-    return subprocess.run([sys.executable, "-m", "warmup", *args], cwd=REPO, env=full, capture_output=True,
-                          text=True, timeout=300)
+    keep = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "MODEL_", "QUANTIZATION", "BASE_PATH", "RUNPOD_", "KV_", "MAX_"))
+    }
+    full = {
+        **keep,
+        "HOME": str(base / "home"),
+        "BASE_PATH": str(base),
+        "MODEL_NAME": "org/name",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TRITON_CACHE_DIR": str(base / "triton"),
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "warmup", *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_fp8_volume_check_fails_then_warmup_builds_the_snapshot_then_check_passes(volume):
@@ -44,8 +57,7 @@ def test_fp8_volume_check_fails_then_warmup_builds_the_snapshot_then_check_passe
 
     run = warmup(volume, QUANTIZATION="fp8")
     assert run.returncode == 0, run.stderr
-    for phase in ("imports", "settings", "model resolution", "model check", "engine build", "kernel warmup",
-                  "total"):
+    for phase in ("imports", "settings", "model resolution", "model check", "engine build", "kernel warmup", "total"):
         assert phase in run.stdout, (phase, run.stdout)
     assert "checkpoint, quantized online" in run.stdout  # the engine built the snapshot
     snaps = list((volume / "fp8-snapshots").iterdir())
@@ -125,11 +137,19 @@ def test_timeline_phases_marks_skips_and_table():
     now[0] = 5.0
     tl.mark("ready")  # begins where the previous entry ended (4.0)
     assert [(p.name, p.start, p.seconds) for p in tl.phases] == [
-        ("imports", 0.0, 1.0), ("weight read", 1.0, 3.0), ("kernel warmup", 4.0, 0.0), ("ready", 4.0, 1.0)]
+        ("imports", 0.0, 1.0),
+        ("weight read", 1.0, 3.0),
+        ("kernel warmup", 4.0, 0.0),
+        ("ready", 4.0, 1.0),
+    ]
     assert tl.total() == 5.0
     d = tl.as_dict()
-    assert d["total_s"] == 5.0 and d["phases"][1] == {"name": "weight read", "start_s": 1.0, "seconds": 3.0,
-                                                      "note": "3 GB"}
+    assert d["total_s"] == 5.0 and d["phases"][1] == {
+        "name": "weight read",
+        "start_s": 1.0,
+        "seconds": 3.0,
+        "note": "3 GB",
+    }
     lines = tl.table().splitlines()
     assert lines[0].split() == ["phase", "seconds", "%", "at"]
     assert lines[2].split() == ["weight", "read", "3.00", "60%", "4.00", "3", "GB"]

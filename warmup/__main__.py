@@ -8,6 +8,7 @@ snapshot (QUANTIZATION=fp8), compile the Triton kernels (CUDA only).
 
 --check writes nothing and uses no network: it says what is missing. Exit codes: 0 ready, 1 not ready or
 failed, 2 bad settings. User errors are one line on stderr, never a traceback."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,16 @@ from pathlib import Path
 log = logging.getLogger("warmup")
 
 # What the engine reads: weights (safetensors only: pickles run code on load), configs, tokenizer files.
-ALLOW_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.model", "*.tiktoken", "merges.txt", "vocab.txt",
-                  "*.jinja"]
+ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.json",
+    "tokenizer*",
+    "*.model",
+    "*.tiktoken",
+    "merges.txt",
+    "vocab.txt",
+    "*.jinja",
+]
 WARMUP_KV_BLOCKS = 64  # enough for the warmup request; a multiple of 16 keeps Triton's stride specialization
 
 
@@ -150,11 +159,13 @@ def _download(settings, cfg) -> None:
     log.info("downloading %s@%s into %s", cfg.model, cfg.revision, target)
     try:
         token = settings.HF_TOKEN.get_secret_value() if settings.HF_TOKEN else None  # the image's build secret
-        snapshot_download(cfg.model, revision=cfg.revision, cache_dir=str(target), allow_patterns=ALLOW_PATTERNS,
-                          token=token)
+        snapshot_download(
+            cfg.model, revision=cfg.revision, cache_dir=str(target), allow_patterns=ALLOW_PATTERNS, token=token
+        )
     except Exception as e:  # noqa: BLE001 - gated, not found, no network: one line, not a hub traceback
-        raise NotReady(f"download of {cfg.model}@{cfg.revision} into {target} failed: "
-                       f"{type(e).__name__}: {_one_line(e)}") from e
+        raise NotReady(
+            f"download of {cfg.model}@{cfg.revision} into {target} failed: {type(e).__name__}: {_one_line(e)}"
+        ) from e
 
 
 def _first_writable(dirs) -> Path:

@@ -6,6 +6,7 @@
 Reads config.json only (no weights are loaded). Weight bytes: params x 2 (bf16), or with fp8 the linear layers
 at 1 byte plus their per-channel fp32 scales while embeddings, lm_head and norms stay 16-bit (as vLLM).
 KV bytes per token = 2 x layers x kv_heads x head_dim x (2, or 1 for fp8), the seed's formula."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,18 @@ from dataclasses import dataclass
 
 from engine import EngineConfig, EngineError, ModelSpec, weights
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 ACTIVATION_RESERVE = 0.05  # of usable memory, for activations and the sampler's logits
 
 
@@ -65,39 +76,58 @@ def weight_bytes(spec: ModelSpec, quantization: str | None) -> int:
     linear = spec.num_params() - embeds - h * (2 * spec.num_layers + 1)
     norms = h * (2 * spec.num_layers + 1)
     if quantization == "fp8":
-        out_channels = spec.num_layers * (spec.num_heads * spec.head_dim + 2 * spec.num_kv_heads * spec.head_dim
-                                          + h + 2 * spec.intermediate_size + h)
+        out_channels = spec.num_layers * (
+            spec.num_heads * spec.head_dim + 2 * spec.num_kv_heads * spec.head_dim + h + 2 * spec.intermediate_size + h
+        )
         return linear + 4 * out_channels + 2 * (embeds + norms)
     return 2 * spec.num_params()
 
 
-def make_plan(spec: ModelSpec, gpu_bytes: int, max_model_len: int, quantization: str | None,
-              kv_cache_dtype: str, utilization: float = 0.9) -> Plan:
+def make_plan(
+    spec: ModelSpec,
+    gpu_bytes: int,
+    max_model_len: int,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    utilization: float = 0.9,
+) -> Plan:
     kv_el = 1 if kv_cache_dtype.startswith("fp8") else 2
-    return Plan(spec, weight_bytes(spec, quantization), 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_el,
-                gpu_bytes, utilization, max_model_len)
+    return Plan(
+        spec,
+        weight_bytes(spec, quantization),
+        2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_el,
+        gpu_bytes,
+        utilization,
+        max_model_len,
+    )
 
 
 def render(p: Plan, requests: int | None = None) -> str:
     s = p.spec
     gib = 2**30
-    lines = [f"model: {s.architecture}, {s.num_layers} layers, {s.num_heads} heads / {s.num_kv_heads} kv heads, "
-             f"head_dim {s.head_dim}, {s.num_params() / 1e9:.2f} B params",
-             f"weights: {p.weight_bytes / gib:.2f} GiB ({p.weight_bytes / 1e9:.1f} GB)",
-             f"KV per token: {p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:.0f} KiB)",
-             f"GPU: {p.gpu_bytes / gib:.1f} GiB x {p.utilization:.2f} utilization, "
-             f"{ACTIVATION_RESERVE:.0%} kept for activations"]
+    lines = [
+        f"model: {s.architecture}, {s.num_layers} layers, {s.num_heads} heads / {s.num_kv_heads} kv heads, "
+        f"head_dim {s.head_dim}, {s.num_params() / 1e9:.2f} B params",
+        f"weights: {p.weight_bytes / gib:.2f} GiB ({p.weight_bytes / 1e9:.1f} GB)",
+        f"KV per token: {p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:.0f} KiB)",
+        f"GPU: {p.gpu_bytes / gib:.1f} GiB x {p.utilization:.2f} utilization, "
+        f"{ACTIVATION_RESERVE:.0%} kept for activations",
+    ]
     tp = p.tensor_parallel
     if tp is None:
         lines.append(f"does NOT fit on 8 such GPUs at max_model_len={p.max_model_len}")
     else:
         where = "fits on one GPU" if tp == 1 else f"needs tensor parallel {tp}"
-        lines.append(f"{where}: {p.max_sequences(tp):.1f} concurrent sequences at max_model_len={p.max_model_len} "
-                     f"({p.kv_bytes_for(tp) * tp / gib:.1f} GiB of KV in all)")
+        lines.append(
+            f"{where}: {p.max_sequences(tp):.1f} concurrent sequences at max_model_len={p.max_model_len} "
+            f"({p.kv_bytes_for(tp) * tp / gib:.1f} GiB of KV in all)"
+        )
     if requests:
         total = requests * p.max_model_len * p.kv_bytes_per_token
-        lines.append(f"{requests} requests x {p.max_model_len} tokens: {total / 1024:,.0f} KiB of KV "
-                     f"({total / gib:.1f} GiB, {total / 1e9:.1f} GB)")
+        lines.append(
+            f"{requests} requests x {p.max_model_len} tokens: {total / 1024:,.0f} KiB of KV "
+            f"({total / gib:.1f} GiB, {total / 1e9:.1f} GB)"
+        )
     return "\n".join(lines)
 
 
@@ -114,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = weights.resolve_model_path(EngineConfig(model=args.model))
         spec = ModelSpec.from_hf(weights.read_json(path / "config.json"))
-        plan = make_plan(spec, parse_bytes(args.gpu_mem), args.max_model_len or spec.max_position_embeddings,
-                         args.quantization, args.kv_cache_dtype, args.gpu_memory_utilization)
+        plan = make_plan(
+            spec,
+            parse_bytes(args.gpu_mem),
+            args.max_model_len or spec.max_position_embeddings,
+            args.quantization,
+            args.kv_cache_dtype,
+            args.gpu_memory_utilization,
+        )
     except (EngineError, ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

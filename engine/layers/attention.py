@@ -8,6 +8,7 @@ per layer. The torch reference here defines correctness and is the CPU fast path
 - prefill chunks: one SDPA call each over the chunk's own context. A step holds few of them (the token
   budget bounds it) and each call is large, while padding them into one call wasted up to 4x the work
   on mixed lengths."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,17 +95,29 @@ class TritonAttention(_KVScales):
         nblk = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int32)
         return TritonAttnMetadata(
-            slot_mapping=layout.slot_mapping, block_tables=bt.to(device),
+            slot_mapping=layout.slot_mapping,
+            block_tables=bt.to(device),
             seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32).to(device),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)))
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
+        )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttnMetadata, layer: int = 0) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
         ks, vs = self._scales(layer)
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                               self.scale, k_scale=ks, v_scale=vs, max_query_len=meta.max_query_len)
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            k_scale=ks,
+            v_scale=vs,
+            max_query_len=meta.max_query_len,
+        )
 
 
 class TorchAttention(_KVScales):
@@ -128,8 +141,13 @@ class TorchAttention(_KVScales):
             blocks = torch.tensor([b for i in idx for b in tables[i] + [0] * (nblk - len(tables[i]))])
             ctx = torch.tensor([lens[i] for i in idx])
             mask = torch.arange(nblk * bs)[None, :] < ctx[:, None]  # [G, L]
-            decodes.append(_Decodes(rows=torch.tensor([qsl[i] for i in idx]).to(device),
-                                    blocks=blocks.to(device), mask=mask[None, :, None, :].to(device)))
+            decodes.append(
+                _Decodes(
+                    rows=torch.tensor([qsl[i] for i in idx]).to(device),
+                    blocks=blocks.to(device),
+                    mask=mask[None, :, None, :].to(device),
+                )
+            )
         prefills = []
         for i in range(len(lens)):
             n = qsl[i + 1] - qsl[i]
@@ -142,8 +160,16 @@ class TorchAttention(_KVScales):
         return TorchAttnMetadata(layout.slot_mapping, decodes, prefills)
 
     # ---- per layer -------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchAttnMetadata, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchAttnMetadata,
+        layer: int = 0,
+    ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
         kvh = k.shape[1]
         ks, vs = self._scales(layer)
@@ -154,11 +180,17 @@ class TorchAttention(_KVScales):
             out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask)
         for p in meta.prefills:
             kg, vg = self._gather(k_cache, v_cache, p.blocks, 1, q.dtype, ks, vs)  # [KVH, 1, nblk * bs, D]
-            qp = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
+            qp = q[p.start : p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
             o = F.scaled_dot_product_attention(
-                qp, kg[:, :, :p.ctx].transpose(0, 1), vg[:, :, :p.ctx].transpose(0, 1),
-                attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=kvh != q.shape[1])
-            out[p.start:p.start + p.num_q] = o[0].transpose(0, 1)
+                qp,
+                kg[:, :, : p.ctx].transpose(0, 1),
+                vg[:, :, : p.ctx].transpose(0, 1),
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=self.scale,
+                enable_gqa=kvh != q.shape[1],
+            )
+            out[p.start : p.start + p.num_q] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, q, k, v, mask):

@@ -1,4 +1,5 @@
 """Rotary position embedding, neox style (rotate half), with linear and Llama-3 frequency scaling."""
+
 from __future__ import annotations
 
 import math

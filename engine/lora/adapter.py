@@ -4,6 +4,7 @@ Only plain LoRA on the 7 linear projections of a decoder layer is accepted; anyt
 pass in a way the delta kernels do not compute (DoRA, biases, modules_to_save, per-module ranks, aLoRA, ...) is
 refused by name rather than silently served wrong. The tensors in the file are the truth for which (layer, module)
 pairs are adapted; adapter_config.json's target_modules is checked for consistency."""
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,28 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 SUPPORTED_MODULES = ATTN_MODULES + MLP_MODULES
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an optional ".default" adapter name too)
-_KEY_RE = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
-                     r"\.lora_([AB])(?:\.default)?\.weight")
+_KEY_RE = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+    r"\.lora_([AB])(?:\.default)?\.weight"
+)
 # Config keys whose non-default value changes the forward pass beyond W + scaling * B @ A.
-_REFUSED_FLAGS = ("use_dora", "use_qalora", "lora_bias", "fan_in_fan_out", "alora_invocation_tokens", "arrow_config",
-                  "use_bdlora", "kasa_config", "monteclora_config", "layer_replication", "target_parameters",
-                  "trainable_token_indices", "modules_to_save", "rank_pattern", "alpha_pattern")
+_REFUSED_FLAGS = (
+    "use_dora",
+    "use_qalora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "alora_invocation_tokens",
+    "arrow_config",
+    "use_bdlora",
+    "kasa_config",
+    "monteclora_config",
+    "layer_replication",
+    "target_parameters",
+    "trainable_token_indices",
+    "modules_to_save",
+    "rank_pattern",
+    "alpha_pattern",
+)
 
 
 @dataclass
@@ -51,10 +68,21 @@ class LoRAAdapter:
 
 def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each supported projection."""
-    h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
-        spec.intermediate_size
-    return dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h),
-                gate_proj=(h, inter), up_proj=(h, inter), down_proj=(inter, h))
+    h, q, kv, inter = (
+        spec.hidden_size,
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+        spec.intermediate_size,
+    )
+    return dict(
+        q_proj=(h, q),
+        k_proj=(h, kv),
+        v_proj=(h, kv),
+        o_proj=(q, h),
+        gate_proj=(h, inter),
+        up_proj=(h, inter),
+        down_proj=(inter, h),
+    )
 
 
 def max_adapter_bytes(spec: ModelSpec, max_rank: int, dtype_bytes: int = 4) -> int:
@@ -124,12 +152,18 @@ def load_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str) ->
             for key in f.keys():
                 m = _KEY_RE.fullmatch(key)
                 if m is None:
-                    raise _bad(name, f"tensor {key!r} adapts a module this engine does not support; supported: "
-                                     f"{', '.join(SUPPORTED_MODULES)} in the decoder layers")
+                    raise _bad(
+                        name,
+                        f"tensor {key!r} adapts a module this engine does not support; supported: "
+                        f"{', '.join(SUPPORTED_MODULES)} in the decoder layers",
+                    )
                 layer, parent, module, half = int(m[1]), m[2], m[3], m[4]
                 if module not in (ATTN_MODULES if parent == "self_attn" else MLP_MODULES):
-                    raise _bad(name, f"tensor {key!r}: module {parent}.{module} is not supported; supported: "
-                                     f"{', '.join(SUPPORTED_MODULES)}")
+                    raise _bad(
+                        name,
+                        f"tensor {key!r}: module {parent}.{module} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_MODULES)}",
+                    )
                 if layer >= spec.num_layers:
                     raise _bad(name, f"tensor {key!r}: layer {layer} does not exist; the model has {spec.num_layers}")
                 if not _targeted(targets, layer, parent, module):
@@ -138,8 +172,11 @@ def load_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str) ->
                 want = (r, d_in) if half == "A" else (d_out, r)  # A [r, in], B [out, r]
                 got = tuple(f.get_slice(key).get_shape())  # checked before reading the data
                 if got != want:
-                    raise _bad(name, f"tensor {key!r} has shape {list(got)}; this model needs {list(want)} "
-                                     f"(r={r}, {module}: in={d_in}, out={d_out})")
+                    raise _bad(
+                        name,
+                        f"tensor {key!r} has shape {list(got)}; this model needs {list(want)} "
+                        f"(r={r}, {module}: in={d_in}, out={d_out})",
+                    )
                 t = f.get_tensor(key)
                 if not t.is_floating_point():
                     raise _bad(name, f"tensor {key!r} has dtype {t.dtype}; expected a float type")

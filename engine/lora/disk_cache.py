@@ -10,6 +10,7 @@
 - Recency is meta.json's mtime (touched on each hit), so the LRU order survives a restart.
 - Local folders (LORA_MODULES paths) are verified and read in place: copying a folder the operator owns buys
   nothing, and keeps the byte budget for S3 downloads."""
+
 from __future__ import annotations
 
 import contextlib
@@ -49,6 +50,7 @@ def _dir_bytes(path: Path) -> int:
 def verify_adapter_dir(path: Path, name: str = "?") -> int:
     """Cheap structural checks before a folder becomes visible; returns its size in bytes.
     A truncated or garbled download is the adapter's problem as far as the request goes: InvalidRequestError."""
+
     def bad(why: str):
         return InvalidRequestError(f"adapter {name!r}: {why}", field="lora")
 
@@ -76,8 +78,10 @@ def verify_adapter_dir(path: Path, name: str = "?") -> int:
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             raise bad(f"{WEIGHTS_FILE} has a corrupt header") from None
     if max(ends, default=0) != size - 8 - n:  # the tensors must cover the data exactly: catches truncation
-        raise bad(f"{WEIGHTS_FILE} is truncated or corrupt: the header describes {max(ends, default=0)} data bytes, "
-                  f"the file has {size - 8 - n}")
+        raise bad(
+            f"{WEIGHTS_FILE} is truncated or corrupt: the header describes {max(ends, default=0)} data bytes, "
+            f"the file has {size - 8 - n}"
+        )
     return _dir_bytes(path)
 
 

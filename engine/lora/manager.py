@@ -11,6 +11,7 @@
 - Admission (engine thread): a ready adapter takes a free slot, or evicts the least recently used slot that
   no running request uses (a slot in use is pinned). With every slot pinned, the request keeps waiting.
 - A failed load, or one not ready after lora_load_timeout_s, fails only the requests that named it."""
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,12 @@ from kernels import add_lora, slot_groups
 log = logging.getLogger("engine")
 
 # our fused linears -> the PEFT projections they hold, in output-column order
-FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-         "down": ("down_proj",)}
+FUSED = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 class LoRAManager:
@@ -77,8 +82,10 @@ class LoRAManager:
         if fut.done() and fut.exception() is not None:
             return fut.exception()
         if not fut.done() and time.monotonic() - max(arrival, self._started[key]) > self.cfg.lora_load_timeout_s:
-            return LoRALoadError(f"adapter {self.refs[key].name!r} was not loaded within LORA_LOAD_TIMEOUT_S="
-                                 f"{self.cfg.lora_load_timeout_s:g} s")
+            return LoRALoadError(
+                f"adapter {self.refs[key].name!r} was not loaded within LORA_LOAD_TIMEOUT_S="
+                f"{self.cfg.lora_load_timeout_s:g} s"
+            )
         return None
 
     def forget_failed(self, key: str) -> None:
@@ -112,8 +119,12 @@ class LoRAManager:
         del self._jobs[key]  # the disk cache keeps the files; a later reload reads them again
         self.slot_of[key] = slot
         self.num_loads += 1
-        log.info("LoRA slot %d: %r loaded (%.2f s after first request)", slot, self.refs[key].name,
-                 time.monotonic() - self._started[key])
+        log.info(
+            "LoRA slot %d: %r loaded (%.2f s after first request)",
+            slot,
+            self.refs[key].name,
+            time.monotonic() - self._started[key],
+        )
         return slot
 
     def can_start(self, req, running) -> bool:
@@ -144,8 +155,12 @@ class LoRAManager:
         return sorted({r.name for r in self.refs.values()} | {n for n, _ in self.cfg.lora_modules})
 
     def stats(self) -> dict:
-        return {"lora_resident": len(self.slot_of), "lora_loading": sum(not f.done() for f in self._jobs.values()),
-                "lora_loads": self.num_loads, **{f"lora_disk_{k}": v for k, v in self.disk.stats().items()}}
+        return {
+            "lora_resident": len(self.slot_of),
+            "lora_loading": sum(not f.done() for f in self._jobs.values()),
+            "lora_loads": self.num_loads,
+            **{f"lora_disk_{k}": v for k, v in self.disk.stats().items()},
+        }
 
     # ---- the batched delta (model forward) ---------------------------------------------------
     def delta(self, token_slot: torch.Tensor):
@@ -156,6 +171,7 @@ class LoRAManager:
 
         def apply(layer: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> None:
             add_lora(out, x, self.a[linear][layer], self.b[linear][layer], token_slot, groups=groups)
+
         return apply
 
     # ---- loader threads ----------------------------------------------------------------------
@@ -176,8 +192,8 @@ class LoRAManager:
                 col += shapes[m][1]
         for (layer, m), (wa, wb) in ad.weights.items():
             lin, r0, c0 = where[m]
-            a[lin][layer, r0:r0 + ad.rank] = wa  # [r, in]
-            b[lin][layer, c0:c0 + wb.shape[0], r0:r0 + ad.rank] = wb * ad.scaling  # [out, r], scaled in fp32
+            a[lin][layer, r0 : r0 + ad.rank] = wa  # [r, in]
+            b[lin][layer, c0 : c0 + wb.shape[0], r0 : r0 + ad.rank] = wb * ad.scaling  # [out, r], scaled in fp32
         return a, b
 
     def _fused_shapes(self) -> dict[str, tuple[int, int, int]]:

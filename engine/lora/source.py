@@ -4,6 +4,7 @@ Resolution order (docs/configuration.md): static LORA_MODULES, then an explicit 
 LORA_ALLOWED_BUCKETS), then LORA_S3_URI + name + '/'. Local folders are read in place by the disk cache; `fetch`
 copies them only when asked to (it is uniform so tests and tools can treat both kinds alike).
 boto3 is imported inside `fetch`: importing it costs ~0.3 s and `import handler` must stay fast."""
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,10 @@ def validate_name(name) -> str:
     if len(name) > MAX_NAME_LEN:
         raise InvalidRequestError(f"the adapter name is {len(name)} characters; at most {MAX_NAME_LEN}", field="lora")
     if not _NAME_RE.fullmatch(name):
-        raise InvalidRequestError(f"adapter name {name[:40]!r}: only letters, digits, '.', '_' and '-' are allowed "
-                                  "(no path separators)", field="lora")
+        raise InvalidRequestError(
+            f"adapter name {name[:40]!r}: only letters, digits, '.', '_' and '-' are allowed (no path separators)",
+            field="lora",
+        )
     if name.startswith(".") or ".." in name:
         raise InvalidRequestError(f"adapter name {name!r} must not start with '.' or contain '..'", field="lora")
     return name
@@ -85,21 +88,28 @@ def resolve(config, name, s3_uri: str | None = None) -> AdapterRef:
         uri = _normalize(static[name], "lora")
         if s3_uri is not None and _normalize(s3_uri, "lora.s3_uri") != uri:
             # Silently ignoring the request's URI would serve an adapter the caller did not ask for.
-            raise InvalidRequestError(f"adapter {name!r} is configured in LORA_MODULES; omit s3_uri or use another "
-                                      "name", field="lora.s3_uri")
+            raise InvalidRequestError(
+                f"adapter {name!r} is configured in LORA_MODULES; omit s3_uri or use another name", field="lora.s3_uri"
+            )
         return AdapterRef(name, uri)
     if s3_uri is not None:
         bucket, prefix = split_s3_uri(s3_uri)
         if bucket not in config.lora_allowed_buckets:
-            raise InvalidRequestError(f"bucket {bucket!r} is not allowed for request s3_uris; the operator can add it "
-                                      "to LORA_ALLOWED_BUCKETS", field="lora.s3_uri")
+            raise InvalidRequestError(
+                f"bucket {bucket!r} is not allowed for request s3_uris; the operator can add it "
+                "to LORA_ALLOWED_BUCKETS",
+                field="lora.s3_uri",
+            )
         return AdapterRef(name, f"s3://{bucket}/{prefix}")
     if config.lora_s3_uri:
         bucket, prefix = split_s3_uri(config.lora_s3_uri, "lora")
         return AdapterRef(name, f"s3://{bucket}/{prefix}{name}/")
     known = ", ".join(sorted(static)) or "none"
-    raise InvalidRequestError(f"unknown adapter {name!r} (configured: {known}); configure it in LORA_MODULES, set "
-                              "LORA_S3_URI, or pass an s3_uri in a bucket listed in LORA_ALLOWED_BUCKETS", field="lora")
+    raise InvalidRequestError(
+        f"unknown adapter {name!r} (configured: {known}); configure it in LORA_MODULES, set "
+        "LORA_S3_URI, or pass an s3_uri in a bucket listed in LORA_ALLOWED_BUCKETS",
+        field="lora",
+    )
 
 
 _clients: dict = {}
@@ -128,8 +138,10 @@ def fetch(ref: AdapterRef, dest_dir: Path, endpoint_url: str | None = None, max_
     if not ref.is_s3:
         src = Path(ref.uri)
         if not (src / WEIGHTS_FILE).is_file() and (src / PICKLE_FILE).is_file():
-            raise InvalidRequestError(f"adapter {ref.name!r} at {src} has only {PICKLE_FILE} (pickle, refused); "
-                                      f"save it with safetensors", field="lora")
+            raise InvalidRequestError(
+                f"adapter {ref.name!r} at {src} has only {PICKLE_FILE} (pickle, refused); save it with safetensors",
+                field="lora",
+            )
         for f in (CONFIG_FILE, WEIGHTS_FILE):
             if not (src / f).is_file():
                 raise InvalidRequestError(f"adapter {ref.name!r}: {src / f} not found", field="lora")
@@ -149,8 +161,11 @@ def fetch(ref: AdapterRef, dest_dir: Path, endpoint_url: str | None = None, max_
         size = obj.get("ContentLength")
         if cap is not None and size is not None and size > cap:
             obj["Body"].close()
-            raise InvalidRequestError(f"adapter {ref.name!r}: {where}{fname} is {size} bytes; an adapter of rank <= "
-                                      f"MAX_LORA_RANK for this model is at most {cap}", field="lora")
+            raise InvalidRequestError(
+                f"adapter {ref.name!r}: {where}{fname} is {size} bytes; an adapter of rank <= "
+                f"MAX_LORA_RANK for this model is at most {cap}",
+                field="lora",
+            )
         with open(dest_dir / fname, "wb") as out:
             for chunk in obj["Body"].iter_chunks(_CHUNK):  # botocore checks Content-Length: short reads raise
                 out.write(chunk)
@@ -160,7 +175,9 @@ def fetch(ref: AdapterRef, dest_dir: Path, endpoint_url: str | None = None, max_
             get(CONFIG_FILE, 1 << 20)
         except ClientError as e:
             if missing(e):
-                raise InvalidRequestError(f"adapter {ref.name!r}: no {CONFIG_FILE} under {where}", field="lora") from None
+                raise InvalidRequestError(
+                    f"adapter {ref.name!r}: no {CONFIG_FILE} under {where}", field="lora"
+                ) from None
             raise
         try:
             get(WEIGHTS_FILE, max_bytes)
@@ -172,12 +189,16 @@ def fetch(ref: AdapterRef, dest_dir: Path, endpoint_url: str | None = None, max_
                 pickle = True
             except ClientError:
                 pickle = False
-            why = f"has only {PICKLE_FILE} (pickle, refused; save it with safetensors)" if pickle else \
-                f"has no {WEIGHTS_FILE}"
+            why = (
+                f"has only {PICKLE_FILE} (pickle, refused; save it with safetensors)"
+                if pickle
+                else f"has no {WEIGHTS_FILE}"
+            )
             raise InvalidRequestError(f"adapter {ref.name!r}: {where} {why}", field="lora") from None
     except ClientError as e:
         err = e.response.get("Error", {})
-        raise LoRALoadError(f"adapter {ref.name!r}: S3 refused {where}: {err.get('Code')} {err.get('Message', '')}"
-                            .strip()) from None
+        raise LoRALoadError(
+            f"adapter {ref.name!r}: S3 refused {where}: {err.get('Code')} {err.get('Message', '')}".strip()
+        ) from None
     except BotoCoreError as e:  # connection refused, timeouts, missing credentials, incomplete reads
         raise LoRALoadError(f"adapter {ref.name!r}: could not download {where}: {e}") from None

@@ -2,6 +2,7 @@
 
 The differences are config flags, so one file covers them. Weights are fused at load time
 (q/k/v into qkv, gate/up into gate_up) so each layer runs 4 GEMMs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ class ModelSpec:
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
-                f"architectures {archs} not supported; this engine runs {', '.join(ARCHITECTURES)}")
+                f"architectures {archs} not supported; this engine runs {', '.join(ARCHITECTURES)}"
+            )
         heads = cfg["num_attention_heads"]
         # transformers 5 writes rope_parameters; 4.x writes rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
@@ -91,8 +93,9 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         lin = dict(dtype=torch.float8_e4m3fn, device=device) if s.prequantized else kw
         self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, s.hidden_size, **lin), False)
-        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) \
-            if s.attention_bias else None
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) if s.attention_bias else None
+        )
         self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **lin), False)
         self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.hidden_size, **lin), False)
         self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **lin), False)
@@ -122,8 +125,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int,
-                 quantization: str | None = None):
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int, quantization: str | None = None
+    ):
         super().__init__()
         s = self.spec = spec
         self.quantization = None if spec.prequantized else quantization  # a fp8 checkpoint is already quantized
@@ -132,14 +136,16 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
         self.layers = nn.ModuleList(DecoderLayer(s, dtype, device) for _ in range(s.num_layers))
         self.norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
-        self.lm_head = self.embed if s.tie_word_embeddings else \
-            nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
+        self.lm_head = (
+            self.embed if s.tie_word_embeddings else nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
+        )
         self.rotary = RotaryCache(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
         # fp8 KV scales found in the checkpoint (self_attn.k_scale / v_scale): {layer: {"k": s, "v": s}}
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                attn, meta, lora=None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, attn, meta, lora=None
+    ) -> torch.Tensor:
         """input_ids, positions: [T]. kv_caches: [layers, 2, kv_heads, blocks, block_size, head_dim].
         lora: None, or fn(layer, linear name, x, out) adding each token's adapter delta to out in place.
         Returns the final hidden states before the last norm: [T, hidden]."""
@@ -218,13 +224,25 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors into the fused parameters as they stream in."""
         s = self.spec
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        fused = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
-                 "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter)}
-        plain = {"o_proj": "o_proj", "down_proj": "down", "input_layernorm": "input_norm",
-                 "post_attention_layernorm": "post_norm", "q_norm": "q_norm", "k_norm": "k_norm"}
+        fused = {
+            "q_proj": ("qkv", 0, q),
+            "k_proj": ("qkv", q, kv),
+            "v_proj": ("qkv", q + kv, kv),
+            "gate_proj": ("gate_up", 0, inter),
+            "up_proj": ("gate_up", inter, inter),
+        }
+        plain = {
+            "o_proj": "o_proj",
+            "down_proj": "down",
+            "input_layernorm": "input_norm",
+            "post_attention_layernorm": "post_norm",
+            "q_norm": "q_norm",
+            "k_norm": "k_norm",
+        }
         seen: set[str] = set()
-        linear_names = {f"self_attn.{n}_proj.weight" for n in "qkvo"} | {f"mlp.{n}_proj.weight"
-                                                                           for n in ("gate", "up", "down")}
+        linear_names = {f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
+            f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
+        }
         pending: dict[int, set[str]] = {}  # layer -> linear weights still to come (fp8 quantizes when empty)
         for name, t in weights:
             if "rotary_emb" in name:
@@ -232,8 +250,11 @@ class LlamaForCausalLM(nn.Module):
             if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                 if name == "lm_head.weight" and s.tie_word_embeddings:
                     continue
-                target = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
-                          "lm_head.weight": self.lm_head}[name]
+                target = {
+                    "model.embed_tokens.weight": self.embed,
+                    "model.norm.weight": self.norm,
+                    "lm_head.weight": self.lm_head,
+                }[name]
                 _copy(target, t, name)
                 seen.add(name)
                 continue
@@ -292,20 +313,25 @@ def _check_quantization(qc: dict | None) -> bool:
         return False
     method = qc.get("quant_method")
     if method != "compressed-tensors":
-        raise UnsupportedModelError(f"quantization_config.quant_method={method!r} is not supported; fp8 "
-                                    "checkpoints in the compressed-tensors format are (or QUANTIZATION=fp8 online)")
+        raise UnsupportedModelError(
+            f"quantization_config.quant_method={method!r} is not supported; fp8 "
+            "checkpoints in the compressed-tensors format are (or QUANTIZATION=fp8 online)"
+        )
     for name, group in (qc.get("config_groups") or {}).items():
         w, a = group.get("weights") or {}, group.get("input_activations")
         ok_w = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor")
         ok_a = a is None or (a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True)
         if not (ok_w and ok_a):
-            raise UnsupportedModelError(f"compressed-tensors group {name!r}: only fp8 weights (per channel or per "
-                                        "tensor) with dynamic fp8 activations are supported")
+            raise UnsupportedModelError(
+                f"compressed-tensors group {name!r}: only fp8 weights (per channel or per "
+                "tensor) with dynamic fp8 activations are supported"
+            )
     return True
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise UnsupportedModelError(f"weight {name}: shape {tuple(src.shape)} does not match config "
-                                    f"({tuple(dst.shape)})")
+        raise UnsupportedModelError(
+            f"weight {name}: shape {tuple(src.shape)} does not match config ({tuple(dst.shape)})"
+        )
     dst.copy_(src)

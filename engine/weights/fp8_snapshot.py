@@ -7,6 +7,7 @@ manifest, written last, holds the weights file's size and sha256; a snapshot who
 or does not hash to it is ignored (and rebuilt by the caller), never used. The engine hashes the file on a
 thread while it loads it (verify_in_background), so the check costs no cold-start time of its own (hashing 8 GB
 takes seconds); a snapshot that fails it is dropped before the model ever runs."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,9 @@ WEIGHTS, _MANIFEST = "model.safetensors", "manifest.json"
 
 def snapshot_for(cfg, model_path: Path) -> Path:
     """This engine config's snapshot folder for the checkpoint at model_path (the engine and warmup both use it)."""
-    return snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision, model_path,
-                        safetensors_files(model_path))
+    return snapshot_dir(
+        Path(cfg.cache_root), cfg.model or "default", cfg.revision, model_path, safetensors_files(model_path)
+    )
 
 
 def snapshot_dir(cache_root: Path, model_id: str, revision: str, model_path: Path, files: list[Path]) -> Path:
@@ -75,13 +77,15 @@ def verify_in_background(snap: Path, manifest: dict) -> Callable[[], bool]:
     """Start hashing the snapshot's weights on a thread (hashlib and file reads release the GIL); returns a
     function that waits for the verdict."""
     verdict: list[bool] = []
-    th = threading.Thread(target=lambda: verdict.append(_hash_matches(snap, manifest)), name="fp8-snapshot-sha256",
-                          daemon=True)
+    th = threading.Thread(
+        target=lambda: verdict.append(_hash_matches(snap, manifest)), name="fp8-snapshot-sha256", daemon=True
+    )
     th.start()
 
     def result() -> bool:
         th.join()
         return bool(verdict and verdict[0])
+
     return result
 
 
@@ -102,8 +106,9 @@ def write(snap: Path, tensors: dict, source: str, replace: bool = False) -> None
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
         weights = tmp / WEIGHTS
         size = weights.stat().st_size
-        (tmp / _MANIFEST).write_text(json.dumps({"scheme": SCHEME, "source": source, "size": size,
-                                                 "sha256": sha256_file(weights)}))
+        (tmp / _MANIFEST).write_text(
+            json.dumps({"scheme": SCHEME, "source": source, "size": size, "sha256": sha256_file(weights)})
+        )
         if snap.exists() and (replace or not valid(snap)):
             shutil.rmtree(snap, ignore_errors=True)  # a corrupt one: replace it
         try:

@@ -1,5 +1,6 @@
 """Load a model's weights into a freshly built model: the checkpoint as it is, or, with QUANTIZATION=fp8, the
 quantized snapshot on the volume when a valid one exists (else quantize online and write one for next time)."""
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,12 @@ from engine.weights.reader import iter_weights
 log = logging.getLogger("engine")
 
 # the cold-start timeline's name for each way the weights came in
-PHASES = {"checkpoint": "weight read", "fp8 checkpoint": "weight read (fp8 checkpoint)",
-          "fp8 snapshot": "fp8 snapshot load", "checkpoint, quantized online": "weight read + fp8 quantization"}
+PHASES = {
+    "checkpoint": "weight read",
+    "fp8 checkpoint": "weight read (fp8 checkpoint)",
+    "fp8 snapshot": "fp8 snapshot load",
+    "checkpoint, quantized online": "weight read + fp8 quantization",
+}
 
 
 @dataclass(frozen=True)

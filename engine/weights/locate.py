@@ -1,5 +1,6 @@
 """Where a model is: a local folder, an HF hub cache (the volume's or the image's), or the embedded default
 model (converted once into the cache root). Never touches the network."""
+
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelNotFoundError, UnsupportedModelError
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
 
 def resolve_model_path(cfg: EngineConfig) -> Path:
     """Return the folder holding config.json and the weights. Never touches the network."""
@@ -28,7 +30,8 @@ def resolve_model_path(cfg: EngineConfig) -> Path:
                 return hit
     raise ModelNotFoundError(
         f"model {cfg.model!r} (revision {cfg.revision!r}) is not a local folder and is not in any HF cache; "
-        f"no download is attempted. Searched: {', '.join(searched)}")
+        f"no download is attempted. Searched: {', '.join(searched)}"
+    )
 
 
 def _find_in_hf_cache(root: Path, repo_id: str, revision: str) -> tuple[Path | None, list[str]]:
@@ -71,7 +74,8 @@ def safetensors_files(path: Path) -> list[Path]:
         raise UnsupportedModelError(
             f"{path} has only pickle checkpoints ({', '.join(pickles)}). They can run arbitrary code when "
             "loaded, so only safetensors are supported: convert them (e.g. save_pretrained(..., "
-            "safe_serialization=True)) and retry.")
+            "safe_serialization=True)) and retry."
+        )
     raise UnsupportedModelError(f"{path} has no *.safetensors weights")
 
 

@@ -1,5 +1,6 @@
 """Stream a checkpoint's safetensors weights: parallel reader threads, bounded read-ahead, pinned staging on
 CUDA."""
+
 from __future__ import annotations
 
 import json
@@ -25,15 +26,17 @@ _PAGE = 4096
 _TOUCH_MIN = 256 << 10  # bytes: smaller CPU tensors are not faulted in ahead
 
 
-def iter_weights(path: Path, device="cpu", *, readers: int = _READERS,
-                 depth: int = _DEPTH) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    path: Path, device="cpu", *, readers: int = _READERS, depth: int = _DEPTH
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint at `path`, already on `device`. The consumer
     copies each into its own parameters and drops it, so the checkpoint is never held twice."""
     yield from iter_safetensors(safetensors_files(path), device, readers=readers, depth=depth)
 
 
-def iter_safetensors(files: list[Path], device="cpu", *, readers: int = _READERS, depth: int = _DEPTH,
-                     desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    files: list[Path], device="cpu", *, readers: int = _READERS, depth: int = _DEPTH, desc: str = "Loading weights"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Read `files` on up to `readers` threads; yield (name, tensor) in the order a sequential read would: file
     by file, each file's tensors in the order of their bytes. So a consumer that quantizes a layer as soon as
     its weights are in still has about one layer pending, and the files are read front to back.
@@ -88,8 +91,9 @@ def iter_safetensors(files: list[Path], device="cpu", *, readers: int = _READERS
                 if isinstance(h, int):
                     os.close(h)
 
-    threads = [threading.Thread(target=reader, name=f"weights-reader-{r}", daemon=True)
-               for r in range(min(max(1, readers), n))]
+    threads = [
+        threading.Thread(target=reader, name=f"weights-reader-{r}", daemon=True) for r in range(min(max(1, readers), n))
+    ]
     try:
         for th in threads:
             th.start()
@@ -150,8 +154,7 @@ class _Window:
                 from safetensors import SafetensorError
 
                 if isinstance(e, SafetensorError):
-                    raise UnsupportedModelError(f"cannot read weights file {file}: {e} (incomplete download?)") \
-                        from e
+                    raise UnsupportedModelError(f"cannot read weights file {file}: {e} (incomplete download?)") from e
                 raise e
             self.taken = k + 1
             self.space.notify()  # one more tensor may be claimed
@@ -199,21 +202,50 @@ def _entries(f: Path) -> list[_Entry]:
         if e.dtype not in _DTYPE_BYTES or e.nbytes != count * _DTYPE_BYTES[e.dtype] or e.start + e.nbytes > length:
             raise UnsupportedModelError(
                 f"{f}: tensor {e.name!r} ({e.dtype}, shape {list(e.shape)}, {e.nbytes} bytes at {e.start}) does not "
-                f"fit its dtype or the file ({length} bytes): incomplete download, or an unsupported dtype?")
+                f"fit its dtype or the file ({length} bytes): incomplete download, or an unsupported dtype?"
+            )
     return sorted(out, key=lambda e: e.start)
 
 
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
-    return {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
-            "F8_E5M2": torch.float8_e5m2, "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16,
-            "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
-            "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64}[name]
+    return {
+        "BOOL": torch.bool,
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "I16": torch.int16,
+        "U16": torch.uint16,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I32": torch.int32,
+        "U32": torch.uint32,
+        "F32": torch.float32,
+        "I64": torch.int64,
+        "U64": torch.uint64,
+        "F64": torch.float64,
+    }[name]
 
 
 def _open(f: Path, raw: bool):
@@ -277,7 +309,7 @@ class _Staging:
                     raise UnsupportedModelError(f"{file} ends inside the data of {e.name!r} (truncated?)")
                 got += r
             with torch.cuda.stream(self.stream):
-                out[off:off + k].copy_(self.bufs[i][:k], non_blocking=True)
+                out[off : off + k].copy_(self.bufs[i][:k], non_blocking=True)
             self.events[i].record(self.stream)
             last = self.events[i]
         if last is not None:

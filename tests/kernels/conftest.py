@@ -3,6 +3,7 @@ before anything imports kernels), or for real on a GPU with KERNEL_TEST_DEVICE=c
 
 Tests draw their random inputs on CPU (seeded CPU generators: the same values on every device), then move what
 the op consumes to DEVICE with `to_device` before calling the op and its reference."""
+
 import os
 
 import pytest
@@ -24,8 +25,11 @@ def to_device(*tensors):
 
 
 # vLLM's tolerances (DESIGN.md §6)
-TOL = {torch.float32: dict(atol=1e-5, rtol=1.3e-6), torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2),
-       torch.float16: dict(atol=1e-3, rtol=1e-3)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1.3e-6),
+    torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+}
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ exponent halves the value: 127.8 -> 64). The kernels therefore round onto the e4
 cast, so their fp8 bytes must equal torch's exactly, here and on a GPU; `test_fp8_rounding_grid` pins that down
 on every tie of the format. Where exactness is not the point, `assert_fp8_close` bounds one e4m3 step.
 """
+
 import pytest
 import torch
 
@@ -39,7 +40,7 @@ def assert_fp8_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) ->
 def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Within one e4m3 step: a step is at most 2^-3 of the value (3-bit mantissa), 2^-9 among subnormals."""
     a, b = actual.float(), expected.float()
-    bad = ~(((a - b).abs() <= 2.0 ** -3 * b.abs() + 2.0 ** -9) | (a.isnan() & b.isnan()))  # NaN: unwritten
+    bad = ~(((a - b).abs() <= 2.0**-3 * b.abs() + 2.0**-9) | (a.isnan() & b.isnan()))  # NaN: unwritten
     if bad.any():
         idx = bad.nonzero()[:8].tolist()
         detail = ", ".join(f"{tuple(i)}: {a[tuple(i)].item():.6g} vs {b[tuple(i)].item():.6g}" for i in idx)
@@ -85,9 +86,10 @@ def test_reshape_and_cache(kvh, d, cache_dtype):
     written[slots[slots >= 0]] = True
     for name, got, ref in (("k_cache", kc, kc_ref), ("v_cache", vc, vc_ref)):
         changed = ~got.float().isnan().view(kvh, -1, d)  # [KVH, slots, D]
-        assert torch.equal(changed, written[None, :, None].expand_as(changed)), \
-            f"{name}: written slots {changed.any(-1).any(0).nonzero().flatten().tolist()}, " \
+        assert torch.equal(changed, written[None, :, None].expand_as(changed)), (
+            f"{name}: written slots {changed.any(-1).any(0).nonzero().flatten().tolist()}, "
             f"expected {written.nonzero().flatten().tolist()}"
+        )
         if cache_dtype == FP8:
             assert_fp8_close(got, ref, name)
             assert_fp8_equal(got, ref, name)  # exact: the kernel rounds before the cast (module docstring)
@@ -114,8 +116,16 @@ def test_fp8_rounding_grid():
     signs, subnormals: with max 448 the row's scale is exactly 1, so xq is x rounded to fp8."""
     grid = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # 0 .. 448
     mid = (grid[:-1] + grid[1:]) / 2
-    vals = torch.cat([torch.tensor([448.0]), grid, mid, mid.nextafter(torch.tensor(0.0)),
-                      mid.nextafter(torch.tensor(1e4)), torch.linspace(-0.02, 0.02, 81)])
+    vals = torch.cat(
+        [
+            torch.tensor([448.0]),
+            grid,
+            mid,
+            mid.nextafter(torch.tensor(0.0)),
+            mid.nextafter(torch.tensor(1e4)),
+            torch.linspace(-0.02, 0.02, 81),
+        ]
+    )
     x = to_device(torch.cat([vals, -vals])[None])  # [1, K]
     xq, scale = quant_per_token(x)
     xq_ref, scale_ref = quant_per_token_ref(x)
@@ -126,7 +136,7 @@ def test_fp8_rounding_grid():
 def _assert_within_half_step(q, scale, x):
     """Round to nearest: |q * scale - x| <= half an e4m3 step (2^-4 |x|, or 2^-10 * scale among subnormals)."""
     err = (q.float() * scale - x.float()).abs()
-    bound = 2.0 ** -4 * x.float().abs() + 2.0 ** -10 * scale
+    bound = 2.0**-4 * x.float().abs() + 2.0**-10 * scale
     assert torch.all(err <= bound), f"dequantization error {(err - bound).max().item():.3g} past half a step"
 
 
@@ -228,8 +238,10 @@ def _sm89_or_newer() -> bool:
     return DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE) >= (8, 9)
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda" and not _sm89_or_newer(),
-                    reason="torch._scaled_mm with fp8 needs CUDA sm89+ (the CPU build has it too)")
+@pytest.mark.skipif(
+    DEVICE.type == "cuda" and not _sm89_or_newer(),
+    reason="torch._scaled_mm with fp8 needs CUDA sm89+ (the CPU build has it too)",
+)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_scaled_mm_path(out_dtype):
     """The CUDA sm89+ path's torch._scaled_mm call (rowwise scales): the real GPU path on DEVICE=cuda, and on
@@ -245,7 +257,7 @@ def test_scaled_mm_path(out_dtype):
     else:  # bf16 GEMM output, then bias in fp32: within one bf16 step (2^-7 relative) of the product
         acc = fp8_linear_ref(x, wq, w_scale, None, out_dtype=torch.float32)  # [T, N], before the bias
         err = (y - (acc + bias)).abs()
-        assert torch.all(err <= 2.0 ** -7 * acc.abs() + 1e-5), f"max excess {(err - 2.0 ** -7 * acc.abs()).max():.3g}"
+        assert torch.all(err <= 2.0**-7 * acc.abs() + 1e-5), f"max excess {(err - 2.0**-7 * acc.abs()).max():.3g}"
 
 
 @pytest.mark.skipif(not _sm89_or_newer(), reason="fp8_linear takes torch._scaled_mm only on CUDA sm89+")

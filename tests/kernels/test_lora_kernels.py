@@ -1,6 +1,7 @@
 """Multi-LoRA shrink / expand (kernels/lora.py): Triton (interpreted on CPU, or on DEVICE) against the torch
 reference, and the reference against the definition: a per-token loop over unpadded (true-rank) adapters.
 Inputs are drawn on CPU, then moved to DEVICE; the per-token definition runs on CPU copies."""
+
 import zlib
 
 import pytest
@@ -34,8 +35,8 @@ def _adapters(ranks, r_max, d_in, d_out, dtype, g):
     a = torch.zeros(len(ranks), r_max, d_in, dtype=dtype)  # [S, R, IN]
     b = torch.zeros(len(ranks), d_out, r_max, dtype=dtype)  # [S, OUT, R]
     for s, r in enumerate(ranks):
-        a[s, :r] = (torch.randn(r, d_in, generator=g) / d_in ** 0.5).to(dtype)
-        b[s, :, :r] = (torch.randn(d_out, r, generator=g) * 0.5 / r ** 0.5).to(dtype)
+        a[s, :r] = (torch.randn(r, d_in, generator=g) / d_in**0.5).to(dtype)
+        b[s, :, :r] = (torch.randn(d_out, r, generator=g) * 0.5 / r**0.5).to(dtype)
     return a, b, [a[s, :r].clone() for s, r in enumerate(ranks)], [b[s, :, :r].clone() for s, r in enumerate(ranks)]
 
 
@@ -44,7 +45,7 @@ def _def_shrink(x, a_true, slots, r_max):
     y = torch.zeros(len(slots), r_max)  # [T, R]
     for t, s in enumerate(slots):
         if s >= 0:
-            y[t, :a_true[s].shape[0]] = a_true[s].float() @ x[t].cpu().float()
+            y[t, : a_true[s].shape[0]] = a_true[s].float() @ x[t].cpu().float()
     return y
 
 
@@ -106,7 +107,7 @@ def test_lora_expand(name, dtype, add):
     cols = slice(offset, offset + b.shape[1])
     keep = torch.tensor([s < 0 for s in slots], device=out.device)
     assert torch.equal(out[keep], base[keep]), "rows of slot -1 must not be touched"
-    assert torch.equal(out[:, :offset], base[:, :offset]) and torch.equal(out[:, cols.stop:], base[:, cols.stop:])
+    assert torch.equal(out[:, :offset], base[:, :offset]) and torch.equal(out[:, cols.stop :], base[:, cols.stop :])
     if add:
         assert_close(ref, _def_add(base, x, a_true, b_true, slots, offset), "lora_expand_ref")
     else:  # the delta alone: the definition applied to zeros
@@ -123,8 +124,9 @@ def test_add_lora_fused_qkv(dtype):
     slots, q, kv, d_in, r_max = [1, 1, 1, -1, 0, 2, 0, 0, 1], 24, 8, 32, 8
     x = torch.randn(len(slots), d_in, generator=g).to(dtype)  # [T, IN]
     base = torch.randn(len(slots), q + 2 * kv, generator=g).to(dtype)  # [T, q | k | v]
-    sets = [_adapters(ranks, r_max, d_in, n, dtype, g)
-            for ranks, n in (([8, 2, 8], q), ([4, 4, 1], kv), ([8, 3, 5], kv))]
+    sets = [
+        _adapters(ranks, r_max, d_in, n, dtype, g) for ranks, n in (([8, 2, 8], q), ([4, 4, 1], kv), ([8, 3, 5], kv))
+    ]
     offsets = [0, q, q + kv]
     token_slot = torch.tensor(slots)
     x_d, base_d, token_slot = to_device(x, base, token_slot)
@@ -145,7 +147,7 @@ def test_add_lora_fused_qkv(dtype):
     y = lora_shrink(x_d, stacked, token_slot)  # [T, 3R]
     out2 = base_d.clone()
     for i, ((_, b, _, _), off) in enumerate(zip(sets, offsets)):
-        lora_expand(y[:, i * r_max:(i + 1) * r_max], to_device(b), token_slot, out2, off)
+        lora_expand(y[:, i * r_max : (i + 1) * r_max], to_device(b), token_slot, out2, off)
     assert_close(out2, ref, "stacked shrink + sliced expands")
 
 
@@ -190,9 +192,13 @@ def test_add_lora_bmm_matches_definition(name, dtype):
     groups = slot_groups(token_slot, num_slots=a.shape[0])
     # each path is taken: gathered weights (decode), all slots as stored (prefill_mix), one long run (sliced),
     # and a long run (a prefill chunk) beside decodes
-    want = {"decode": (False, [], [0, 1, 2, 3]), "prefill_mix": (True, [], [0, 1]),
-            "one_adapter": (False, [(0, 0, 17)], []), "no_adapter": (False, [], []),
-            "run_and_decodes": (True, [(0, 0, 20)], [0, 1, 2])}[name]
+    want = {
+        "decode": (False, [], [0, 1, 2, 3]),
+        "prefill_mix": (True, [], [0, 1]),
+        "one_adapter": (False, [(0, 0, 17)], []),
+        "no_adapter": (False, [], []),
+        "run_and_decodes": (True, [(0, 0, 20)], [0, 1, 2]),
+    }[name]
     assert (groups.dense, groups.runs, sorted(groups.slots.tolist())) == want
     base = out.clone()
     add_lora_bmm(out, x, a, b, groups, offset)

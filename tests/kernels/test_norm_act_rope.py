@@ -1,5 +1,6 @@
 """RMSNorm, SiLU-and-mul and rotary kernels (Triton: interpreted on CPU, or on DEVICE) against their torch
 references. Inputs are drawn on CPU, then moved to DEVICE."""
+
 import zlib
 
 import pytest
@@ -74,7 +75,6 @@ def test_rms_norm_strided_rows_and_fp32_weight():
     assert_close(out, ref, "rms_norm strided", **TOL_BF16_IN_FP32)
 
 
-
 def test_rms_norm_detects_wrong_weight():
     g = _gen("rms_wrong")
     x = _randn((5, 123), torch.float32, g)
@@ -98,6 +98,7 @@ def test_add_rms_norm_detects_missing_residual():
 
 
 # ---------------------------------------------------------------- SiLU and mul
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,inter", [(1, 96), (5, 123), (3, 1500)])
@@ -127,6 +128,7 @@ MAX_POS = 64
 
 def _tables(head_dim, max_pos=MAX_POS, theta=10000.0, scaling=None):
     from engine.layers.rotary import RotaryCache
+
     rc = RotaryCache(head_dim, max_pos, theta, scaling, DEVICE)  # built on CPU, then moved
     return rc.cos, rc.sin  # [max_pos, head_dim] fp32
 
@@ -153,26 +155,28 @@ def test_rotary(t, h, kvh, d, dtype):
 
 def test_rotary_matches_engine_and_works_in_place_on_qkv_views():
     from engine.layers.rotary import RotaryCache
+
     g = _gen("rope_views")
     t, h, kvh, d = 5, 4, 2, 64
     rc = RotaryCache(d, MAX_POS, 10000.0, None, DEVICE)
     qkv = to_device(_randn((t, (h + 2 * kvh) * d), torch.bfloat16, g))  # [T, (H + 2*KVH) * D], as a fused projection
     q = qkv[:, : h * d].view(t, h, d)  # [T, H, D], token stride (H+2*KVH)*D
-    k = qkv[:, h * d: (h + kvh) * d].view(t, kvh, d)  # [T, KVH, D]
-    v_before = qkv[:, (h + kvh) * d:].clone()
+    k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)  # [T, KVH, D]
+    v_before = qkv[:, (h + kvh) * d :].clone()
     positions = torch.tensor([7, 3, 63, 0, 3], device=DEVICE)
     eng_q, eng_k = rc.apply(q.clone(), k.clone(), positions)
     out_q, out_k = rotary_embedding(q, k, rc.cos, rc.sin, positions)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "Triton path is in place"
     assert_close(out_q, eng_q, "q")
     assert_close(out_k, eng_k, "k")
-    assert torch.equal(qkv[:, (h + kvh) * d:], v_before), "v must be untouched"
+    assert torch.equal(qkv[:, (h + kvh) * d :], v_before), "v must be untouched"
 
 
 def test_rotary_llama3_scaling():
     d, max_pos = 64, 16384
-    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
+    scaling = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
     cos, sin = _tables(d, max_pos, 500000.0, scaling)
     plain_cos, _ = _tables(d, max_pos, 500000.0, None)
     assert not torch.allclose(cos[1000], plain_cos[1000]), "llama3 scaling must change the tables"

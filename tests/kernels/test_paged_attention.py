@@ -1,6 +1,7 @@
 """Paged attention (kernels/paged_attention.py): the Triton kernel (interpreter on CPU, or on DEVICE) against the
 torch reference and against the engine's TorchAttention backend, on tiny mixed batches whose unused KV slots are
 NaN. Batches are drawn on CPU, then moved to DEVICE."""
+
 import pytest
 import torch
 
@@ -48,8 +49,17 @@ def make_batch(spec, h=4, kvh=2, d=32, bs=4, dtype=torch.float32, kv_dtype=None,
     q = torch.randn(sum(nq), h, d, generator=g).to(dtype)
     seq_lens = torch.tensor([ctx for _, ctx in spec], dtype=torch.int32)
     q, k, v, tables, seq_lens, qsl, k_scale, v_scale = to_device(q, k, v, tables, seq_lens, qsl, k_scale, v_scale)
-    return dict(q=q, k_cache=k, v_cache=v, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-                scale=d ** -0.5, k_scale=k_scale, v_scale=v_scale)
+    return dict(
+        q=q,
+        k_cache=k,
+        v_cache=v,
+        block_tables=tables,
+        seq_lens=seq_lens,
+        query_start_loc=qsl,
+        scale=d**-0.5,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 def check(args, tol=None, **kw):
@@ -127,6 +137,7 @@ def test_empty_sequence_and_native_dot_path():
 
 def test_reference_backend_dispatch():
     import kernels
+
     args = make_batch(MIXED, seed=19)
     kernels.set_backend("torch")
     assert_close(paged_attention(**args), paged_attention_ref(**args), "dispatch torch")
@@ -146,8 +157,9 @@ def test_check_can_fail():
         assert_close(paged_attention_triton(**{**args, "block_tables": swapped}), ref, "swapped blocks")
     fp8 = make_batch(MIXED, kv_dtype=FP8, seed=23)
     with pytest.raises(AssertionError):  # v_scale ignored
-        assert_close(paged_attention_triton(**{**fp8, "v_scale": None}), paged_attention_ref(**fp8),
-                     "no v_scale", **FP8_TOL)
+        assert_close(
+            paged_attention_triton(**{**fp8, "v_scale": None}), paged_attention_ref(**fp8), "no v_scale", **FP8_TOL
+        )
 
 
 def test_matches_engine_torch_backend():
@@ -165,8 +177,12 @@ def test_matches_engine_torch_backend():
     k_cache, v_cache = args["k_cache"].clone(), args["v_cache"].clone()
     k_new = k_cache.view(kvh, -1, d)[:, slot_mapping].transpose(0, 1).contiguous()  # [T, KVH, D]
     v_new = v_cache.view(kvh, -1, d)[:, slot_mapping].transpose(0, 1).contiguous()
-    layout = StepLayout(slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=lens,
-                        block_tables=[tables[i, :-(-ctx // bs)].tolist() for i, ctx in enumerate(lens)])
+    layout = StepLayout(
+        slot_mapping=slot_mapping,
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_tables=[tables[i, : -(-ctx // bs)].tolist() for i, ctx in enumerate(lens)],
+    )
     attn = TorchAttention(bs, args["scale"])
     expected = attn.forward(args["q"], k_new, v_new, k_cache, v_cache, attn.build(layout, DEVICE))
     assert torch.equal(k_cache, args["k_cache"])  # the cache write was a no-op
