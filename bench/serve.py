@@ -288,8 +288,9 @@ def main() -> None:
             "",
             f"`{cmd.strip()}` on {time.strftime('%Y-%m-%d')} against {server}, model `{model}`; "
             f"{'client and server' if args.launch_emulator else 'client'} on {machine_line('cpu')}; load average "
-            f"{load:.2f} at start. {args.num_prompts} requests per rate; prompt tokens uniform in [{args.input_len_min}, "
-            f"{args.input_len_max}], output tokens in [{args.output_len_min}, {args.output_len_max}] "
+            f"{load:.2f} at start. {args.num_prompts} requests per rate; prompt tokens uniform in "
+            f"[{args.input_len_min}, {args.input_len_max}], output tokens in "
+            f"[{args.output_len_min}, {args.output_len_max}] "
             f"(ignore_eos{'' if args.ignore_eos else ' off'}), greedy, streamed. Method: the docstring of "
             "`bench/serve.py` (`vllm bench serve`'s).",
             "",
@@ -297,10 +298,10 @@ def main() -> None:
             "",
             *(
                 [
-                    "Streaming targets ([latency] #12): the gap between streamed events (ITL p99) against STREAM_FLUSH_MS + "
-                    "2 x TPOT; the worker's POSTs per job against its execution time / STREAM_FLUSH_MS + 5 (the column is "
-                    "the largest POSTs - duration / flush over the jobs: at most 5 meets it); output tok/s as a ratio to the "
-                    "count-only run at the same rate.",
+                    "Streaming targets ([latency] #12): the gap between streamed events (ITL p99) against "
+                    "STREAM_FLUSH_MS + 2 x TPOT; the worker's POSTs per job against its execution time / "
+                    "STREAM_FLUSH_MS + 5 (the column is the largest POSTs - duration / flush over the jobs: at most 5 "
+                    "meets it); output tok/s as a ratio to the count-only run at the same rate.",
                     "",
                     compare(targets, rows),
                     "",

@@ -7,9 +7,7 @@ length INCLUDING those tokens, so its query j sits at position L-n+j and attends
 (bottom-right causal). Head h reads kv head h // (H // KVH) (MHA, GQA, MQA). fp8 (e4m3) caches are
 dequantized on load as x.float() * k_scale / v_scale.
 
-Design (one unified kernel, tile numbering without a host sync, masking, fp32 vs native dots, flash-decoding
-splits): docs/kernels.md, "Paged attention".
-Rows of q past query_start_loc[-1] (padding) are left unspecified.
+Rows of q past query_start_loc[-1] (padding) are left unspecified. Design: docs/kernels.md, "Paged attention".
 """
 
 from __future__ import annotations
