@@ -36,9 +36,10 @@ def _test_input(argv: list[str]) -> dict | None:
 
 def build_worker():
     from engine import AsyncEngine, Timeline
-    from handler.settings import Settings, SettingsError, load_settings
+    from handler.settings import Settings, SettingsError, load_settings, set_library_defaults
     from handler.worker import Worker
 
+    set_library_defaults()  # before torch's first matmul
     tl = Timeline(start=T0)
     tl.mark("imports")
     try:

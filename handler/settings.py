@@ -220,6 +220,20 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise SettingsError(f"environment variable {shown}={env.get(shown)!r}: {err['msg']}") from None
 
 
+# Libraries that read environment variables of their own: the worker sets these defaults before they first run (an
+# endpoint's own value wins).
+LIBRARY_DEFAULTS = {
+    # oneDNN, behind torch's CPU bf16 matmuls, caches one primitive per shape (1024 by default, ~0.5 MB each);
+    # a step's token count changes almost every step, so the cache alone grew a worker's RSS for minutes.
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64",
+}
+
+
+def set_library_defaults() -> None:
+    for name, value in LIBRARY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def inherited_env() -> dict[str, str]:
     """A copy of this process's environment, for a child process (the emulator's worker)."""
     return dict(os.environ)
