@@ -130,7 +130,7 @@ def main() -> None:
             / args.prompts
         )
         kv = llm.engine.runner.kv_caches
-        kv_per_token = kv.numel() * kv.element_size() // (llm.engine.capacity.num_tokens)
+        kv_per_token = kv.numel() * kv.element_size() // (llm.engine.memory.kv_tokens)
         rows.append((name, ppl, kl, same, prefix, weight_bytes(llm), kv_per_token, load_s))
         print(
             f"{name:18s} ppl {ppl:.3f} kl {kl if kl is not None else 0:.4f} greedy {same:.1%} prefix {prefix:.1f} "

@@ -141,8 +141,9 @@ def decode_step_rows(tiny: bool = False):
     Random weights made on the device in bf16. Returns [(weights, weight bytes read, step seconds)]."""
     import kernels
     from engine.block_manager import BlockManager
-    from engine.kv_cache import KVCapacity, allocate, kv_bytes_per_token
+    from engine.kv_cache import allocate
     from engine.layers.attention import TorchAttention, TritonAttention
+    from engine.memory import kv_bytes_per_token, plan
     from engine.model_runner import ModelRunner
     from engine.models.llama import LlamaForCausalLM, ModelSpec
     from engine.types import Request, SamplingParams, SchedulerOutput
@@ -188,7 +189,8 @@ def decode_step_rows(tiny: bool = False):
         else:
             p.normal_(0, 0.02)
     num_blocks = -(-(CTX + 1) // BS)
-    cap = KVCapacity(num_blocks, BS, kv_bytes_per_token(spec, torch.bfloat16), CTX + BS)
+    per_token = kv_bytes_per_token(spec, torch.bfloat16.itemsize)
+    cap = plan(kv_budget=0, kv_bytes_per_token=per_token, block_size=BS, model_max_len=CTX + BS, num_blocks=num_blocks)
     kv = allocate(spec, cap, torch.bfloat16, dev)  # [layers, 2, KVH, blocks, BS, D] zeros
     attn = (TorchAttention if tiny else TritonAttention)(BS, spec.head_dim**-0.5)
     runner = ModelRunner(model, kv, attn, BS, dev, backend)

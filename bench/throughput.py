@@ -67,10 +67,10 @@ TUNE_MBT = (256, 512, 1024)
 # ---- ours -----------------------------------------------------------------------------------------
 def build_llm(path, spec, args, workloads):
     from engine import LLM
-    from engine.kv_cache import kv_bytes_per_token
+    from engine.memory import kv_bytes_per_token
 
     blocks = max(sum(math.ceil((len(p) + o) / 16) for p, o in zip(w.prompts, w.out_lens)) for w in workloads)
-    mem = (blocks + 16) * 16 * kv_bytes_per_token(spec, DTYPES[args.dtype])
+    mem = (blocks + 16) * 16 * kv_bytes_per_token(spec, DTYPES[args.dtype].itemsize)
     return LLM(
         model=str(path),
         dtype=args.dtype,

@@ -1,8 +1,9 @@
 """Public API of the inference engine. handler/ and warmup/ import only from here (tests/test_structure.py).
 
-`weights` is the model-files API (find a model, its safetensors, the fp8 snapshot) that `python -m warmup` uses."""
+`weights` is the model-files API (find a model, its safetensors, the fp8 snapshot) that `python -m warmup` uses;
+`memory` is the memory planner (pure arithmetic) that the engine and `python -m warmup.plan` share."""
 
-from engine import weights
+from engine import memory, weights
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, default_cache_root, writable_dir
 from engine.errors import (
@@ -41,6 +42,7 @@ __all__ = [
     "UnsupportedModelError",
     "compare_with_transformers",
     "default_cache_root",
+    "memory",
     "weights",
     "writable_dir",
 ]

@@ -1,87 +1,25 @@
-"""The KV pool: one preallocated tensor, sized from a memory budget."""
+"""The KV pool: one preallocated tensor, sized by engine/memory.py's plan; fp8 KV scale calibration."""
 
 from __future__ import annotations
 
 import logging
 import mmap
 import threading
-from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine.memory import MemoryPlan
 from engine.models.llama import ModelSpec
 from kernels import FP8_MAX
 
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes: the seed's formula."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
-@dataclass(frozen=True)
-class KVCapacity:
-    num_blocks: int
-    block_size: int
-    bytes_per_token: int
-    max_model_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def max_concurrent_seqs(self) -> float:
-        return self.num_tokens / self.max_model_len
-
-    def describe(self) -> str:
-        return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.num_tokens} tokens, "
-            f"{self.bytes_per_token} B/token ({self.num_tokens * self.bytes_per_token / 2**20:.0f} MiB), "
-            f"{self.max_concurrent_seqs:.1f} concurrent sequences at max_model_len={self.max_model_len}"
-        )
-
-
-def plan_capacity(
-    cfg: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, weight_bytes: int
-) -> KVCapacity:
-    per_token = kv_bytes_per_token(spec, kv_dtype)
-    per_block = per_token * cfg.block_size
-    if cfg.num_kv_blocks is not None:
-        num_blocks = cfg.num_kv_blocks
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - weight_bytes // 8  # activations
-        num_blocks = max(budget // per_block, 0)
-    else:
-        num_blocks = cfg.kv_cache_memory // per_block
-    pool_tokens = num_blocks * cfg.block_size
-    if cfg.max_model_len is not None:
-        max_len = cfg.max_model_len
-        if max_len > spec.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len={max_len} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
-            )
-        if max_len > pool_tokens:
-            raise ConfigError(
-                f"max_model_len={max_len} does not fit the KV pool ({pool_tokens} tokens in "
-                f"{num_blocks} blocks); raise the KV memory budget or lower max_model_len"
-            )
-    else:
-        max_len = min(spec.max_position_embeddings, pool_tokens)
-    if max_len < 1:
-        raise ConfigError("the KV memory budget holds no block; raise kv_cache_memory / gpu_memory_utilization")
-    return KVCapacity(num_blocks, cfg.block_size, per_token, max_len)
-
-
-def allocate(spec: ModelSpec, cap: KVCapacity, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def allocate(spec: ModelSpec, plan: MemoryPlan, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # [layers, K/V, kv_heads, blocks, block_size, head_dim]: head-major, so a gather of blocks lands
     # as [kv_heads, seqs, ctx, head_dim] and feeds batched matmuls without a copy. Zeros: stale slots
     # are finite.
-    shape = (spec.num_layers, 2, spec.num_kv_heads, cap.num_blocks, cap.block_size, spec.head_dim)
+    shape = (spec.num_layers, 2, spec.num_kv_heads, plan.num_blocks, plan.block_size, spec.head_dim)
     if device.type == "cpu":
         return _cpu_hugepage_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -7,11 +7,13 @@ import time
 
 import torch
 
+from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.kv_cache import CALIBRATION_TEXT, KVCapacity, allocate, calibrate_kv_scales, plan_capacity
+from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
+from engine.memory import MemoryPlan
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.output import OutputProcessor
@@ -41,18 +43,17 @@ class LLMEngine:
         self._resolve_model()
         tl.mark("model resolution", str(self.model_path))
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
-        self.capacity: KVCapacity = plan_capacity(cfg, self.spec, self.kv_dtype, self.device, self._weight_bytes())
-        self.max_model_len = self.capacity.max_model_len
+        self.memory = self._plan_memory(loaded=False)  # refuses what cannot fit, before anything is allocated
+        self.max_model_len = self.memory.max_model_len  # the model's rope tables are built for this length
         self.model, self.weights = load_model(
             cfg, self.model_path, self.spec.prequantized, self._build_model, self.device
         )
         tl.mark(self.weights.phase, self.weights.note())
-        kv = allocate(self.spec, self.capacity, self.kv_dtype, self.device)
-        tl.mark(
-            "KV allocation",
-            f"{self.capacity.num_blocks} blocks, "
-            f"{self.capacity.num_tokens * self.capacity.bytes_per_token / 2**20:.0f} MiB",
-        )
+        if self.device.type == "cuda":
+            self.memory = self._plan_memory(loaded=True)  # from the memory measured now, weights resident
+            self.max_model_len = self.memory.max_model_len
+        kv = allocate(self.spec, self.memory, self.kv_dtype, self.device)
+        tl.mark("KV allocation", f"{self.memory.num_blocks} blocks, {self.memory.kv_bytes / 2**20:.0f} MiB")
         # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
         self.kernel_backend = (
             cfg.kernel_backend
@@ -63,7 +64,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, kv, self._build_attention(), cfg.block_size, self.device, self.kernel_backend, self.lora
         )
-        self.block_manager = BlockManager(self.capacity.num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -101,10 +102,51 @@ class LLMEngine:
             eos.add(self.tok.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
-    def _weight_bytes(self) -> int:
-        return self.spec.num_params() * (
-            1 if self.cfg.quantization == "fp8" else torch.tensor([], dtype=self.dtype).element_size()
+    def _plan_memory(self, loaded: bool) -> MemoryPlan:
+        """The KV pool and context length (engine/memory.py). CPU: from KV_CACHE_MEMORY. CUDA: before the load,
+        refuse weights that cannot fit and predict the rest; after it, plan from the measured memory."""
+        cfg, spec = self.cfg, self.spec
+        weights = memory.weight_bytes(spec, self.dtype.itemsize, cfg.quantization)
+        kv = dict(
+            kv_bytes_per_token=memory.kv_bytes_per_token(spec, self.kv_dtype.itemsize),
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            num_blocks=cfg.num_kv_blocks,
         )
+        if self.device.type != "cuda":
+            return memory.plan(
+                kv_budget=cfg.kv_cache_memory,
+                budget=cfg.kv_cache_memory,
+                weights=weights,
+                model_max_len=spec.max_position_embeddings,
+                **kv,
+            )
+        lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
+        reserve = memory.activation_reserve(
+            spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora
+        )
+        free, total = torch.cuda.mem_get_info(self.device)
+        if not loaded:
+            memory.check_weights_fit(
+                total=total,
+                free=free,
+                utilization=cfg.gpu_memory_utilization,
+                weights=weights,
+                reserve=reserve,
+                quantization=cfg.quantization,
+            )
+        used = total - free if loaded else total - free + weights + memory.CUDA_CONTEXT_BYTES
+        plan = memory.plan_gpu(
+            total=total,
+            utilization=cfg.gpu_memory_utilization,
+            used=used,
+            weights=weights,
+            reserve=reserve,
+            model_max_len=self.max_model_len if loaded else spec.max_position_embeddings,
+            **kv,
+        )
+        log.info("memory plan (%s): %s", "measured" if loaded else "predicted", plan.as_dict())
+        return plan
 
     def _build_model(self) -> LlamaForCausalLM:
         return LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
@@ -126,18 +168,8 @@ class LLMEngine:
         return LoRAManager(self.cfg, self.spec, self.dtype, self.device)
 
     def _log_ready(self, seconds: float) -> None:
-        cfg = self.cfg
-        other = (
-            plan_capacity(
-                cfg.replace(num_kv_blocks=None),
-                self.spec,
-                self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn,
-                self.device,
-                self._weight_bytes(),
-            )
-            if cfg.num_kv_blocks is None
-            else None
-        )
+        other_dtype = self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn
+        other = self.memory.tokens_with(memory.kv_bytes_per_token(self.spec, other_dtype.itemsize))
         log.info(
             "model %s (%s, %s) on %s in %.1fs; %s [KV %s]%s",
             self.model_path,
@@ -145,11 +177,11 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."),
             self.device,
             seconds,
-            self.capacity.describe(),
+            self.memory.describe(),
             str(self.kv_dtype).removeprefix("torch."),
-            f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other.num_tokens} "
-            f"tokens, {other.max_concurrent_seqs:.1f} sequences"
-            if other
+            f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other} tokens, "
+            f"{other / self.max_model_len:.1f} sequences"
+            if self.cfg.num_kv_blocks is None
             else "",
         )
 

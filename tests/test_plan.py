@@ -31,37 +31,52 @@ LLAMA3_70B = {
 
 def test_seed_worked_example(tmp_path, capsys):
     spec = ModelSpec.from_hf(LLAMA3_70B)
-    p = make_plan(spec, parse_bytes("80GiB"), 4096, "fp8", "fp8")
-    assert p.kv_bytes_per_token == 160 * 1024  # 2 x 80 layers x 8 kv heads x 128 x 1 byte
-    total_kib = 100 * 4096 * p.kv_bytes_per_token / 1024
+    p = make_plan(spec, parse_bytes("80GiB"), max_model_len=4096, quantization="fp8", kv_cache_dtype="fp8")
+    assert p["kv_bytes_per_token"] == 160 * 1024  # 2 x 80 layers x 8 kv heads x 128 x 1 byte
+    total_kib = 100 * 4096 * p["kv_bytes_per_token"] / 1024
     assert total_kib == 65_536_000  # "about 65.5 GB": 65.5 million KiB
-    assert 70e9 < p.weight_bytes < 75e9  # 70.6 B params, linear layers at 1 byte, embeddings in bf16
-    assert p.tensor_parallel == 1  # ~71 GB of fp8 weights fit an 80 GiB card, with room for a 4k sequence
-    bf16 = make_plan(spec, parse_bytes("80GiB"), 4096, None, "auto")
-    assert bf16.kv_bytes_per_token == 2 * p.kv_bytes_per_token and bf16.tensor_parallel == 2
+    assert 70e9 < p["weight_bytes"] < 75e9  # 70.6 B params, linear layers at 1 byte, embeddings in bf16
+    assert p["fits"]  # ~72.7 GB of fp8 weights fit an 80 GiB card, with room for a 4k sequence
+    bf16 = make_plan(spec, parse_bytes("80GiB"), max_model_len=4096)
+    assert bf16["kv_bytes_per_token"] == 2 * p["kv_bytes_per_token"] and not bf16["fits"]
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
-    assert (
-        main(
-            [
-                "--model",
-                str(tmp_path),
-                "--gpu-mem",
-                "80GiB",
-                "--max-model-len",
-                "4096",
-                "--quantization",
-                "fp8",
-                "--kv-cache-dtype",
-                "fp8",
-                "--requests",
-                "100",
-            ]
-        )
-        == 0
-    )
+    argv = [
+        "--model",
+        str(tmp_path),
+        "--gpu-mem",
+        "80GiB",
+        "--max-model-len",
+        "4096",
+        "--quantization",
+        "fp8",
+        "--kv-cache-dtype",
+        "fp8",
+    ]
+    assert main([*argv, "--requests", "100"]) == 0
     out = capsys.readouterr().out
     assert "163,840 B (160 KiB)" in out and "65,536,000 KiB" in out and "fits on one GPU" in out
+    assert main([*argv, "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert (
+        {
+            "weight_bytes",
+            "kv_bytes_per_token",
+            "activation_reserve_bytes",
+            "kv_tokens",
+            "max_model_len",
+            "max_concurrent_seqs",
+            "fits",
+            "error",
+        }
+        <= set(j)
+        and j["fits"]
+        and j["error"] is None
+    )
+    # on an 80 GB card (decimal) it does not fit, and says so: exit 1, the numbers in the error
+    assert main(["--model", str(tmp_path), "--gpu-mem", "80GB", "--quantization", "fp8", "--json"]) == 1
+    j = json.loads(capsys.readouterr().out)
+    assert not j["fits"] and "does not fit" in j["error"] and "67.69 GiB" in j["error"]
 
 
 def test_bad_inputs(tmp_path, capsys):

@@ -16,6 +16,7 @@ NO_TORCH = {
     "engine/detokenizer.py",
     "engine/config.py",
     "engine/output.py",
+    "engine/memory.py",
 }
 MAX_LINES = 400
 

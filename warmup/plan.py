@@ -1,11 +1,15 @@
-"""Memory planner: will this model and context fit, and how many sequences at once?
+"""Memory planner: will this model and context fit a GPU, and how many sequences at once?
 
-    python -m warmup.plan --model PATH_OR_REPO [--gpu-mem 80GiB] [--max-model-len 8192]
-                          [--quantization fp8] [--kv-cache-dtype fp8] [--gpu-memory-utilization 0.9]
+    python -m warmup.plan --model PATH_OR_REPO [--gpu-mem 80GiB] [--gpu-memory-utilization 0.9]
+                          [--max-model-len N] [--quantization fp8] [--kv-cache-dtype fp8]
+                          [--max-num-seqs N] [--max-num-batched-tokens N] [--requests N] [--json]
 
-Reads config.json only (no weights are loaded). Weight bytes: params x 2 (bf16), or with fp8 the linear layers
-at 1 byte plus their per-channel fp32 scales while embeddings, lm_head and norms stay 16-bit (as vLLM).
-KV bytes per token = 2 x layers x kv_heads x head_dim x (2, or 1 for fp8), the seed's formula."""
+Reads config.json only (no weights are loaded) and asks engine/memory.py, the planner the engine itself uses, for
+a device of --gpu-mem with nothing else on it: the weights and the CUDA context in use after the load, the
+activation reserve set aside, and the rest of GPU_MEMORY_UTILIZATION x the device for the KV cache. The engine
+plans again from measured memory once its weights are resident, so on a real card the pool can differ by the
+difference between the predicted and the real CUDA context. --json prints one object (fits, error, and the
+numbers); the exit code is 0 when it fits, 1 when it does not or the input is bad."""
 
 from __future__ import annotations
 
@@ -13,23 +17,12 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
 
-from engine import EngineConfig, EngineError, ModelSpec, weights
+from engine import ConfigError, EngineConfig, EngineError, ModelSpec, memory, weights
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-ACTIVATION_RESERVE = 0.05  # of usable memory, for activations and the sampler's logits
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
 
 def parse_bytes(text: str) -> int:
@@ -39,93 +32,91 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
-@dataclass(frozen=True)
-class Plan:
-    spec: ModelSpec
-    weight_bytes: int
-    kv_bytes_per_token: int
-    gpu_bytes: int
-    utilization: float
-    max_model_len: int
-
-    @property
-    def usable(self) -> float:
-        return self.gpu_bytes * self.utilization * (1 - ACTIVATION_RESERVE)
-
-    def kv_bytes_for(self, tensor_parallel: int) -> float:
-        """KV room per GPU when the weights are split over `tensor_parallel` GPUs."""
-        return self.usable - self.weight_bytes / tensor_parallel
-
-    @property
-    def tensor_parallel(self) -> int | None:
-        """Smallest power-of-two TP size (<= 8, dividing kv heads) that leaves room for one full sequence."""
-        for tp in (1, 2, 4, 8):
-            if self.spec.num_kv_heads % tp and tp > 1:
-                continue
-            if self.kv_bytes_for(tp) >= self.kv_bytes_per_token / tp * self.max_model_len:
-                return tp
-        return None
-
-    def max_sequences(self, tp: int) -> float:
-        return self.kv_bytes_for(tp) * tp / self.kv_bytes_per_token / self.max_model_len
-
-
-def weight_bytes(spec: ModelSpec, quantization: str | None) -> int:
-    h, v = spec.hidden_size, spec.vocab_size
-    embeds = v * h * (1 if spec.tie_word_embeddings else 2)
-    linear = spec.num_params() - embeds - h * (2 * spec.num_layers + 1)
-    norms = h * (2 * spec.num_layers + 1)
-    if quantization == "fp8":
-        out_channels = spec.num_layers * (
-            spec.num_heads * spec.head_dim + 2 * spec.num_kv_heads * spec.head_dim + h + 2 * spec.intermediate_size + h
-        )
-        return linear + 4 * out_channels + 2 * (embeds + norms)
-    return 2 * spec.num_params()
-
-
 def make_plan(
-    spec: ModelSpec,
+    spec,
     gpu_bytes: int,
-    max_model_len: int,
-    quantization: str | None,
-    kv_cache_dtype: str,
+    *,
     utilization: float = 0.9,
-) -> Plan:
-    kv_el = 1 if kv_cache_dtype.startswith("fp8") else 2
-    return Plan(
-        spec,
-        weight_bytes(spec, quantization),
-        2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_el,
-        gpu_bytes,
-        utilization,
-        max_model_len,
-    )
+    max_model_len: int | None = None,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    dtype: str = "bfloat16",
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> dict:
+    """The engine's plan for an empty device of `gpu_bytes`: {"fits", "error", and the numbers}."""
+    defaults = EngineConfig()
+    seqs = max_num_seqs or defaults.max_num_seqs
+    tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
+    el = _DTYPE_BYTES[dtype]
+    w = memory.weight_bytes(spec, el, quantization)
+    per_token = memory.kv_bytes_per_token(spec, 1 if kv_cache_dtype.startswith("fp8") else el)
+    reserve = memory.activation_reserve(spec, tokens, seqs, el)
+    out = {
+        "weight_bytes": w,
+        "kv_bytes_per_token": per_token,
+        "activation_reserve_bytes": reserve,
+        "budget_bytes": int(gpu_bytes * utilization),
+        "kv_tokens": 0,
+        "max_model_len": max_model_len,
+        "max_concurrent_seqs": 0.0,
+        "fits": False,
+        "error": None,
+    }
+    try:
+        memory.check_weights_fit(
+            total=gpu_bytes,
+            free=gpu_bytes,
+            utilization=utilization,
+            weights=w,
+            reserve=reserve,
+            quantization=quantization,
+        )
+        p = memory.plan_gpu(
+            total=gpu_bytes,
+            utilization=utilization,
+            used=w + memory.CUDA_CONTEXT_BYTES,
+            weights=w,
+            reserve=reserve,
+            kv_bytes_per_token=per_token,
+            block_size=defaults.block_size,
+            model_max_len=spec.max_position_embeddings,
+            max_model_len=max_model_len,
+        )
+    except ConfigError as e:
+        return out | {"error": str(e)}
+    return out | {
+        "kv_tokens": p.kv_tokens,
+        "max_model_len": p.max_model_len,
+        "max_concurrent_seqs": round(p.max_concurrent_seqs, 2),
+        "fits": True,
+        "used_bytes": p.used_bytes,
+    }
 
 
-def render(p: Plan, requests: int | None = None) -> str:
-    s = p.spec
+def render(spec, plan: dict, gpu_bytes: int, utilization: float, requests: int | None = None) -> str:
     gib = 2**30
     lines = [
-        f"model: {s.architecture}, {s.num_layers} layers, {s.num_heads} heads / {s.num_kv_heads} kv heads, "
-        f"head_dim {s.head_dim}, {s.num_params() / 1e9:.2f} B params",
-        f"weights: {p.weight_bytes / gib:.2f} GiB ({p.weight_bytes / 1e9:.1f} GB)",
-        f"KV per token: {p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token / 1024:.0f} KiB)",
-        f"GPU: {p.gpu_bytes / gib:.1f} GiB x {p.utilization:.2f} utilization, "
-        f"{ACTIVATION_RESERVE:.0%} kept for activations",
+        f"model: {spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads / {spec.num_kv_heads} kv "
+        f"heads, head_dim {spec.head_dim}, {spec.num_params() / 1e9:.2f} B params",
+        f"weights: {plan['weight_bytes'] / gib:.2f} GiB ({plan['weight_bytes'] / 1e9:.1f} GB)",
+        f"KV per token: {plan['kv_bytes_per_token']:,} B ({plan['kv_bytes_per_token'] / 1024:.0f} KiB)",
+        f"GPU: {gpu_bytes / gib:.1f} GiB x {utilization:.2f} utilization = {plan['budget_bytes'] / gib:.2f} GiB "
+        f"budget; activation reserve {plan['activation_reserve_bytes'] / gib:.2f} GiB, CUDA context "
+        f"{memory.CUDA_CONTEXT_BYTES / gib:.2f} GiB",
     ]
-    tp = p.tensor_parallel
-    if tp is None:
-        lines.append(f"does NOT fit on 8 such GPUs at max_model_len={p.max_model_len}")
-    else:
-        where = "fits on one GPU" if tp == 1 else f"needs tensor parallel {tp}"
+    if plan["fits"]:
+        kv_gib = plan["kv_tokens"] * plan["kv_bytes_per_token"] / gib
         lines.append(
-            f"{where}: {p.max_sequences(tp):.1f} concurrent sequences at max_model_len={p.max_model_len} "
-            f"({p.kv_bytes_for(tp) * tp / gib:.1f} GiB of KV in all)"
+            f"fits on one GPU: {plan['kv_tokens']:,} KV tokens ({kv_gib:.1f} GiB), {plan['max_concurrent_seqs']:.1f} "
+            f"concurrent sequences at max_model_len={plan['max_model_len']}"
         )
-    if requests:
-        total = requests * p.max_model_len * p.kv_bytes_per_token
+    else:
+        lines.append(f"does NOT fit: {plan['error']}")
+    if requests and plan["max_model_len"]:
+        total = requests * plan["max_model_len"] * plan["kv_bytes_per_token"]
         lines.append(
-            f"{requests} requests x {p.max_model_len} tokens: {total / 1024:,.0f} KiB of KV "
+            f"{requests} requests x {plan['max_model_len']} tokens: {total / 1024:,.0f} KiB of KV "
             f"({total / gib:.1f} GiB, {total / 1e9:.1f} GB)"
         )
     return "\n".join(lines)
@@ -134,29 +125,37 @@ def render(p: Plan, requests: int | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="local dir or HF repo id in the HF cache (default: SmolLM2)")
-    ap.add_argument("--gpu-mem", default="80GiB")
+    ap.add_argument("--gpu-mem", default="80GiB", help="the device's total memory (80GiB, 141GB, ...)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: min(the model's limit, the pool)")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto")
+    ap.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None, help="also size this many full-length requests")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
         path = weights.resolve_model_path(EngineConfig(model=args.model))
         spec = ModelSpec.from_hf(weights.read_json(path / "config.json"))
-        plan = make_plan(
-            spec,
-            parse_bytes(args.gpu_mem),
-            args.max_model_len or spec.max_position_embeddings,
-            args.quantization,
-            args.kv_cache_dtype,
-            args.gpu_memory_utilization,
-        )
+        gpu = parse_bytes(args.gpu_mem)
     except (EngineError, ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(render(plan, args.requests))
-    return 0
+    plan = make_plan(
+        spec,
+        gpu,
+        utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    print(json.dumps(plan) if args.json else render(spec, plan, gpu, args.gpu_memory_utilization, args.requests))
+    return 0 if plan["fits"] else 1
 
 
 if __name__ == "__main__":

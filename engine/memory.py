@@ -1,0 +1,215 @@
+"""The memory planner: how many bytes the weights, the KV pool and a step's activations take, and how large the KV
+pool may be. Pure arithmetic on plain numbers (no torch, no device calls): the engine passes the device's numbers
+in, and `python -m warmup.plan` passes simulated ones, so both get the same answer.
+
+GPU_MEMORY_UTILIZATION has vLLM's meaning: the fraction of the device's total memory this worker may use for
+everything (weights, KV, activations, sampler buffers, LoRA slots, the CUDA graph pool, workspace). The pool is
+what is left of that budget once the weights are resident and the activation reserve is set aside:
+
+    kv = total x utilization - used (measured after the load: weights, CUDA context, other processes) - reserve
+
+Before anything is allocated the same budget is predicted from the weights' size, so a model that cannot fit is
+refused with its numbers instead of running out of memory halfway through the start."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from engine.errors import ConfigError
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = 512 << 20  # predicted before the load (CUDA context, cuBLAS workspace); measured after it
+
+
+def kv_bytes_per_token(spec, kv_dtype_bytes: int) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes
+
+
+def _linear_shapes(spec) -> list[tuple[int, int, int]]:
+    """(in, out, projections) of each layer's fused linears: qkv, o_proj, gate_up, down."""
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    return [(h, (spec.num_heads + 2 * spec.num_kv_heads) * d, 3), (spec.num_heads * d, h, 1), (h, 2 * i, 2), (i, h, 1)]
+
+
+def weight_bytes(spec, dtype_bytes: int, quantization: str | None) -> int:
+    """Bytes of the weights as the engine holds them. fp8: the linear layers at 1 byte plus one fp32 scale per
+    output channel; embeddings, lm_head and norms stay in the model dtype (as vLLM)."""
+    if quantization != "fp8" and not getattr(spec, "prequantized", False):
+        return spec.num_params() * dtype_bytes
+    linear = spec.num_layers * sum(i * o for i, o, _ in _linear_shapes(spec))
+    scales = spec.num_layers * sum(o for _, o, _ in _linear_shapes(spec)) * 4
+    return linear + scales + (spec.num_params() - linear) * dtype_bytes
+
+
+def lora_bytes(spec, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
+    """The LoRA slots: A [L, S, n*R, in] and B [L, S, out, n*R] per fused linear."""
+    per_slot = sum(n * max_rank * (i + o) for i, o, n in _linear_shapes(spec))
+    return spec.num_layers * max_loras * per_slot * dtype_bytes
+
+
+def activation_reserve(
+    spec,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype_bytes: int,
+    *,
+    lora: tuple[int, int] | None = None,
+    graph_pool_bytes: int = 0,
+) -> int:
+    """Bytes a step may need beyond the weights and the KV pool, by formula (no profiling run: the cold start
+    matters more). T = max_num_batched_tokens tokens through one layer at a time:
+    - hidden states and the residual, the fused qkv output, attention output: (4 x hidden + qkv width) x T;
+    - the MLP: gate_up (2 x intermediate) and its activation (intermediate): 3 x intermediate x T;
+    - fp8 activation copies and per-token scales (at most the widest input), and flash-decoding's fp32 split
+      scratch (32 splits x max_num_seqs x heads x (head_dim + 2));
+    - the sampler: fp32 logits of max_num_seqs rows, three times over (logits, probabilities, a sorted copy);
+    - LoRA slots (lora = (max_loras, max_lora_rank)) and the CUDA graph pool.
+    Doubled for the allocator's rounding and fragmentation."""
+    t, h, i = max_num_batched_tokens, spec.hidden_size, spec.intermediate_size
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    per_layer = (4 * h + qkv + 3 * i) * t * dtype_bytes + t * (max(h, i) + 4)
+    splits = 32 * max_num_seqs * spec.num_heads * (spec.head_dim + 2) * 4
+    logits = 3 * max_num_seqs * spec.vocab_size * 4
+    lora_b = lora_bytes(spec, lora[0], lora[1], dtype_bytes) + t * 4 * lora[1] * 4 if lora else 0
+    return 2 * (per_layer + splits + logits) + lora_b + graph_pool_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What fits: the KV pool and the longest context, with the numbers behind them (bytes)."""
+
+    budget_bytes: int  # total x utilization (GPU), or the KV budget (CPU)
+    kv_budget_bytes: int  # what the pool may take: budget - used - reserve (GPU)
+    weight_bytes: int
+    used_bytes: int  # on the device before the pool: weights, CUDA context, other processes (GPU)
+    activation_reserve_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
+
+    @property
+    def max_concurrent_seqs(self) -> float:
+        return self.kv_tokens / self.max_model_len
+
+    def tokens_with(self, kv_bytes_per_token: int) -> int:
+        """KV tokens the same byte budget holds at another KV dtype (the start-up log's comparison; no device call)."""
+        return max(self.kv_budget_bytes // (kv_bytes_per_token * self.block_size), 0) * self.block_size
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} = {self.kv_tokens} tokens, "
+            f"{self.kv_bytes_per_token} B/token ({self.kv_bytes / 2**20:.0f} MiB), {self.max_concurrent_seqs:.1f} "
+            f"concurrent sequences at max_model_len={self.max_model_len}"
+            + (f"; activation reserve {_gib(self.activation_reserve_bytes)}" if self.activation_reserve_bytes else "")
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {
+            "kv_tokens": self.kv_tokens,
+            "kv_bytes": self.kv_bytes,
+            "max_concurrent_seqs": round(self.max_concurrent_seqs, 2),
+        }
+
+
+def plan(
+    *,
+    kv_budget: int,
+    kv_bytes_per_token: int,
+    block_size: int,
+    model_max_len: int,
+    max_model_len: int | None = None,
+    num_blocks: int | None = None,
+    budget: int = 0,
+    weights: int = 0,
+    used: int = 0,
+    reserve: int = 0,
+    fix: str = "",
+) -> MemoryPlan:
+    """The pool from `kv_budget` bytes (or exactly `num_blocks`) and the context length: max_model_len, or else
+    min(the model's limit, the pool). Raises ConfigError naming the numbers when nothing fits; `fix` is what
+    would (appended to the error)."""
+    per_block = kv_bytes_per_token * block_size
+    blocks = num_blocks if num_blocks is not None else max(kv_budget // per_block, 0)
+    tokens = blocks * block_size
+    if max_model_len is not None and max_model_len > model_max_len:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max_len}")
+    if blocks < 1:
+        raise ConfigError(
+            f"no KV block fits: {_gib(kv_budget)} left for the KV cache after {_gib(used)} in use and "
+            f"{_gib(reserve)} kept for activations, of a {_gib(budget)} budget; one block of "
+            f"{block_size} tokens needs {per_block:,} B.{fix}"
+        )
+    if max_model_len is not None and max_model_len > tokens:
+        raise ConfigError(
+            f"max_model_len={max_model_len} is larger than the KV cache: {tokens} tokens "
+            f"({blocks} blocks, {_gib(tokens * kv_bytes_per_token)}) fit, so the largest "
+            f"max_model_len that fits is {tokens}. Lower MAX_MODEL_LEN.{fix}"
+        )
+    length = max_model_len if max_model_len is not None else min(model_max_len, tokens)
+    return MemoryPlan(budget, kv_budget, weights, used, reserve, kv_bytes_per_token, block_size, blocks, length)
+
+
+def plan_gpu(
+    *,
+    total: int,
+    utilization: float,
+    used: int,
+    weights: int,
+    reserve: int,
+    kv_bytes_per_token: int,
+    block_size: int,
+    model_max_len: int,
+    max_model_len: int | None = None,
+    num_blocks: int | None = None,
+) -> MemoryPlan:
+    """The pool on a GPU once the weights are resident: `used` = total - free, measured now."""
+    budget = int(total * utilization)
+    fix = " It would fit with QUANTIZATION=fp8, KV_CACHE_DTYPE=fp8, a larger GPU_MEMORY_UTILIZATION, or more GPUs."
+    return plan(
+        kv_budget=budget - used - reserve,
+        kv_bytes_per_token=kv_bytes_per_token,
+        block_size=block_size,
+        model_max_len=model_max_len,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        budget=budget,
+        weights=weights,
+        used=used,
+        reserve=reserve,
+        fix=fix,
+    )
+
+
+def check_weights_fit(
+    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantization: str | None
+) -> None:
+    """Before anything is allocated: refuse a model whose weights, with the activation reserve and the CUDA
+    context, cannot fit the budget. The error names the numbers and what would fit."""
+    budget, in_use = int(total * utilization), total - free
+    need = in_use + weights + reserve + CUDA_CONTEXT_BYTES
+    if need <= budget:
+        return
+    hints = [] if quantization == "fp8" else ["QUANTIZATION=fp8 (about half the weight bytes)"]
+    if need <= 0.98 * total:
+        hints.append(f"GPU_MEMORY_UTILIZATION={-(-100 * need // total) / 100:.2f} or more")
+    hints.append("a GPU with more memory, or more GPUs")
+    raise ConfigError(
+        f"the model does not fit: its weights take {_gib(weights)}, plus {_gib(reserve)} kept for "
+        f"activations and {_gib(CUDA_CONTEXT_BYTES)} for the CUDA context, with {_gib(in_use)} of the "
+        f"device already in use, against a budget of {_gib(budget)} (GPU_MEMORY_UTILIZATION="
+        f"{utilization:g} x {_gib(total)}). What would fit: {'; '.join(hints)}."
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"

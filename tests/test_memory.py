@@ -1,0 +1,174 @@
+"""The memory planner (engine/memory.py) on simulated devices: what fits, what is refused and with which numbers,
+and the engine's use of it (a faked torch.cuda.mem_get_info stands in for the GPU)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine import ConfigError, EngineConfig, LLMEngine, ModelSpec, memory
+from warmup.plan import make_plan
+
+GB = 10**9
+DEVICES = {"L4": 24 * GB, "L40S": 48 * GB, "H100": 80 * GB, "H200": 141 * GB}  # as marketed
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+LLAMA3_70B = LLAMA31_8B | {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+}
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": True,
+}
+MODELS = {
+    "llama-3.1-8b": (LLAMA31_8B, None, "auto"),
+    "llama-3.1-8b fp8": (LLAMA31_8B, "fp8", "auto"),
+    "llama-3.1-8b fp8 KV": (LLAMA31_8B, None, "fp8"),
+    "qwen2.5-0.5b": (QWEN25_05B, None, "auto"),
+    "llama-3-70b fp8": (LLAMA3_70B, "fp8", "fp8"),
+}
+_NUMBERS = re.compile(r"\d+\.\d\d GiB")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model", MODELS)
+def test_what_fits_stays_within_the_budget(device, model):
+    cfg, quant, kv_dtype = MODELS[model]
+    spec, total = ModelSpec.from_hf(cfg), DEVICES[device]
+    p = make_plan(spec, total, quantization=quant, kv_cache_dtype=kv_dtype)
+    if p["fits"]:
+        used = p["weight_bytes"] + memory.CUDA_CONTEXT_BYTES
+        kv = p["kv_tokens"] * p["kv_bytes_per_token"]
+        assert used + kv + p["activation_reserve_bytes"] <= 0.9 * total
+        assert p["kv_tokens"] >= p["max_model_len"] >= 1 and p["error"] is None
+    else:
+        assert len(_NUMBERS.findall(p["error"])) >= 3, p["error"]  # weights, reserve, budget
+
+
+def test_the_expected_verdicts():
+    verdict = {
+        (m, d): make_plan(
+            ModelSpec.from_hf(MODELS[m][0]), DEVICES[d], quantization=MODELS[m][1], kv_cache_dtype=MODELS[m][2]
+        )["fits"]
+        for m in MODELS
+        for d in DEVICES
+    }
+    assert verdict[("llama-3.1-8b", "L4")] and verdict[("llama-3.1-8b fp8", "L4")]  # 15 GiB of bf16 on a 24 GB card
+    assert not verdict[("llama-3-70b fp8", "H100")]  # 67.7 GiB of fp8 weights > 0.9 x 80 GB
+    assert verdict[("llama-3-70b fp8", "H200")] and not verdict[("llama-3-70b fp8", "L40S")]
+    assert all(verdict[("qwen2.5-0.5b", d)] for d in DEVICES)
+
+
+def test_refusals_name_the_numbers_and_what_would_fit():
+    spec = ModelSpec.from_hf(LLAMA3_70B)
+    err = make_plan(spec, DEVICES["H100"], quantization="fp8", kv_cache_dtype="fp8")["error"]
+    assert "does not fit" in err and "67.69 GiB" in err and "67.06 GiB" in err  # the weights, and 0.9 x 80 GB
+    assert "GPU_MEMORY_UTILIZATION=0.98" not in err and "more GPUs" in err
+    bf16 = make_plan(spec, DEVICES["H200"])["error"]
+    assert "QUANTIZATION=fp8" in bf16  # what would fit
+    # a context longer than the pool: the error names the largest length that fits, as vLLM's does
+    small = make_plan(ModelSpec.from_hf(LLAMA31_8B), DEVICES["L4"])
+    long = make_plan(ModelSpec.from_hf(LLAMA31_8B), DEVICES["L4"], max_model_len=131072)
+    assert not long["fits"] and f"the largest max_model_len that fits is {small['kv_tokens']}" in long["error"]
+
+
+def test_seed_worked_example_kv_bytes():
+    """The seed's example: Llama-3-70B with fp8 KV at 4096 tokens, 100 requests: 160 KiB per token, 65.5 GB."""
+    p = make_plan(
+        ModelSpec.from_hf(LLAMA3_70B), 80 * 2**30, max_model_len=4096, quantization="fp8", kv_cache_dtype="fp8"
+    )
+    assert p["kv_bytes_per_token"] == 160 * 1024
+    assert 100 * 4096 * p["kv_bytes_per_token"] / 1024 == 65_536_000
+    assert p["fits"] and p["max_concurrent_seqs"] >= 1  # on 80 GiB (not 80 GB) the weights fit, with room for 4k
+
+
+def _fake_engine(total: int, free: int, **cfg) -> SimpleNamespace:
+    spec = ModelSpec.from_hf(LLAMA31_8B)
+    return SimpleNamespace(
+        cfg=EngineConfig(**cfg),
+        spec=spec,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        max_model_len=None,
+    )
+
+
+def test_engine_plans_after_the_load_from_measured_memory(monkeypatch):
+    total, other = 80 * GB, 3 * GB  # another process holds 3 GB
+    eng = _fake_engine(total, total - other)
+    calls = []
+    free = {"now": total - other}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append(1) or (free["now"], total))
+    predicted = LLMEngine._plan_memory(eng, loaded=False)
+    eng.max_model_len = predicted.max_model_len
+    free["now"] = total - other - predicted.weight_bytes - (700 << 20)  # weights resident, a 700 MiB context
+    measured = LLMEngine._plan_memory(eng, loaded=True)
+    budget = int(total * 0.9)
+    assert measured.kv_budget_bytes == budget - (total - free["now"]) - measured.activation_reserve_bytes
+    assert measured.kv_bytes <= measured.kv_budget_bytes and measured.max_model_len <= predicted.max_model_len
+    assert len(calls) == 2
+    # the start-up log's comparison with the other KV dtype comes from the plan: the device is not asked again
+    eng.memory, eng.model_path = measured, "m"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("asked the device again"))
+    LLMEngine._log_ready(eng, 1.0)
+
+
+def test_engine_refuses_before_loading_what_cannot_fit(monkeypatch):
+    total = 24 * GB
+    eng = _fake_engine(total, total)
+    eng.spec = ModelSpec.from_hf(LLAMA3_70B)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    with pytest.raises(ConfigError, match="does not fit: its weights take 131.42 GiB"):
+        LLMEngine._plan_memory(eng, loaded=False)
+
+
+def test_cpu_engine_logs_the_planners_capacity(tiny_llama, caplog):
+    cfg = EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=3 << 20, log_stats_interval=0)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        eng = LLMEngine(cfg)
+    spec = eng.spec
+    expected = memory.plan(
+        kv_budget=3 << 20,
+        budget=3 << 20,
+        kv_bytes_per_token=memory.kv_bytes_per_token(spec, 4),
+        block_size=cfg.block_size,
+        model_max_len=spec.max_position_embeddings,
+        weights=memory.weight_bytes(spec, 4, None),
+    )
+    assert eng.memory == expected and eng.block_manager.num_blocks == expected.num_blocks
+    assert expected.describe() in caplog.text
