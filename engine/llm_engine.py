@@ -10,7 +10,7 @@ import torch
 from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
 from engine.memory import MemoryPlan
@@ -28,6 +28,26 @@ log = logging.getLogger("engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_fp8_support(cfg: EngineConfig, prequantized: bool, gpu: str, capability: tuple[int, int]) -> None:
+    """fp8 (e4m3) weights and KV need compute capability 8.9 (Ada, Hopper, Blackwell): below it, triton 3.7
+    cannot compile any kernel that touches fp8 (A100, A10, A40, A6000, RTX 30xx), so refuse before loading."""
+    wanted = [
+        name
+        for name, on in (
+            ("QUANTIZATION=fp8", cfg.quantization == "fp8"),
+            ("an fp8 checkpoint", prequantized),
+            (f"KV_CACHE_DTYPE={cfg.kv_cache_dtype}", cfg.kv_cache_dtype.startswith("fp8")),
+        )
+        if on
+    ]
+    if wanted and tuple(capability) < (8, 9):
+        raise ConfigError(
+            f"{' and '.join(wanted)} needs a GPU of compute capability 8.9 or newer (L4, L40S, RTX 40xx, "
+            f"H100, H200, B200); this one is {gpu}, capability {capability[0]}.{capability[1]}. Use a "
+            f"bf16 checkpoint, unset QUANTIZATION and set KV_CACHE_DTYPE=auto, or pick a newer GPU."
+        )
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, timeline: Timeline | None = None):
         t0 = time.perf_counter()
@@ -41,6 +61,11 @@ class LLMEngine:
         )
         tl.mark("engine setup")
         self._resolve_model()
+        if self.device.type == "cuda":  # configs read, nothing loaded yet
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            check_fp8_support(
+                cfg, self.spec.prequantized, torch.cuda.get_device_name(idx), torch.cuda.get_device_capability(idx)
+            )
         tl.mark("model resolution", str(self.model_path))
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
         self.memory = self._plan_memory(loaded=False)  # refuses what cannot fit, before anything is allocated

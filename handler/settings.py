@@ -237,6 +237,18 @@ def set_library_defaults() -> None:
     for name, value in LIBRARY_DEFAULTS.items():
         os.environ.setdefault(name, value)
     _limit_malloc_arenas(int(os.environ["MALLOC_ARENA_MAX"]))
+    triton_cache = os.environ.get("TRITON_CACHE_DIR")
+    if triton_cache and not writable_dir(triton_cache):
+        # the image points it at the volume; a root-owned network volume would make the first kernel compile fail
+        # with PermissionError, failing the first job
+        fallback = str(Path.home() / ".triton" / "cache")
+        log.warning(
+            "TRITON_CACHE_DIR=%s cannot be written by this user: compiled kernels go to %s instead (lost with the "
+            "container, so each new worker compiles again). Make the volume writable to keep them.",
+            triton_cache,
+            fallback,
+        )
+        os.environ["TRITON_CACHE_DIR"] = fallback
 
 
 def _limit_malloc_arenas(n: int) -> None:

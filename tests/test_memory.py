@@ -172,3 +172,19 @@ def test_cpu_engine_logs_the_planners_capacity(tiny_llama, caplog):
     )
     assert eng.memory == expected and eng.block_manager.num_blocks == expected.num_blocks
     assert expected.describe() in caplog.text
+
+
+def test_fp8_is_refused_below_sm89_naming_the_gpu():
+    from engine.llm_engine import check_fp8_support
+
+    a100 = ("NVIDIA A100-SXM4-80GB", (8, 0))
+    for kw, prequantized, what in (
+        (dict(quantization="fp8"), False, "QUANTIZATION=fp8"),
+        (dict(kv_cache_dtype="fp8"), False, "KV_CACHE_DTYPE=fp8"),
+        ({}, True, "an fp8 checkpoint"),
+    ):
+        with pytest.raises(ConfigError, match=rf"{what}.*NVIDIA A100-SXM4-80GB, capability 8\.0"):
+            check_fp8_support(EngineConfig(**kw), prequantized, *a100)
+    check_fp8_support(EngineConfig(), False, *a100)  # bf16 on an A100: fine
+    for gpu in (("NVIDIA L4", (8, 9)), ("NVIDIA H100 80GB HBM3", (9, 0))):
+        check_fp8_support(EngineConfig(quantization="fp8", kv_cache_dtype="fp8"), False, *gpu)

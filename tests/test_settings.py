@@ -141,3 +141,28 @@ def test_more_invalid_values(env, name):
 def test_engine_level_error_names_the_variable():
     with pytest.raises(SettingsError, match="BLOCK_SIZE"):
         load_settings({"BLOCK_SIZE": "7"}).engine_config()
+
+
+def test_library_defaults_and_an_unwritable_triton_cache(tmp_path, monkeypatch, caplog):
+    """The worker's start sets oneDNN's and glibc's defaults (an endpoint's own value wins), and moves Triton's
+    cache off a volume this user cannot write (the first compile would fail with PermissionError)."""
+    import logging
+    import os
+
+    from handler.settings import set_library_defaults
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a path under a regular file can never be created, even by root
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "triton-cache"))
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with caplog.at_level(logging.WARNING):
+        set_library_defaults()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home" / ".triton" / "cache")
+    assert "cannot be written" in caplog.text
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7" and os.environ["MALLOC_ARENA_MAX"] == "2"
+    writable = tmp_path / "volume" / "triton-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(writable))
+    set_library_defaults()
+    assert os.environ["TRITON_CACHE_DIR"] == str(writable)
