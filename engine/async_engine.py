@@ -135,6 +135,10 @@ class AsyncEngine:
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
+        if eng.device.type == "cuda" and eng.device.index is not None:
+            import torch
+
+            torch.cuda.set_device(eng.device)  # per thread: this one launches every kernel of the steps
         last_log, last_generated = time.monotonic(), 0
         while True:
             # Block for work when idle; otherwise just drain what arrived during the last step. When the last

@@ -10,7 +10,8 @@ import torch
 from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import ConfigError, InvalidRequestError
+from engine.device import check_fp8_support, model_dtype
+from engine.errors import InvalidRequestError
 from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
 from engine.memory import MemoryPlan
@@ -25,28 +26,6 @@ from engine.weights import load_model, read_json, resolve_model_path, safetensor
 
 log = logging.getLogger("engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_fp8_support(cfg: EngineConfig, prequantized: bool, gpu: str, capability: tuple[int, int]) -> None:
-    """fp8 (e4m3) weights and KV need compute capability 8.9 (Ada, Hopper, Blackwell): below it, triton 3.7
-    cannot compile any kernel that touches fp8 (A100, A10, A40, A6000, RTX 30xx), so refuse before loading."""
-    wanted = [
-        name
-        for name, on in (
-            ("QUANTIZATION=fp8", cfg.quantization == "fp8"),
-            ("an fp8 checkpoint", prequantized),
-            (f"KV_CACHE_DTYPE={cfg.kv_cache_dtype}", cfg.kv_cache_dtype.startswith("fp8")),
-        )
-        if on
-    ]
-    if wanted and tuple(capability) < (8, 9):
-        raise ConfigError(
-            f"{' and '.join(wanted)} needs a GPU of compute capability 8.9 or newer (L4, L40S, RTX 40xx, "
-            f"H100, H200, B200); this one is {gpu}, capability {capability[0]}.{capability[1]}. Use a "
-            f"bf16 checkpoint, unset QUANTIZATION and set KV_CACHE_DTYPE=auto, or pick a newer GPU."
-        )
-
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, timeline: Timeline | None = None):
@@ -59,6 +38,8 @@ class LLMEngine:
         self.device = torch.device(
             cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches on the current device, not the tensors'
         tl.mark("engine setup")
         self._resolve_model()
         if self.device.type == "cuda":  # configs read, nothing loaded yet
@@ -118,9 +99,7 @@ class LLMEngine:
         safetensors_files(self.model_path)  # refuse pickle-only checkpoints before anything else
         hf_cfg = read_json(self.model_path / "config.json")
         self.spec = ModelSpec.from_hf(hf_cfg, read_json(self.model_path / "generation_config.json"))
-        self.dtype = _DTYPES.get(cfg.dtype, torch.bfloat16)
-        if cfg.dtype == "auto" and self.device.type == "cuda" and hf_cfg.get("torch_dtype") == "float16":
-            self.dtype = torch.float16
+        self.dtype = model_dtype(cfg.dtype, hf_cfg, self.device.type)
         self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
         eos = set(self.spec.eos_token_ids)
         if self.tok.eos_token_id is not None:

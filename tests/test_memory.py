@@ -175,7 +175,7 @@ def test_cpu_engine_logs_the_planners_capacity(tiny_llama, caplog):
 
 
 def test_fp8_is_refused_below_sm89_naming_the_gpu():
-    from engine.llm_engine import check_fp8_support
+    from engine.device import check_fp8_support
 
     a100 = ("NVIDIA A100-SXM4-80GB", (8, 0))
     for kw, prequantized, what in (
@@ -188,3 +188,13 @@ def test_fp8_is_refused_below_sm89_naming_the_gpu():
     check_fp8_support(EngineConfig(), False, *a100)  # bf16 on an A100: fine
     for gpu in (("NVIDIA L4", (8, 9)), ("NVIDIA H100 80GB HBM3", (9, 0))):
         check_fp8_support(EngineConfig(quantization="fp8", kv_cache_dtype="fp8"), False, *gpu)
+
+
+def test_auto_dtype_reads_both_config_keys():
+    from engine.device import model_dtype
+
+    for key in ("dtype", "torch_dtype"):  # transformers >= 4.56 writes "dtype"
+        assert model_dtype("auto", {key: "float16"}, "cuda") == torch.float16
+        assert model_dtype("auto", {key: "float16"}, "cpu") == torch.bfloat16
+    assert model_dtype("auto", {"dtype": "bfloat16"}, "cuda") == torch.bfloat16
+    assert model_dtype("float32", {"dtype": "float16"}, "cuda") == torch.float32
