@@ -1,13 +1,11 @@
-"""Paged attention for a varlen batch that mixes prefill chunks and decodes: Triton kernels, launcher and
-torch reference.
+"""Paged attention for a varlen batch mixing prefill chunks and decodes: Triton kernels, launcher, torch reference.
 
 Layout (engine/layers/attention.py): caches [KVH, num_blocks, block_size, D]; q [T, H, D] is the flat batch;
 sequence b owns rows query_start_loc[b]:query_start_loc[b+1] (n tokens), seq_lens[b] = L is its context
 length INCLUDING those tokens, so its query j sits at position L-n+j and attends to positions <= L-n+j
 (bottom-right causal). Head h reads kv head h // (H // KVH) (MHA, GQA, MQA). fp8 (e4m3) caches are
-dequantized on load as x.float() * k_scale / v_scale.
-
-Rows of q past query_start_loc[-1] (padding) are left unspecified. Design: docs/kernels.md, "Paged attention".
+dequantized on load as x.float() * k_scale / v_scale. Rows of q past query_start_loc[-1] (padding) are left
+unspecified. Design: docs/kernels.md, "Paged attention".
 """
 
 from __future__ import annotations
@@ -216,9 +214,12 @@ def _reduce_splits_kernel(
     )
 
 
-def _scale_tensor(x, device) -> torch.Tensor:
+_ONES: dict[torch.device, torch.Tensor] = {}  # the 1.0 scale of 16-bit caches, made once per device
+
+
+def _scale_tensor(x, device) -> torch.Tensor:  # per call, 1.0 was a blocking H2D copy (a sync) per layer
     if x is None:
-        x = 1.0
+        return _ONES[device] if device in _ONES else _ONES.setdefault(device, torch.ones(1, device=device))
     return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(1)
 
 

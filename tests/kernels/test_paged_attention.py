@@ -187,3 +187,16 @@ def test_matches_engine_torch_backend():
     expected = attn.forward(args["q"], k_new, v_new, k_cache, v_cache, attn.build(layout, DEVICE))
     assert torch.equal(k_cache, args["k_cache"])  # the cache write was a no-op
     assert_close(paged_attention(**args), expected, "vs engine TorchAttention", **TOL[torch.float32])
+
+
+def test_no_scale_tensor_is_built_per_call_for_a_16bit_cache(monkeypatch):
+    """A 16-bit cache's 1.0 scales are made once per device: built per call they were a blocking host-to-device
+    copy (a stream sync) twice per layer in every step on a GPU."""
+    args = make_batch(MIXED)
+    paged_attention_triton(**args)  # the first call may make them
+    made = []
+    real = torch.as_tensor
+    monkeypatch.setattr(torch, "as_tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: pytest.fail("a scale tensor was built again"))
+    out = paged_attention_triton(**args)
+    assert not made and out.isfinite().all()
