@@ -38,16 +38,21 @@ class Sampler:
         return rows, torch.log_softmax(logits[rows], dim=-1)
 
     def _pick_logprobs(self, logprobs, reqs, tokens):
+        """Top-n and the sampled token's logprob for each row that asked: one batched topk and gather, one copy
+        to the host (not a topk, two .tolist() and an .item() per request, each a device sync)."""
         out: list[dict | None] = [None] * len(reqs)
         if logprobs is None:
             return out
         rows, lp = logprobs
+        n_max = max(reqs[i].params.logprobs for i in rows)
+        top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0])
+        sampled = lp.gather(1, torch.tensor([tokens[i] for i in rows])[:, None].to(lp.device, non_blocking=True))
+        # values, then the sampled token's, then the ids (exact in fp32: vocabularies are far below 2**24)
+        host = torch.cat([top_v, sampled, top_i.to(lp.dtype)], 1).cpu().tolist()
         for j, i in enumerate(rows):
-            n = reqs[i].params.logprobs
-            top_v, top_i = lp[j].topk(n) if n else (lp[j][:0], lp[j][:0].long())
-            d = dict(zip(top_i.tolist(), top_v.tolist()))
-            t = tokens[i]
-            d.setdefault(t, lp[j, t].item())
+            n, row = reqs[i].params.logprobs, host[j]
+            d = dict(zip(map(int, row[n_max + 1 : n_max + 1 + n]), row[:n]))
+            d.setdefault(tokens[i], row[n_max])
             out[i] = d
         return out
 
@@ -59,32 +64,44 @@ class Sampler:
                     logits[i, stop] = float("-inf")
 
     def _apply_penalties(self, logits, reqs):
-        for i, r in enumerate(reqs):
-            p = r.params
-            if not p.needs_penalties:
-                continue
-            row = logits[i]
-            out = torch.tensor(r.output_token_ids, dtype=torch.int64, device=self.device)
-            counts = torch.bincount(out, minlength=self.vocab_size)[: self.vocab_size].to(row.dtype)
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                seen[torch.tensor(r.prompt_token_ids, dtype=torch.int64, device=self.device)] = True
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row.copy_(torch.where(seen, penalized, row))
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        """All penalized rows at once: their output (and, for the repetition penalty, prompt) tokens go to the
+        device in one padded tensor each, and the counts come from one scatter_add (not two copies, each a
+        sync, and a full-vocab bincount per request)."""
+        rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+        if not rows:
+            return
+        ps = [reqs[i].params for i in rows]
+        sub = logits[rows]
+        counts = self._counts([reqs[i].output_token_ids for i in rows], sub.dtype)
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            seen = (counts + self._counts([reqs[i].prompt_token_ids for i in rows], sub.dtype)) > 0
+            rep = self._column([p.repetition_penalty for p in ps])
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq, pres = self._column([p.frequency_penalty for p in ps]), self._column([p.presence_penalty for p in ps])
+        logits[rows] = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+
+    def _counts(self, seqs: list[list[int]], dtype) -> torch.Tensor:
+        """[len(seqs), vocab] occurrence counts; padding with id `vocab` lands in a dropped extra column."""
+        width = max(1, max(len(t) for t in seqs))
+        ids = torch.tensor([t + [self.vocab_size] * (width - len(t)) for t in seqs], dtype=torch.int64)
+        ids = ids.to(self.device, non_blocking=True)
+        counts = torch.zeros(len(seqs), self.vocab_size + 1, dtype=dtype, device=self.device)
+        return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))[:, : self.vocab_size]
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        """[n, 1] fp32 on the device, copied without waiting for the stream."""
+        return torch.tensor(values, dtype=torch.float32)[:, None].to(self.device, non_blocking=True)
 
     def _draw(self, logits, reqs):
-        temp = torch.tensor([r.params.temperature for r in reqs], device=self.device)
-        logits = logits / temp[:, None]
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=self.device)
-        if bool((min_p > 0).any()):
+        # Which options apply is known on the host: no device round trip to find out
+        logits = logits / self._column([r.params.temperature for r in reqs])
+        if any(r.params.min_p > 0 for r in reqs):
             probs = logits.softmax(-1)
-            cutoff = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            cutoff = probs.max(dim=-1, keepdim=True).values * self._column([r.params.min_p for r in reqs])
             logits = logits.masked_fill(probs < cutoff, float("-inf"))
         top_k = [r.params.top_k for r in reqs]
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=self.device)
-        if any(top_k) or bool((top_p < 1).any()):
-            logits = self._top_k_top_p(logits, top_k, top_p)
+        if any(top_k) or any(r.params.top_p < 1 for r in reqs):
+            logits = self._top_k_top_p(logits, top_k, self._column([r.params.top_p for r in reqs])[:, 0])
         probs = logits.softmax(-1)
         # Exponential race (as vLLM): argmax(p / q), q ~ Exp(1), equals a draw from p. Seeded rows
         # draw q from their own generator, so their tokens do not depend on the rest of the batch.
@@ -100,7 +117,7 @@ class Sampler:
     def _top_k_top_p(self, logits, top_k, top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         v = logits.shape[-1]
-        k = torch.tensor([min(t, v) if t else v for t in top_k], device=self.device)  # any top_k >= v: all
+        k = self._column([min(t, v) if t else v for t in top_k])[:, 0]  # any top_k >= v: all
         pos = torch.arange(v, device=self.device)[None, :]
         drop = pos >= k[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)

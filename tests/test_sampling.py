@@ -134,3 +134,41 @@ def test_stop_strings_and_stop_ids_in_engine(llm):
     assert c.finish_reason == "stop" and c.stop_reason == stop_id and c.token_ids == base.token_ids[: first + 1]
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 5
+
+
+def test_host_round_trips_do_not_grow_with_the_batch(monkeypatch):
+    """Penalties, sampling options and logprobs cost a fixed number of device round trips per step, not a few
+    per request (each .item(), .tolist(), .cpu() or blocking copy is a stream sync on a GPU)."""
+    from engine.sampler import Sampler
+    from engine.types import Request
+
+    counted = {"n": 0}
+    for name in ("item", "tolist", "cpu"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor,
+            name,
+            lambda self, *a, _real=real, **k: counted.__setitem__("n", counted["n"] + 1) or _real(self, *a, **k),
+        )
+
+    def trips(batch: int) -> int:
+        params = SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=20,
+            min_p=0.05,
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            logprobs=3,
+            max_tokens=8,
+        )
+        reqs = [Request(f"r{i}", list(range(5 + i)), params, eos_token_ids=frozenset({0})) for i in range(batch)]
+        for r in reqs:
+            r.output_token_ids = [7, 8, 8, 9 + len(r.prompt_token_ids)]
+        counted["n"] = 0
+        tokens, lps = Sampler(64, torch.device("cpu"))(torch.randn(batch, 64), reqs)
+        assert len(tokens) == batch and all(len(d) >= 3 for d in lps)
+        return counted["n"]
+
+    assert trips(2) == trips(16) <= 3
