@@ -5,28 +5,8 @@ from __future__ import annotations
 import json
 
 from engine.models.llama import ModelSpec
+from tests.test_memory import LLAMA3_70B
 from warmup.plan import main, make_plan, parse_bytes
-
-LLAMA3_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 128256,
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-}
 
 
 def test_seed_worked_example(tmp_path, capsys):
