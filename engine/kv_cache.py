@@ -57,17 +57,15 @@ def populate_in_background(libc, buf, addr: int, nbytes: int) -> threading.Threa
     start does not wait for it and no step stalls on a first touch later. With 2 MiB pages and the head-major
     layout, the first use of a block range faults in layers x 2 x kv_heads pages at once (SmolLM2: 180 pages,
     360 MiB, in the middle of a step), and the worker's RSS crept up for minutes as the scheduler reached new
-    block ranges (bench/soak.py). `buf` (the mmap) is held until the thread is done."""
+    block ranges (bench/soak.py)."""
 
-    def run() -> None:
+    def run(_buf) -> None:  # holds the mmap until done; Thread drops its args when run returns
         import ctypes
 
         if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 23) != 0:  # MADV_POPULATE_WRITE
             log.debug("KV pool pre-fault unavailable (errno %d): pages fault in on first use", ctypes.get_errno())
-        del holder[:]
 
-    holder = [buf]
-    th = threading.Thread(target=run, name="kv-pool-prefault", daemon=True)
+    th = threading.Thread(target=run, args=(buf,), name="kv-pool-prefault", daemon=True)
     th.start()
     return th
 

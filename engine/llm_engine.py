@@ -130,25 +130,13 @@ class LLMEngine:
             spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora
         )
         free, total = torch.cuda.mem_get_info(self.device)
-        if not loaded:
-            memory.check_weights_fit(
-                total=total,
-                free=free,
-                utilization=cfg.gpu_memory_utilization,
-                weights=weights,
-                reserve=reserve,
-                quantization=cfg.quantization,
+        gpu = dict(total=total, utilization=cfg.gpu_memory_utilization, weights=weights, reserve=reserve, **kv)
+        if loaded:  # the weights are resident: what is in use now is measured
+            plan = memory.plan_gpu(used=total - free, model_max_len=self.max_model_len, **gpu)
+        else:
+            plan = memory.plan_gpu_start(
+                free=free, quantization=cfg.quantization, model_max_len=spec.max_position_embeddings, **gpu
             )
-        used = total - free if loaded else total - free + weights + memory.CUDA_CONTEXT_BYTES
-        plan = memory.plan_gpu(
-            total=total,
-            utilization=cfg.gpu_memory_utilization,
-            used=used,
-            weights=weights,
-            reserve=reserve,
-            model_max_len=self.max_model_len if loaded else spec.max_position_embeddings,
-            **kv,
-        )
         log.info("memory plan (%s): %s", "measured" if loaded else "predicted", plan.as_dict())
         return plan
 

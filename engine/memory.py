@@ -190,6 +190,39 @@ def plan_gpu(
     )
 
 
+def plan_gpu_start(
+    *,
+    total: int,
+    free: int,
+    utilization: float,
+    weights: int,
+    reserve: int,
+    quantization: str | None,
+    kv_bytes_per_token: int,
+    block_size: int,
+    model_max_len: int,
+    max_model_len: int | None = None,
+    num_blocks: int | None = None,
+) -> MemoryPlan:
+    """Before the load (the engine's start, and `python -m warmup.plan`): refuse weights that cannot fit, then
+    predict the pool with the weights and the CUDA context counted as in use."""
+    check_weights_fit(
+        total=total, free=free, utilization=utilization, weights=weights, reserve=reserve, quantization=quantization
+    )
+    return plan_gpu(
+        total=total,
+        utilization=utilization,
+        used=total - free + weights + CUDA_CONTEXT_BYTES,
+        weights=weights,
+        reserve=reserve,
+        kv_bytes_per_token=kv_bytes_per_token,
+        block_size=block_size,
+        model_max_len=model_max_len,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+    )
+
+
 def check_weights_fit(
     *, total: int, free: int, utilization: float, weights: int, reserve: int, quantization: str | None
 ) -> None:

@@ -66,8 +66,8 @@ def install(grace_s: float, on_grace_expired: Callable[[], None]) -> None:
 class Scaler:
     """Mixed in before the SDK's JobScaler by install(); `grace_s` and `on_grace_expired` are set there."""
 
-    grace_s: float = 8.0
-    on_grace_expired: Callable[[], None] = staticmethod(lambda: None)
+    grace_s: float
+    on_grace_expired: Callable[[], None]
 
     def current_occupancy(self) -> int:
         return self.job_progress.get_job_count()  # queued jobs are already in it

@@ -64,20 +64,13 @@ def make_plan(
         "error": None,
     }
     try:
-        memory.check_weights_fit(
+        p = memory.plan_gpu_start(
             total=gpu_bytes,
             free=gpu_bytes,
             utilization=utilization,
             weights=w,
             reserve=reserve,
             quantization=quantization,
-        )
-        p = memory.plan_gpu(
-            total=gpu_bytes,
-            utilization=utilization,
-            used=w + memory.CUDA_CONTEXT_BYTES,
-            weights=w,
-            reserve=reserve,
             kv_bytes_per_token=per_token,
             block_size=defaults.block_size,
             model_max_len=spec.max_position_embeddings,
