@@ -35,7 +35,8 @@ def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# batch-varying ints stay runtime args: no compiled variant per value class (==1, %16==0, other) or split count
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "num_splits"])
 def _paged_attn_kernel(
     q_ptr,
     k_ptr,
@@ -70,8 +71,9 @@ def _paged_attn_kernel(
     stride_oh,
     stride_od,
     stride_bt,
+    num_splits,
     REP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -112,7 +114,7 @@ def _paged_attn_kernel(
 
     # KV range of this tile (up to its last query, inclusive), then this split's share of it
     kv_end = first_pos + tl.minimum(n, (local + 1) * BLOCK_Q)
-    chunk = tl.cdiv(kv_end, NUM_SPLITS)
+    chunk = tl.cdiv(kv_end, num_splits)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
 
@@ -160,7 +162,7 @@ def _paged_attn_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -174,7 +176,7 @@ def _paged_attn_kernel(
         tl.store(acc_ptr + idx[:, None] * head_dim + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _reduce_splits_kernel(
     m_ptr,
     l_ptr,
@@ -186,7 +188,7 @@ def _reduce_splits_kernel(
     stride_ot,
     stride_oh,
     stride_od,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -194,7 +196,7 @@ def _reduce_splits_kernel(
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     idx = (s * num_tokens + tok) * num_heads + head  # [BLOCK_S]
@@ -264,22 +266,18 @@ def paged_attention_triton(
         return out
     rep = h // kvh
     block_m = max(16, triton.next_power_of_2(rep))
-    block_q = block_m // rep
-    if max_query_len is not None:
-        block_q = max(1, min(block_q, int(max_query_len)))
+    block_q = 1 if max_query_len == 1 else block_m // rep  # two variants only: pure decode, or full tiles
     num_tiles = (t + b * (block_q - 1)) // block_q
     if num_splits is None:
         num_splits = _auto_num_splits(q, num_tiles * kvh, block_tables.shape[1] * bs)
     num_splits = int(num_splits)
-    assert num_splits >= 1
+    assert 1 <= num_splits <= _MAX_SPLITS, num_splits
     if native_dot is None:
         native_dot = q.is_cuda and q.dtype != torch.float32
+    m_buf = l_buf = acc_buf = out  # scratch, unused when IS_SPLIT is False
     if num_splits > 1:
-        m_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device)
-        l_buf = torch.empty_like(m_buf)
+        m_buf, l_buf = torch.empty((2, num_splits, t, h), dtype=torch.float32, device=q.device)
         acc_buf = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
-    else:
-        m_buf = l_buf = acc_buf = out  # unused (NUM_SPLITS == 1)
     block_d = max(16, triton.next_power_of_2(d))
     _paged_attn_kernel[(num_tiles, kvh, num_splits)](
         q,
@@ -305,8 +303,9 @@ def paged_attention_triton(
         *v_cache.stride(),
         *out.stride(),
         block_tables.stride(0),
+        num_splits,
         REP=rep,
-        NUM_SPLITS=num_splits,
+        IS_SPLIT=num_splits > 1,
         NATIVE_DOT=bool(native_dot),
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -323,8 +322,8 @@ def paged_attention_triton(
             h,
             d,
             *out.stride(),
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_splits,
+            BLOCK_S=_MAX_SPLITS,
             BLOCK_D=block_d,
         )
     return out

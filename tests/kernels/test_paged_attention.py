@@ -2,6 +2,9 @@
 torch reference and against the engine's TorchAttention backend, on tiny mixed batches whose unused KV slots are
 NaN. Batches are drawn on CPU, then moved to DEVICE."""
 
+import inspect
+import sys
+
 import pytest
 import torch
 
@@ -200,3 +203,43 @@ def test_no_scale_tensor_is_built_per_call_for_a_16bit_cache(monkeypatch):
     monkeypatch.setattr(torch, "ones", lambda *a, **k: pytest.fail("a scale tensor was built again"))
     out = paged_attention_triton(**args)
     assert not made and out.isfinite().all()
+
+
+def test_batch_shapes_share_compiled_variants(monkeypatch):
+    """[gpu-review] F5: what Triton compiles a variant for (constexprs, and the value class of every int argument
+    it specializes: == 1, % 16 == 0, other) must not change with the batch. Across 1..40 sequences, decode and
+    mixed batches, split counts 1..32 and block-table widths, only {decode, full tiles} x {split, not} remain."""
+    pa = sys.modules["kernels.paged_attention"]  # the package exports a function of the same name
+    seen = set()
+    for kernel in (pa._paged_attn_kernel, pa._reduce_splits_kernel):
+        params = inspect.signature(getattr(kernel, "fn", kernel)).parameters  # JITFunction or the interpreter's
+        names = list(params)
+        dns = kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else kernel.do_not_specialize
+        skip = {n if isinstance(n, str) else names[n] for n in dns}
+        skip |= {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+
+        class Recorder:
+            def __init__(self, kernel, names, skip):
+                self.kernel, self.names, self.skip = kernel, names, skip
+
+            def __getitem__(self, grid):
+                def launch(*args, **constexprs):
+                    ints = {n: a for n, a in zip(self.names, args) if type(a) is int and n not in self.skip}
+                    key = tuple(sorted((n, a == 1, a % 16 == 0) for n, a in ints.items()))
+                    seen.add((self.kernel.__name__, key, tuple(sorted(constexprs.items()))))
+
+                return launch
+
+        monkeypatch.setattr(pa, kernel.__name__, Recorder(kernel, names, skip))
+    for n_seqs in (1, 2, 3, 16, 17, 40):
+        for decode in (True, False):
+            spec = [(1 if decode else 3, 5 + i) for i in range(n_seqs)]
+            args = make_batch(spec, poison=False)
+            for splits in (1, 2, 7, 16, 32):
+                pa.paged_attention_triton(**args, max_query_len=1 if decode else 3, num_splits=splits)
+                wide = dict(args, block_tables=torch.cat([args["block_tables"]] * 3, 1))  # another width
+                pa.paged_attention_triton(**wide, max_query_len=1 if decode else 3, num_splits=splits)
+    attn = {(k, c) for name, k, c in seen if name == "_paged_attn_kernel"}
+    reduce = {(k, c) for name, k, c in seen if name == "_reduce_splits_kernel"}
+    assert len(attn) == 4, attn  # BLOCK_Q in {1, full} x IS_SPLIT
+    assert len(reduce) == 1, reduce
