@@ -24,6 +24,61 @@ def default_model_path() -> Path:
     return ensure_default_model(Path(default_cache_root()))
 
 
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, top_n: int = 5, device: str = "cpu"):
+    """HF transformers fp32 greedy, one prompt at a time (no padding): the parity reference. Returns
+    [(new token ids, [per-step {token: logprob} of the top N])]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+    model.eval()
+    results = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids], device=device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=2,
+            )
+        new = out.sequences[0, len(ids) :].tolist()
+        tops = []
+        for step_logits in out.logits[: len(new)]:
+            lp = torch.log_softmax(step_logits[0].float(), -1)
+            v, i = lp.topk(top_n)
+            tops.append(dict(zip(i.tolist(), v.tolist())))
+        results.append((new, tops))
+    return results
+
+
+def logprobs_mismatch(ours: list[int], ours_lp: list[dict], ref: list[int], ref_lp: list[dict], atol: float | None):
+    """vLLM's check_logprobs_close: at the first differing position each side's token must be in the other's
+    top-N (then stop); where the tokens agree, the chosen token's logprob must be within atol (None: not checked).
+    Returns why they are not close, or None."""
+    for pos, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            if a in ref_lp[pos] and b in ours_lp[pos]:
+                return None
+            return f"position {pos}: ours {a} vs ref {b}; not in each other's top-N"
+        if atol is not None and b in ref_lp[pos] and abs(ours_lp[pos][a] - ref_lp[pos][b]) >= atol:
+            return f"position {pos}: logprob {ours_lp[pos][a]:.5f} vs ref {ref_lp[pos][b]:.5f}"
+    return None
+
+
+def gpu_summary(ok: bool, line: str, tiny: bool = False) -> str:
+    """One PASS/FAIL line of the GPU check: printed, and (not in --tiny runs) appended to .gpu-results/summary.txt,
+    which bench/gpu_check.sh prints last."""
+    text = f"{'PASS' if ok else 'FAIL'} {line}"
+    if not tiny:
+        path = Path(__file__).resolve().parents[1] / ".gpu-results" / "summary.txt"
+        path.parent.mkdir(exist_ok=True)
+        with path.open("a") as f:
+            f.write(text + "\n")
+    print(text, flush=True)
+    return text
+
+
 def cat_seconds(files: list[Path]) -> float:
     """Seconds for `cat` to read `files` (the disk's speed for them, cold or warm as the page cache is)."""
     t = time.perf_counter()

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The GPU check for a task that is lent a device (one command, < 8 minutes on one H200):
-#   1. the kernel tests on the GPU for real (no interpreter; tensors on cuda), file by file,
-#   2. kernel timings at Llama-3-8B serving shapes vs a D2D copy, then one engine decode step at batch 1 for an
-#      8B-shaped random model (bf16, then fp8 weights) vs the weight-bytes / copy-bandwidth floor -> docs/kernels.md,
-#      printed last. The kernel tables are written before the decode step, so a failure there keeps them.
-#   3. cold start (bench/coldstart_gpu.py) in the time left: an 8B-shaped random model written to local disk as
-#      safetensors, shrunk to 8 of its 32 layers (~5.6 GB instead of 16 GB) to fit; the loader and `cat` (the
-#      read floor), then fresh-process engine starts: fp8 online (writes the snapshot), fp8 from the snapshot,
-#      bf16 -> docs/kernels.md (gpu-coldstart). Skipped if under 90 s are left.
-# Every step's timeout is capped by one deadline (BUDGET_S, default 470 s from the start), so the whole check
-# stays under 8 minutes whatever the earlier steps take.
-# The device image already has torch, triton, transformers and pytest, and cannot fetch anything: nothing is
-# installed here. Usage there, from the repo root: bash bench/gpu_check.sh  (set OUT to also copy results out)
+# The GPU check (docs/gpu.md) for a task that is lent a device: one command, under 8 minutes on one H200, installing
+# nothing (the device image has torch, triton, transformers and pytest, and cannot fetch anything). Parts, each in
+# its own process under its own timeout, all capped by one deadline (BUDGET_S, default 470 s from the start), so a
+# failing or slow part does not hide the others:
+#   1. the kernel tests on the GPU for real (no interpreter; tensors on cuda), file by file;
+#   2. parity: a model through LLM on CUDA vs HF transformers on the same GPU (bench/gpu_engine.py parity);
+#   3. start: an engine start at GPU_MEMORY_UTILIZATION=0.9 on a Llama-3-8B-shaped checkpoint, 64 requests, then
+#      4. the same with fp8 weights (bench/gpu_engine.py start);
+#   5. decode steps at batch 1, 8, 64, eager vs CUDA graphs, bf16 and fp8 (bench/decode_step.py);
+#      and the kernel bandwidth tables (bench/kernel_bench.py -> docs/kernels.md);
+#   6. cold start (bench/coldstart_gpu.py) in the time left, skipped under 90 s.
+# Results: docs/gpu.md and docs/kernels.md, .gpu-results/ (a log per part, summary.txt), all copied to $OUT when
+# it is set. The summary (one PASS / FAIL / SKIP line per check) is printed last.
+# Usage there, from the repo root: bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -25,21 +26,43 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 # rerun skips the ~200 cold compiles. Each test file runs under its own timeout inside a 210 s share, and prints
 # its own result line, so one slow or failing file does not hide the others.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
-KT_END=$((SECONDS + 210))
+RES=.gpu-results; rm -rf "$RES"; mkdir -p "$RES"; SUM=$RES/summary.txt; : >"$SUM"
+# part NAME CAP CMD...: run CMD under min(CAP, the time left); its log in $RES/NAME.log; a timeout, or a failure
+# that printed no FAIL line of its own, gets one in the summary
+part() {
+  local name=$1 cap=$2; shift 2; local t; t=$(left "$cap")
+  if [ "$t" -lt 20 ]; then echo "SKIP $name: only ${t} s left of the budget" >>"$SUM"; return; fi
+  echo "== $name (up to ${t} s)"
+  local before; before=$(wc -l <"$SUM")
+  timeout "$t" "$@" >"$RES/$name.log" 2>&1; local rc=$?
+  tail -n 40 "$RES/$name.log"
+  local fails; fails=$(tail -n +$((before + 1)) "$SUM" | grep -c ^FAIL)
+  if [ "$rc" -eq 124 ]; then echo "FAIL $name: timed out after ${t} s" >>"$SUM"
+  elif [ "$rc" -ne 0 ] && [ "$fails" -eq 0 ]; then echo "FAIL $name: exit $rc, see $RES/$name.log" >>"$SUM"
+  elif [ "$rc" -eq 0 ] && [ "$(wc -l <"$SUM")" -eq "$before" ]; then echo "PASS $name" >>"$SUM"; fi
+}
+# 1. Compiled kernels are kept in the repo's .triton-cache (ignored by git; the device keeps it between calls), so
+# a rerun skips the ~200 cold compiles. Each test file runs under its own timeout inside a 150 s share.
+KT_END=$((SECONDS + 150))
 for f in tests/kernels/test_*.py; do
-  share=$((KT_END - SECONDS)); [ "$share" -gt 90 ] && share=90
-  if [ "$share" -lt 5 ]; then echo "$f: skipped (the kernel tests' 210 s are used up)"; continue; fi
+  share=$((KT_END - SECONDS)); [ "$share" -gt 60 ] && share=60
+  if [ "$share" -lt 5 ]; then echo "SKIP $f: the kernel tests' 150 s are used up" >>"$SUM"; continue; fi
   out=$(timeout "$(left "$share")" $PY -m pytest -q -x "$f" -p no:cacheprovider 2>&1); rc=$?
-  echo "$f: $(echo "$out" | tail -n 1)$([ "$rc" -eq 124 ] && echo " (TIMED OUT after ${share} s)")"
-  [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && echo "$out" | grep -E "^(FAILED|ERROR|E )" | head -n 8
+  last=$(echo "$out" | tail -n 1)
+  if [ "$rc" -eq 0 ]; then echo "PASS $f: $last" >>"$SUM"
+  elif [ "$rc" -eq 124 ]; then echo "FAIL $f: timed out after ${share} s" >>"$SUM"
+  else echo "FAIL $f: $last" >>"$SUM"; echo "$out" | grep -E "^(FAILED|ERROR|E )" | head -n 8 | tee -a "$RES/kernel-tests.log"; fi
 done
-timeout "$(left 250)" $PY -m bench.kernel_bench
-if [ -n "${OUT:-}" ]; then cp docs/kernels.md "$OUT/"; fi
+part parity 60 $PY -m bench.gpu_engine parity
+part start 110 $PY -m bench.gpu_engine start
+part decode 80 $PY -m bench.decode_step
+part kernel-bench 50 $PY -m bench.kernel_bench
 T=$(left 200)
 if [ "$T" -ge 90 ]; then
-  echo "== cold start (${T} s left): Llama-3-8B shape, 8 of 32 layers (shrunk to fit the 8-minute budget)"
-  timeout "$T" $PY -m bench.coldstart_gpu --layers 8 --child-timeout $((T - 30))
+  part coldstart "$T" $PY -m bench.coldstart_gpu --layers 8 --child-timeout $((T - 30))
 else
-  echo "== cold start skipped: only ${T} s left of the 8-minute budget"
+  echo "SKIP cold start: only ${T} s left of the 8-minute budget" >>"$SUM"
 fi
-if [ -n "${OUT:-}" ]; then cp docs/kernels.md "$OUT/"; fi
+if [ -n "${OUT:-}" ]; then cp docs/gpu.md docs/kernels.md "$SUM" "$OUT/" 2>/dev/null; fi
+echo; echo "== summary ($(grep -c ^PASS "$SUM") passed, $(grep -c ^FAIL "$SUM") failed, $(grep -c ^SKIP "$SUM") skipped)"
+cat "$SUM"

@@ -3,20 +3,17 @@
 Run on a CUDA machine (bench/gpu_check.sh does): each kernel is timed with triton.testing.do_bench (median),
 its bytes moved are counted, and achieved bandwidth is compared with a plain D2D copy of a large buffer
 measured in the same run. Targets: decode attention >= 70 % of copy bandwidth; RMSNorm and SiLU-mul >= 80 %.
-Then one engine decode step (ModelRunner.execute) at batch 1 for an 8B-shaped random model, bf16 and fp8 weights,
-against the weight-bytes / copy-bandwidth floor. Writes the tables to docs/kernels.md (between markers) and prints
-them last. `--tiny`: only the decode step, a tiny model on CPU with the torch kernels (a smoke test; no docs)."""
+Writes the tables to docs/kernels.md (between markers) and prints them last. Whole decode steps (eager and CUDA
+graphs) are bench/decode_step.py's."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import traceback
 from pathlib import Path
 
 import torch
 
-from bench._common import timed, write_section
+from bench._common import write_section
 
 H, KVH, D, B, BS = 32, 8, 128, 64, 16  # Llama-3-8B attention geometry, batch 64, block 16
 HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
@@ -127,119 +124,9 @@ def fp8_linear_rows(dtype=torch.bfloat16):
     return out
 
 
-def step_weight_bytes(model) -> int:
-    """Weight bytes one decode step reads: every linear (+ fp8 scales) and norm, lm_head, one embedding row."""
-    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-    total = sum(nb(p) for name, p in model.named_parameters() if name != "embed")  # lm_head is not tied here
-    total += sum(nb(s) for layer in model.layers for s in layer.fp8_scales.values())
-    return total + nb(model.embed[0])
-
-
-def decode_step_rows(tiny: bool = False):
-    """One engine decode step at batch 1, context CTX, through ModelRunner.execute (host batch building, attention
-    metadata, the model, lm_head, greedy sampling): bf16 weights, then the same weights quantized to fp8 in place.
-    Random weights made on the device in bf16. Returns [(weights, weight bytes read, step seconds)]."""
-    import kernels
-    from engine.block_manager import BlockManager
-    from engine.kv_cache import allocate
-    from engine.layers.attention import TorchAttention, TritonAttention
-    from engine.memory import kv_bytes_per_token, plan
-    from engine.model_runner import ModelRunner
-    from engine.models.llama import LlamaForCausalLM, ModelSpec
-    from engine.types import Request, SamplingParams, SchedulerOutput
-
-    dev, backend = (torch.device("cpu"), "torch") if tiny else (torch.device("cuda"), "triton")
-    shape = (
-        dict(
-            num_layers=2,
-            hidden_size=256,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=64,
-            intermediate_size=512,
-            vocab_size=1024,
-        )
-        if tiny
-        else dict(
-            num_layers=LAYERS,
-            hidden_size=HIDDEN,
-            num_heads=H,
-            num_kv_heads=KVH,
-            head_dim=D,
-            intermediate_size=INTER,
-            vocab_size=VOCAB,
-        )
-    )
-    spec = ModelSpec(
-        architecture="LlamaForCausalLM",
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=None,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        eos_token_ids=(),
-        **shape,
-    )
-    model = LlamaForCausalLM(spec, torch.bfloat16, dev, max_positions=CTX + BS)  # torch.empty, bf16, on dev
-    for name, p in model.named_parameters():  # in place, in bf16: no fp32 copy of the model
-        if name.endswith("norm"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0, 0.02)
-    num_blocks = -(-(CTX + 1) // BS)
-    per_token = kv_bytes_per_token(spec, torch.bfloat16.itemsize)
-    cap = plan(kv_budget=0, kv_bytes_per_token=per_token, block_size=BS, model_max_len=CTX + BS, num_blocks=num_blocks)
-    kv = allocate(spec, cap, torch.bfloat16, dev)  # [layers, 2, KVH, blocks, BS, D] zeros
-    attn = (TorchAttention if tiny else TritonAttention)(BS, spec.head_dim**-0.5)
-    runner = ModelRunner(model, kv, attn, BS, dev, backend)
-    # CTX tokens computed, one new: the step writes position CTX and attends over CTX + 1
-    req = Request("bench", [0] * CTX, SamplingParams(temperature=0.0), output_token_ids=[1], num_computed_tokens=CTX)
-    assert BlockManager(num_blocks, BS).allocate_slots(req, 1)
-    step = SchedulerOutput([req], [1])
-    out = []
-    for weights in ("bf16", "fp8"):
-        if weights == "fp8":
-            with kernels.backend(backend):
-                for layer in model.layers:
-                    layer.quantize_fp8()  # e4m3 [N, K] + [N, 1] fp32 scales; this layer's bf16 weights are freed
-        if tiny:
-            runner.execute(step)  # warm-up
-            s = statistics.median(timed(lambda: runner.execute(step), "cpu") for _ in range(5))
-        else:
-            s = bench(lambda: runner.execute(step), warmup=100, rep=500)
-        out.append((weights, step_weight_bytes(model), s))
-    return out
-
-
-def decode_lines(rows, copy: float | None, name: str) -> list[str]:
-    """The decode-step table; without a copy bandwidth (CPU) the floor columns are blank."""
-    lines = [
-        "",
-        f"Decode step at batch 1, {name}, random weights, context {CTX} in a bf16 paged KV cache "
-        f"(block {BS}): `ModelRunner.execute` as the engine runs it (host batch building, attention metadata, "
-        "the model, lm_head, greedy sampling; no CUDA graphs). Floor = weight bytes read per step (linears + fp8 "
-        "scales + norms + lm_head + one embedding row) / the copy bandwidth above, counted as in the kernel "
-        "table: the copy's read + write bytes per second taken as the rate a pure read stream reaches. KV "
-        "reads are not in it.",
-        "",
-        "| weights | weight MB read | step ms | floor ms | floor / step | tokens/s | speed-up vs bf16 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    base = rows[0][2]
-    for weights, nbytes, s in rows:
-        floor = f"{nbytes / copy * 1e3:.2f} | {nbytes / copy / s:.0%}" if copy else "— | —"
-        lines.append(f"| {weights} | {nbytes / 1e6:,.1f} | {s * 1e3:.2f} | {floor} | {1 / s:,.0f} | {base / s:.2f}x |")
-    return lines
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description="GPU kernel and decode-step timings -> docs/kernels.md")
-    ap.add_argument("--tiny", action="store_true", help="only the decode step, tiny model on CPU (no docs written)")
-    if ap.parse_args().tiny:
-        print("\n".join(decode_lines(decode_step_rows(tiny=True), None, "tiny model (2 layers, hidden 256) on CPU")))
-        return
+    ap.parse_args()
     assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA device (or --tiny)"
     copy = copy_bandwidth()
     lines = [
@@ -265,12 +152,6 @@ def main() -> None:
     ]
     for m, name, bf16, fp8, speedup in fp8_linear_rows():
         lines.append(f"| {m} | {name} | {bf16:,.1f} | {fp8:,.1f} | {speedup:.2f}x |")
-    write_section(DOC, "gpu", "\n".join(lines))  # now: a decode bench that fails or times out keeps these
-    try:
-        lines += decode_lines(decode_step_rows(), copy, "Llama-3-8B shape (32 layers, vocab 128256)")
-    except Exception as e:  # noqa: BLE001 - report it in the doc, keep the kernel tables
-        traceback.print_exc()
-        lines += ["", f"Decode step bench failed: `{type(e).__name__}: {e}`"]
     md = "\n".join(lines)
     write_section(DOC, "gpu", md)
     print(md)

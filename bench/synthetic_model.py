@@ -25,11 +25,15 @@ TINY = dict(
 )
 
 
-def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30) -> list[Path]:
-    """Random bf16 weights, HF names, sharded about every `shard_bytes`; returns the shard paths."""
+def write_model(
+    out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30, std: float = 0.02, dtype: str = "bfloat16"
+) -> list[Path]:
+    """Random weights (normal, `std`) in `dtype`, HF names, sharded about every `shard_bytes`; returns the shard
+    paths. `shape` may also set rope_theta, max_position_embeddings, tie_word_embeddings."""
     import torch
     from safetensors.torch import save_file
 
+    out.mkdir(parents=True, exist_ok=True)
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     d = h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
@@ -59,14 +63,17 @@ def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30)
         shards.append(out / name)
         cur, cur_bytes = {}, 0
 
+    dt = getattr(torch, dtype)
     for name, shp in tensors:
-        t = torch.empty(shp, dtype=torch.bfloat16, device=device)
+        if name == "lm_head.weight" and shape.get("tie_word_embeddings"):
+            continue
+        t = torch.empty(shp, dtype=dt, device=device)
         if name.endswith("norm.weight"):
             t.fill_(1.0)
         else:
-            t.normal_(0, 0.02, generator=gen)
+            t.normal_(0, std, generator=gen)
         cur[name] = t.cpu()
-        cur_bytes += t.numel() * 2
+        cur_bytes += t.numel() * t.element_size()
         if cur_bytes >= shard_bytes:
             flush()
     if cur:
@@ -86,7 +93,7 @@ def write_model(out: Path, shape: dict, device: str, shard_bytes: int = 2 << 30)
             {
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
-                "torch_dtype": "bfloat16",
+                "torch_dtype": dtype,
                 "hidden_act": "silu",
                 "max_position_embeddings": 8192,
                 "rms_norm_eps": 1e-5,

@@ -51,6 +51,8 @@ class EngineConfig:
     quantization: str | None = None  # None | fp8: W8A8 linear layers, quantized per channel at load
     kv_cache_dtype: str = "auto"  # auto: the model dtype | fp8 (e4m3, per-layer scales; half the bytes)
     kernel_backend: str = "auto"  # auto: Triton kernels on CUDA, torch references on CPU | torch | triton
+    # CUDA graphs for decode steps (engine/cuda_graphs.py) are off until a GPU check shows them equal and faster
+    enforce_eager: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's choice
     log_stats_interval: float = 5.0  # seconds between status lines while busy; 0 disables
     enable_prefix_caching: bool = True  # full KV blocks keyed by hash(parent, tokens, adapter); reused across requests

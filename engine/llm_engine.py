@@ -10,6 +10,7 @@ import torch
 from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cuda_graphs import cuda_graph_factory
 from engine.device import check_fp8_support, model_dtype
 from engine.errors import InvalidRequestError
 from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
@@ -40,6 +41,12 @@ class LLMEngine:
         )
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches on the current device, not the tensors'
+        # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
+        self.kernel_backend = (
+            cfg.kernel_backend
+            if cfg.kernel_backend != "auto"
+            else ("triton" if self.device.type == "cuda" else "torch")
+        )
         tl.mark("engine setup")
         self._resolve_model()
         if self.device.type == "cuda":  # configs read, nothing loaded yet
@@ -60,16 +67,20 @@ class LLMEngine:
             self.max_model_len = self.memory.max_model_len
         kv = allocate(self.spec, self.memory, self.kv_dtype, self.device)
         tl.mark("KV allocation", f"{self.memory.num_blocks} blocks, {self.memory.kv_bytes / 2**20:.0f} MiB")
-        # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
-        self.kernel_backend = (
-            cfg.kernel_backend
-            if cfg.kernel_backend != "auto"
-            else ("triton" if self.device.type == "cuda" else "torch")
-        )
         self.lora = self._build_lora()
         self.runner = ModelRunner(
-            self.model, kv, self._build_attention(), cfg.block_size, self.device, self.kernel_backend, self.lora
+            self.model,
+            kv,
+            self._build_attention(),
+            cfg.block_size,
+            self.device,
+            self.kernel_backend,
+            self.lora,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
+        if self.graphs_enabled:  # captured later, in the idle gaps after ready (capture_next_graph)
+            self.runner.enable_graphs(cuda_graph_factory())
         self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -90,6 +101,38 @@ class LLMEngine:
             else "torch kernels on CPU: nothing to compile",
         )
         self._log_ready(time.perf_counter() - t0)
+
+    @property
+    def graphs_enabled(self) -> bool:
+        """CUDA graphs for decode steps: ENFORCE_EAGER=false, on CUDA, with the Triton kernels."""
+        return not self.cfg.enforce_eager and self.device.type == "cuda" and self.kernel_backend == "triton"
+
+    def capture_next_graph(self) -> int | None:
+        """Capture the next decode bucket's graph (smallest first); None when there is nothing left to capture.
+        A capture that fails turns graphs off (eager steps are always correct) and logs why."""
+        graphs = self.runner.graphs
+        if graphs is None or not graphs.pending:
+            return None
+        t0 = time.perf_counter()
+        try:
+            b = graphs.capture_next()
+        except Exception:
+            log.exception("CUDA graph capture failed; decode steps stay eager")
+            graphs.pending.clear()
+            return None
+        log.info("CUDA graph for decode batch %d captured in %.0f ms", b, 1e3 * (time.perf_counter() - t0))
+        return b
+
+    def capture_graphs(self, batch: int) -> None:
+        """Capture pending buckets, smallest first, until one holds `batch` decodes (or none is left)."""
+        graphs = self.runner.graphs
+        while graphs is not None and graphs.pending and (not graphs.captured or graphs.captured[-1] < batch):
+            if self.capture_next_graph() is None:
+                return
+
+    @property
+    def graphs_pending(self) -> bool:
+        return self.runner.graphs is not None and bool(self.runner.graphs.pending)
 
     # ---- builders (in the order __init__ calls them) ---------------------------------------------
     def _resolve_model(self) -> None:
@@ -126,8 +169,9 @@ class LLMEngine:
                 **kv,
             )
         lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
+        graphs = memory.graph_pool_bytes(spec, cfg.max_num_seqs, self.dtype.itemsize) if self.graphs_enabled else 0
         reserve = memory.activation_reserve(
-            spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora
+            spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora, graph_pool_bytes=graphs
         )
         free, total = torch.cuda.mem_get_info(self.device)
         gpu = dict(total=total, utilization=cfg.gpu_memory_utilization, weights=weights, reserve=reserve, **kv)

@@ -48,6 +48,23 @@ def lora_bytes(spec, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
     return spec.num_layers * max_loras * per_slot * dtype_bytes
 
 
+def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes engine/cuda_graphs.py captures: 1, 2, 4, 8, then steps of 8, and max_num_seqs last."""
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return tuple(small + list(range(16, max_num_seqs, 8)) + [max_num_seqs])
+
+
+def graph_pool_bytes(spec, max_num_seqs: int, dtype_bytes: int) -> int:
+    """The CUDA graph pool: all buckets share it, so it holds one decode step's activations at the largest bucket
+    (the activation_reserve terms at T = max_num_seqs) plus every bucket's output, doubled like the reserve."""
+    b, h, i = max_num_seqs, spec.hidden_size, spec.intermediate_size
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    step = (4 * h + qkv + 3 * i) * b * dtype_bytes + b * (max(h, i) + 4)
+    splits = 32 * b * spec.num_heads * (spec.head_dim + 2) * 4
+    outputs = sum(graph_buckets(max_num_seqs)) * h * dtype_bytes
+    return 2 * (step + splits + outputs)
+
+
 def activation_reserve(
     spec,
     max_num_batched_tokens: int,

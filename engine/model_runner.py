@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 import kernels
-from engine.layers.attention import StepLayout
+from engine.block_table import DeviceBlockTable
+from engine.cuda_graphs import DecodeGraphs
+from engine.layers.attention import StepLayout, TritonAttnMetadata
 from engine.sampler import Sampler
 from engine.types import Request, SchedulerOutput
 
@@ -21,6 +23,8 @@ class ModelRunner:
         device: torch.device,
         kernel_backend: str = "torch",
         lora=None,
+        max_num_seqs: int = 128,
+        max_model_len: int = 2048,
     ):
         self.model = model
         self.kernel_backend = kernel_backend
@@ -28,8 +32,29 @@ class ModelRunner:
         self.attn = attn
         self.block_size = block_size
         self.device = device
+        self.max_num_seqs = max_num_seqs
         self.sampler = Sampler(model.spec.vocab_size, device)
         self.lora = lora  # the engine's LoRAManager when LoRA is enabled
+        # Triton attention reads block tables from a persistent device tensor; the torch backend plans on the host
+        self.block_table = (
+            DeviceBlockTable(max_num_seqs, -(-max_model_len // block_size), device)
+            if kernel_backend == "triton"
+            else None
+        )
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_graphs(self, new_graph) -> DecodeGraphs:
+        """Decode steps may replay CUDA graphs once their buckets are captured (engine/cuda_graphs.py)."""
+        if self.block_table is None:
+            raise ValueError("CUDA graphs need the Triton attention backend")
+        self.graphs = DecodeGraphs(self._forward, self.block_table, self.max_num_seqs, self.device, new_graph)
+        return self.graphs
+
+    def _forward(self, ids, positions, slots, block_tables, seq_lens, query_start_loc) -> torch.Tensor:
+        """The model over one decode step's device tensors (what a graph captures): hidden [B, hidden]."""
+        meta = TritonAttnMetadata(slots, block_tables, seq_lens, query_start_loc, max_query_len=1)
+        with kernels.backend(self.kernel_backend):
+            return self.model(ids, positions, self.kv_caches, self.attn, meta, None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[Request, int], dict[Request, dict]]:
@@ -58,6 +83,25 @@ class ModelRunner:
                 sample_rows.append(qsl[-1] - 1)
                 sample_reqs.append(req)
 
+        uses_lora = any(s >= 0 for s in token_slot)
+        tables = [r.block_ids for r in out.requests]
+        bt = self.block_table.update(tables) if self.block_table is not None else None
+        bucket = self.graphs.bucket(out.num_scheduled_tokens, uses_lora) if self.graphs is not None else None
+        if bucket is not None:
+            hidden = self.graphs.run(bucket, input_ids, positions, slots, seq_lens)  # [n, hidden]
+        else:
+            hidden = self._eager(input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora)
+        if not sample_reqs:
+            return {}, {}
+        with kernels.backend(self.kernel_backend):
+            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]  # decodes: every row
+            logits = self.model.compute_logits(rows)  # [S, vocab] fp32
+        tokens, logprobs = self.sampler(logits, sample_reqs)
+        sampled = dict(zip(sample_reqs, tokens))
+        lps = {r: lp for r, lp in zip(sample_reqs, logprobs) if lp is not None}
+        return sampled, lps
+
+    def _eager(self, input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora) -> torch.Tensor:
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)  # [T]
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)  # [T]
@@ -65,18 +109,12 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
             query_start_loc=qsl,
             seq_lens=seq_lens,
-            block_tables=[r.block_ids for r in out.requests],
+            block_tables=tables,
+            block_table=bt,
         )
         meta = self.attn.build(layout, dev)
         lora = None
-        if any(s >= 0 for s in token_slot):  # a step without adapters pays nothing for LoRA
+        if uses_lora:  # a step without adapters pays nothing for LoRA
             lora = self.lora.delta(torch.tensor(token_slot, dtype=torch.int64).to(dev, non_blocking=True))
         with kernels.backend(self.kernel_backend):
-            hidden = self.model(ids_t, pos_t, self.kv_caches, self.attn, meta, lora)  # [T, hidden]
-            if not sample_reqs:
-                return {}, {}
-            logits = self.model.compute_logits(hidden[sample_rows])  # [S, vocab] fp32
-        tokens, logprobs = self.sampler(logits, sample_reqs)
-        sampled = dict(zip(sample_reqs, tokens))
-        lps = {r: lp for r, lp in zip(sample_reqs, logprobs) if lp is not None}
-        return sampled, lps
+            return self.model(ids_t, pos_t, self.kv_caches, self.attn, meta, lora)  # [T, hidden]

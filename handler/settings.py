@@ -47,6 +47,7 @@ class Settings(BaseModel):
     KV_CACHE_MEMORY: int = Field(default=1 << 30, gt=0)  # bytes of KV pool on CPU
     BLOCK_SIZE: int = 16
     KERNEL_BACKEND: str = "auto"  # auto: Triton on CUDA, torch on CPU | torch | triton
+    ENFORCE_EAGER: bool = True  # false: CUDA graphs for decode steps (worker-vllm's name)
     # job handling (worker-vllm names)
     MAX_CONCURRENCY: int = Field(default=30, ge=1)
     DEFAULT_BATCH_SIZE: int = Field(default=50, ge=1)
@@ -188,6 +189,7 @@ ENGINE_FIELDS = {
     "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
     "KV_CACHE_MEMORY": "kv_cache_memory",
     "KERNEL_BACKEND": "kernel_backend",
+    "ENFORCE_EAGER": "enforce_eager",
     "KV_CACHE_DTYPE": "kv_cache_dtype",
     "QUANTIZATION": "quantization",
     "ENABLE_PREFIX_CACHING": "enable_prefix_caching",

@@ -128,46 +128,19 @@ def tiny_llama(tiny_models) -> Path:
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, top_n: int = 5):
     """HF transformers fp32 greedy, one prompt at a time (no padding). Returns (ids, [per-step top-N])."""
-    from transformers import AutoModelForCausalLM
+    from bench._common import hf_greedy as run
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
-    results = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=2,
-            )
-        new = out.sequences[0, len(ids) :].tolist()
-        tops = []
-        for step_logits in out.logits[: len(new)]:
-            lp = torch.log_softmax(step_logits[0].float(), -1)
-            v, i = lp.topk(top_n)
-            tops.append(dict(zip(i.tolist(), v.tolist())))
-        results.append((new, tops))
-    return results
+    return run(path, prompts, max_new_tokens, top_n)
 
 
 def check_logprobs_close(
     ours: list[int], ours_lp: list[dict], ref: list[int], ref_lp: list[dict], name: str, atol: float = 1e-3
 ) -> None:
-    """vLLM's rule: at the first differing position, each side's token must be in the other's top-N.
-    Where tokens agree, the chosen token's logprob must be close."""
-    for pos, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            assert a in ref_lp[pos] and b in ours_lp[pos], (
-                f"{name}: position {pos}: ours {a} vs ref {b}; not in each other's top-N"
-            )
-            return
-        if b in ref_lp[pos]:
-            assert abs(ours_lp[pos][a] - ref_lp[pos][b]) < atol, (
-                f"{name}: position {pos}: logprob {ours_lp[pos][a]:.5f} vs ref {ref_lp[pos][b]:.5f}"
-            )
+    """vLLM's rule (bench._common.logprobs_mismatch), asserted."""
+    from bench._common import logprobs_mismatch
+
+    why = logprobs_mismatch(ours, ours_lp, ref, ref_lp, atol)
+    assert why is None, f"{name}: {why}"
 
 
 def write_json(path: Path, obj) -> None:

@@ -118,8 +118,10 @@ def test_seed_worked_example_kv_bytes():
 
 def _fake_engine(total: int, free: int, **cfg) -> SimpleNamespace:
     spec = ModelSpec.from_hf(LLAMA31_8B)
+    config = EngineConfig(**cfg)
     return SimpleNamespace(
-        cfg=EngineConfig(**cfg),
+        cfg=config,
+        graphs_enabled=not config.enforce_eager,  # a simulated CUDA device runs the Triton kernels
         spec=spec,
         dtype=torch.bfloat16,
         kv_dtype=torch.bfloat16,
@@ -198,3 +200,13 @@ def test_auto_dtype_reads_both_config_keys():
         assert model_dtype("auto", {key: "float16"}, "cpu") == torch.bfloat16
     assert model_dtype("auto", {"dtype": "bfloat16"}, "cuda") == torch.bfloat16
     assert model_dtype("float32", {"dtype": "float16"}, "cuda") == torch.float32
+
+
+def test_engine_sets_the_graph_pool_aside(monkeypatch):
+    total = 80 * GB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    eager = LLMEngine._plan_memory(_fake_engine(total, total), loaded=False)
+    graphs = LLMEngine._plan_memory(_fake_engine(total, total, enforce_eager=False), loaded=False)
+    pool = memory.graph_pool_bytes(ModelSpec.from_hf(LLAMA31_8B), 128, 2)
+    assert graphs.activation_reserve_bytes - eager.activation_reserve_bytes == pool
+    assert graphs.kv_budget_bytes == eager.kv_budget_bytes - pool

@@ -63,3 +63,20 @@ def test_bad_inputs(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing")]) == 1
     assert "error" in capsys.readouterr().err
     assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("80 GiB") == 80 * 2**30
+
+
+def test_cuda_graphs_pool_is_planned(tmp_path, capsys):
+    """--no-enforce-eager sets the graph pool aside: the reserve grows by it and the KV pool shrinks by as much."""
+    from tests.test_memory import LLAMA31_8B
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    argv = ["--model", str(tmp_path), "--gpu-mem", "80GiB", "--max-model-len", "8192", "--json"]
+    assert main(argv) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-enforce-eager"]) == 0
+    graphs = json.loads(capsys.readouterr().out)
+    assert eager["graph_pool_bytes"] == 0 < graphs["graph_pool_bytes"]
+    grow = graphs["activation_reserve_bytes"] - eager["activation_reserve_bytes"]
+    assert grow == graphs["graph_pool_bytes"]
+    lost = (eager["kv_tokens"] - graphs["kv_tokens"]) * eager["kv_bytes_per_token"]
+    assert 0 <= grow - lost < 16 * eager["kv_bytes_per_token"]  # down to one 16-token block

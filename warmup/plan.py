@@ -43,6 +43,7 @@ def make_plan(
     dtype: str = "bfloat16",
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    enforce_eager: bool = True,
 ) -> dict:
     """The engine's plan for an empty device of `gpu_bytes`: {"fits", "error", and the numbers}."""
     defaults = EngineConfig()
@@ -51,11 +52,13 @@ def make_plan(
     el = _DTYPE_BYTES[dtype]
     w = memory.weight_bytes(spec, el, quantization)
     per_token = memory.kv_bytes_per_token(spec, 1 if kv_cache_dtype.startswith("fp8") else el)
-    reserve = memory.activation_reserve(spec, tokens, seqs, el)
+    graphs = 0 if enforce_eager else memory.graph_pool_bytes(spec, seqs, el)
+    reserve = memory.activation_reserve(spec, tokens, seqs, el, graph_pool_bytes=graphs)
     out = {
         "weight_bytes": w,
         "kv_bytes_per_token": per_token,
         "activation_reserve_bytes": reserve,
+        "graph_pool_bytes": graphs,
         "budget_bytes": int(gpu_bytes * utilization),
         "kv_tokens": 0,
         "max_model_len": max_model_len,
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None, help="also size this many full-length requests")
+    ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false", help="count CUDA graphs' pool")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
     )
     print(json.dumps(plan) if args.json else render(spec, plan, gpu, args.gpu_memory_utilization, args.requests))
     return 0 if plan["fits"] else 1

@@ -28,6 +28,7 @@ class StepLayout:
     query_start_loc: list[int]  # [B+1] token offsets of each sequence in the flat batch
     seq_lens: list[int]  # [B] context length after this step
     block_tables: list[list[int]]  # [B][blocks]
+    block_table: torch.Tensor | None = None  # [B, >= blocks] int32 on the device (DeviceBlockTable), when kept
 
 
 @dataclass
@@ -93,10 +94,13 @@ class TritonAttention(_KVScales):
     def build(self, layout: StepLayout, device) -> TritonAttnMetadata:
         qsl, tables = layout.query_start_loc, layout.block_tables
         nblk = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int32)
+        if layout.block_table is not None:  # only the used width: it sets the split count
+            bt = layout.block_table[:, :nblk]
+        else:
+            bt = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int32).to(device)
         return TritonAttnMetadata(
             slot_mapping=layout.slot_mapping,
-            block_tables=bt.to(device),
+            block_tables=bt,
             seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32).to(device),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),

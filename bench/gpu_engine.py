@@ -1,0 +1,223 @@
+"""The GPU check's engine parts (bench/gpu_check.sh runs each in its own process, under its own timeout):
+
+- `parity`: a model through `LLM` on CUDA, 32 prompts x 32 tokens. fp32 greedy must equal HF transformers run on
+  the same GPU token for token; bf16 must pass vLLM's check_logprobs_close against that reference. The model is the
+  embedded SmolLM2 when this machine has it; the device machine cannot carry it (its 94 MB GGUF is over the 64 MiB
+  a run takes along, and the device reaches no registry), so there it is a random checkpoint of SmolLM2's shape
+  (30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152) written first, with weights large enough that greedy
+  choices are not near-ties.
+- `start`: an engine start at GPU_MEMORY_UTILIZATION=0.9 with a Llama-3-8B-shaped random checkpoint written to
+  local disk (all 32 layers unless --layers): no OOM, the KV pool equals the planner's plan, 64 concurrent requests
+  complete, torch.cuda.max_memory_reserved() stays within the budget. Then the same checkpoint with
+  QUANTIZATION=fp8: weight bytes (planned and measured) and agreement with the bf16 tokens (random weights: the
+  agreement shows the path works, not fp8's quality, which bench/fp8_quality.py measures on SmolLM2).
+
+Each writes its section of docs/gpu.md and appends PASS/FAIL lines to .gpu-results/summary.txt, which the check
+prints last. `--tiny`: the same code on CPU with a 2-layer toy model (CI runs it; writes nothing)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench._common import gpu_summary as summarize
+from bench._common import hf_greedy, logprobs_mismatch, write_section
+from bench.synthetic_model import LLAMA3_8B, TINY, write_model
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "gpu.md"
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    num_hidden_layers=30,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 40))] for _ in range(n)]
+
+
+def parity(tiny: bool, workdir: Path) -> list[str]:
+    from engine import LLM, SamplingParams
+
+    device, n, new = ("cpu", 4, 8) if tiny else ("cuda", 32, 32)
+    path, what = None, ""
+    if not tiny:
+        try:
+            from bench._common import default_model_path
+
+            path, what = default_model_path(), "SmolLM2-135M-Instruct (the embedded default)"
+        except Exception as e:  # noqa: BLE001 - the device machine has no GGUF: use the same shape
+            print(f"embedded SmolLM2 unavailable here ({type(e).__name__}); a random checkpoint of its shape")
+    if path is None:
+        path = workdir / "parity-model"
+        shape = TINY | {"num_hidden_layers": 2} if tiny else SMOLLM2
+        write_model(path, shape, device, std=0.08, dtype="float32")
+        what = "random weights (std 0.08), " + ("2-layer toy" if tiny else "SmolLM2's shape")
+    ps = prompts(n, json.loads((path / "config.json").read_text())["vocab_size"])
+    t = time.perf_counter()
+    ref = hf_greedy(path, ps, new, top_n=5, device=device)
+    hf_s = time.perf_counter() - t
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=5)
+    rows, out = [], []
+    for dtype, atol in (("float32", None), ("bfloat16", None)):
+        llm = LLM(str(path), dtype=dtype, device=device, log_stats_interval=0)
+        t = time.perf_counter()
+        got = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp)]
+        s = time.perf_counter() - t
+        equal = sum(g.token_ids == r[0] for g, r in zip(got, ref))
+        bad = [m for g, r in zip(got, ref) if (m := logprobs_mismatch(g.token_ids, g.logprobs, r[0], r[1], atol))]
+        ok = equal == n if dtype == "float32" else not bad
+        rule = "greedy equal to HF on every prompt" if dtype == "float32" else "check_logprobs_close on every prompt"
+        out.append(summarize(ok, f"parity {dtype}: {equal}/{n} prompts token-equal to HF; {rule}", tiny))
+        rows.append(f"| {dtype} | {equal}/{n} | {len(bad)} | {bad[0] if bad else ''} | {s:.1f} |")
+        del llm
+        gc.collect()
+    md = [
+        "## SmolLM2 through `LLM` on CUDA vs HF transformers on the same GPU",
+        "",
+        f"Model: {what}. {n} prompts of 8-40 random tokens, {new} greedy tokens each; the HF fp32 reference took "
+        f"{hf_s:.1f} s. fp32 must be token-equal; bf16 must pass vLLM's check_logprobs_close (top-5).",
+        "",
+        "| our dtype | token-equal prompts | logprob-rule failures | first failure | our seconds |",
+        "|---|---:|---:|---|---:|",
+        *rows,
+    ]
+    if not tiny:
+        write_section(DOC, "gpu-parity", "\n".join(md), title="# GPU check")
+    print("\n".join(md))
+    return out
+
+
+class _PlanLog(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("memory plan"):
+            self.lines.append(record.getMessage())
+
+
+def start(tiny: bool, workdir: Path, layers: int) -> list[str]:
+    from engine import LLM, SamplingParams, memory
+
+    device = "cpu" if tiny else "cuda"
+    path = workdir / "llama8b"
+    shape = TINY if tiny else LLAMA3_8B | {"num_hidden_layers": layers}
+    t = time.perf_counter()
+    write_model(path, shape, device)
+    write_s = time.perf_counter() - t
+    n, new = (8, 8) if tiny else (64, 32)
+    ps = prompts(n, shape["vocab_size"], seed=1)
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    results, out, tokens = {}, [], {}
+    for quant in (None, "fp8"):
+        log = _PlanLog()
+        logging.getLogger("engine").addHandler(log)
+        logging.getLogger("engine").setLevel(logging.INFO)
+        if not tiny:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        try:
+            llm = LLM(str(path), device=device, gpu_memory_utilization=0.9, quantization=quant, log_stats_interval=0)
+            start_s = time.perf_counter() - t
+            eng = llm.engine
+            weights = (torch.cuda.memory_allocated() - before - eng.memory.kv_bytes) if not tiny else None
+            t = time.perf_counter()
+            got = llm.generate([{"prompt_token_ids": p} for p in ps], sp)
+            gen_s = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - an OOM or a refusal is this part's result
+            out.append(summarize(False, f"start {quant or 'bf16'}: {type(e).__name__}: {str(e)[:300]}", tiny))
+            continue
+        finally:
+            logging.getLogger("engine").removeHandler(log)
+        plan = eng.memory
+        kv_tensor = eng.runner.kv_caches.numel() * eng.runner.kv_caches.element_size()
+        peak = torch.cuda.max_memory_reserved() if not tiny else 0
+        complete = all(len(o.outputs[0].token_ids) == new for o in got)
+        tokens[quant] = [o.outputs[0].token_ids for o in got]
+        ok = complete and kv_tensor == plan.kv_bytes and (tiny or peak <= plan.budget_bytes)
+        results[quant or "bf16"] = dict(
+            start_s=start_s,
+            gen_s=gen_s,
+            plan=plan,
+            planned_weights=memory.weight_bytes(eng.spec, eng.dtype.itemsize, quant),
+            weights=weights,
+            peak=peak,
+            logged=log.lines[-1] if log.lines else "(no plan line: CPU plans from KV_CACHE_MEMORY)",
+        )
+        out.append(
+            summarize(
+                ok,
+                f"start {quant or 'bf16'} at 0.9: KV {plan.kv_tokens} tokens (tensor = plan: "
+                f"{kv_tensor == plan.kv_bytes}), {n} requests complete: {complete}, "
+                f"peak reserved {peak / 2**30:.1f} GiB <= budget "
+                f"{plan.budget_bytes / 2**30:.1f} GiB",
+                tiny,
+            )
+        )
+        del llm, eng, got
+        gc.collect()
+    if None in tokens and "fp8" in tokens:
+        same = sum(a == b for a, b in zip(tokens[None], tokens["fp8"]))
+        first = sum(a[0] == b[0] for a, b in zip(tokens[None], tokens["fp8"]))
+        out.append(
+            summarize(True, f"fp8 vs bf16 (random weights): {same}/{n} sequences equal, {first}/{n} first tokens", tiny)
+        )
+    gib = 2**30
+    rows = [
+        f"| {k} | {r['planned_weights'] / gib:.2f} | {'—' if r['weights'] is None else round(r['weights'] / gib, 2)} | "
+        f"{r['plan'].activation_reserve_bytes / gib:.2f} | {r['plan'].kv_tokens:,} | {r['plan'].max_model_len} | "
+        f"{r['peak'] / gib:.1f} / {r['plan'].budget_bytes / gib:.1f} | {r['start_s']:.1f} | {r['gen_s']:.1f} |"
+        for k, r in results.items()
+    ]
+    md = [
+        "## Engine start at GPU_MEMORY_UTILIZATION=0.9, Llama-3-8B shape",
+        "",
+        f"{layers if not tiny else 2} layers, random bf16 weights written to local disk in {write_s:.0f} s; then "
+        f"{n} concurrent requests of {new} greedy tokens through `LLM.generate`, bf16 weights and then fp8.",
+        "",
+        "| weights | planned GiB | measured GiB | reserve GiB | KV tokens | max_model_len | peak reserved / budget "
+        "GiB | start s | 64 requests s |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        *rows,
+        "",
+        *[f"- {k}: `{r['logged']}`" for k, r in results.items()],
+    ]
+    if not tiny:
+        write_section(DOC, "gpu-start", "\n".join(md), title="# GPU check")
+    print("\n".join(md))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="the GPU check's engine parts -> docs/gpu.md")
+    ap.add_argument("part", choices=["parity", "start"])
+    ap.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model (start)")
+    ap.add_argument("--tiny", action="store_true", help="a toy model on CPU: the same code, for CI")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as d:
+        lines = parity(args.tiny, Path(d)) if args.part == "parity" else start(args.tiny, Path(d), args.layers)
+    if any(line.startswith("FAIL") for line in lines):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The batch's block tables as one persistent device tensor (vLLM's BlockTable), for the Triton attention path and
+the CUDA graphs. Rebuilding a padded tensor from Python lists every step cost O(batch x longest table) ints and
+blocking copies; here each step writes only what changed into a pinned host mirror and sends the batch's rows
+with one non-blocking copy.
+
+A request's `block_ids` list only grows while it runs; preemption replaces it with a new list (BlockManager.free),
+so "same list object as last step in this row" means "its first `filled` entries are already written"."""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeviceBlockTable:
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
+        on_cuda = device.type == "cuda"
+        # [max_rows, max_blocks] int32; on CPU the host mirror is the table itself
+        self.host = torch.zeros((max_rows, max_blocks), dtype=torch.int32, pin_memory=on_cuda)
+        self.table = torch.zeros_like(self.host, device=device) if on_cuda else self.host
+        self._owner: list[list[int] | None] = [None] * max_rows  # the block_ids list each row mirrors
+        self._filled = [0] * max_rows
+        self._copied = torch.cuda.Event() if on_cuda else None
+        self.entries_written = 0  # host entries written so far (tests check the incremental update)
+
+    @property
+    def max_blocks(self) -> int:
+        return self.host.shape[1]
+
+    def update(self, tables: list[list[int]]) -> torch.Tensor:
+        """Mirror `tables` (row i = the batch's i-th sequence) and return the device table's first len(tables) rows,
+        full width: [B, max_blocks] int32. Entries past a row's table are stale; attention never reads them."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy may still read the host rows (a step need not sync)
+        for row, ids in enumerate(tables):
+            start = self._filled[row] if self._owner[row] is ids else 0
+            if start < len(ids):
+                self.host[row, start : len(ids)] = torch.tensor(ids[start:], dtype=torch.int32)
+                self.entries_written += len(ids) - start
+            self._owner[row], self._filled[row] = ids, len(ids)
+        b = len(tables)
+        if self.table is not self.host:
+            self.table[:b].copy_(self.host[:b], non_blocking=True)
+            self._copied.record()
+        return self.table[:b]

@@ -1,0 +1,117 @@
+"""CUDA graphs for decode-only steps. At batch 1 an 8B model's decode step is hundreds of kernel launches, and
+without a graph the GPU waits on Python between them; a graph replays them all with one call.
+
+- What is captured: the model's forward (not the logits or the sampler) for a decode-only step of B sequences,
+  one graph per bucket B in 1, 2, 4, 8, 16, 24, ... max_num_seqs (graph_buckets). A step of n decodes runs the
+  smallest captured bucket >= n, its inputs padded: token 0 at position 0, cache slot -1 (writes nothing) and
+  context length 0 (attention reads nothing).
+- What runs eagerly: a step with a prefill chunk, a step with a LoRA adapter, a step larger than every captured
+  bucket, and everything until its bucket is captured. The Triton attention's metadata lives in device tensors,
+  so only that backend can be captured (the torch backend plans its gathers on the host).
+- When: never on the cold-start path. `capture_next()` captures one bucket, smallest first; AsyncEngine calls it
+  in the step loop's idle gaps after the worker is ready, LLM.generate before its first step.
+- Memory: every bucket's graph shares one pool, sized by memory.graph_pool_bytes in the plan.
+
+The graph object is injected (`new_graph`): CudaGraph on a GPU; the tests pass a stand-in that replays by
+calling the captured function again, so everything here except the real capture runs on CPU."""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from engine.memory import graph_buckets
+
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph over a pool shared by all buckets; replay() returns the captured output tensor."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.graph = self.out = None
+
+    def capture(self, fn):
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA work (an adapter upload) during the capture is not an error
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.out = fn()
+        return self.out
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class ReplayGraph:
+    """The stand-in for CPU tests and benches: capture runs fn once and keeps it, replay runs it again. It reads only
+    the static buffers, as a real graph does, so wrong copies or padding give wrong tokens here too."""
+
+    def capture(self, fn):
+        self.fn = fn
+        return fn()
+
+    def replay(self) -> torch.Tensor:
+        return self.fn()
+
+
+def cuda_graph_factory():
+    pool = torch.cuda.graph_pool_handle()
+    return lambda: CudaGraph(pool)
+
+
+class DecodeGraphs:
+    """Static input buffers, one graph per captured bucket, and the choice of bucket for a step.
+
+    forward(ids, positions, slots, block_tables, seq_lens, query_start_loc) -> hidden [B, hidden] is the model's
+    forward over those tensors (ModelRunner builds it); block_table is the runner's DeviceBlockTable, whose rows
+    the graphs read in place."""
+
+    def __init__(self, forward, block_table, max_num_seqs: int, device: torch.device, new_graph):
+        self.forward, self.block_table, self.new_graph = forward, block_table, new_graph
+        self.pending = list(graph_buckets(max_num_seqs))
+        self.graphs: dict[int, object] = {}
+        self.captured: list[int] = []  # sorted
+        b = max_num_seqs
+        self.inputs = torch.zeros((3, b), dtype=torch.int64, device=device)  # token ids, positions, cache slots
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token per sequence
+        self.replays = 0  # decode steps served by a graph
+
+    def _run(self, b: int) -> torch.Tensor:
+        ids, pos, slots = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b]
+        bt = self.block_table.table[:b]
+        return self.forward(ids, pos, slots, bt, self.seq_lens[:b], self.query_start_loc[: b + 1])
+
+    def capture_next(self) -> int | None:
+        """Capture the smallest pending bucket; returns it, or None when all are captured."""
+        if not self.pending:
+            return None
+        b = self.pending[0]
+        self.inputs[:, :b] = 0
+        self.inputs[2, :b] = -1  # every row is padding: no KV written, none read
+        self.seq_lens[:b] = 0
+        self._run(b)  # eager first: Triton compiles, lazily made buffers come from the normal allocator
+        graph = self.new_graph()
+        graph.capture(lambda: self._run(b))
+        self.graphs[b] = graph
+        bisect.insort(self.captured, b)
+        self.pending.pop(0)
+        return b
+
+    def bucket(self, num_scheduled_tokens: list[int], uses_lora: bool) -> int | None:
+        """The captured bucket a step may replay, or None: it runs eagerly."""
+        n = len(num_scheduled_tokens)
+        if uses_lora or any(t != 1 for t in num_scheduled_tokens):
+            return None
+        i = bisect.bisect_left(self.captured, n)
+        return self.captured[i] if i < len(self.captured) else None
+
+    def run(self, b: int, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int]):
+        """Replay bucket b for n = len(ids) decodes (the block table already holds their rows): hidden [n, hidden]."""
+        n, pad = len(ids), b - len(ids)
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        self.inputs[:, :b].copy_(host, non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        self.replays += 1
+        return self.graphs[b].replay()[:n]

@@ -1,0 +1,190 @@
+"""CUDA graphs for decode steps (engine/cuda_graphs.py), on CPU: the buckets, which steps may replay a graph, the
+padding, the persistent block table, and when capture happens. The real torch.cuda.CUDAGraph runs in
+bench/gpu_check.sh; here a stand-in "graph" replays by calling the captured function again, which reads only the
+static input buffers, so a step whose inputs were not copied in (or were padded wrongly) gives wrong tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import cuda_graphs
+from engine.block_table import DeviceBlockTable
+from engine.cuda_graphs import DecodeGraphs
+from engine.llm import LLM
+from engine.memory import graph_buckets
+
+
+class ReplayGraph(cuda_graphs.ReplayGraph):
+    """The engine's CPU stand-in for CudaGraph, counting what it captures."""
+
+    captured: list = []
+
+    def capture(self, fn):
+        out = super().capture(fn)
+        ReplayGraph.captured.append(out.shape[0])
+        return out
+
+
+def test_buckets():
+    assert graph_buckets(128) == (1, 2, 4, 8) + tuple(range(16, 129, 8))
+    assert graph_buckets(5) == (1, 2, 4, 5)
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(8) == (1, 2, 4, 8)
+    assert graph_buckets(100)[-3:] == (88, 96, 100)
+
+
+def test_which_steps_may_replay():
+    table = DeviceBlockTable(16, 4, torch.device("cpu"))
+    g = DecodeGraphs(lambda *a: a[0].float()[:, None], table, 16, torch.device("cpu"), ReplayGraph)
+    assert g.bucket([1], False) is None  # nothing captured yet: eager
+    assert [g.capture_next() for _ in range(3)] == [1, 2, 4]  # smallest first
+    assert g.bucket([1], False) == 1
+    assert g.bucket([1, 1, 1], False) == 4  # padded up to the next captured bucket
+    assert g.bucket([1] * 5, False) is None  # larger than every captured bucket
+    assert g.bucket([1, 3], False) is None  # a prefill chunk in the step
+    assert g.bucket([1, 1], True) is None  # a LoRA adapter in the step
+    while g.capture_next() is not None:
+        pass
+    assert g.captured == list(graph_buckets(16)) and g.capture_next() is None
+
+
+def test_padding_rows_write_and_read_nothing():
+    """Replaying bucket 4 for 3 decodes: the static buffers hold the 3 rows, then token 0 at position 0, slot -1
+    (cache_write skips it) and context 0 (attention reads nothing) in the pad row."""
+    seen = {}
+
+    def forward(ids, pos, slots, bt, seq_lens, qsl):
+        seen.update(ids=ids.tolist(), pos=pos.tolist(), slots=slots.tolist(), lens=seq_lens.tolist(), qsl=qsl.tolist())
+        return ids.float()[:, None]
+
+    table = DeviceBlockTable(8, 4, torch.device("cpu"))
+    g = DecodeGraphs(forward, table, 8, torch.device("cpu"), ReplayGraph)
+    while g.capture_next() != 4:
+        pass
+    table.update([[3], [5, 6], [7]])
+    out = g.run(4, [11, 12, 13], [4, 20, 2], [52, 98, 114], [5, 21, 3])
+    assert out.tolist() == [[11.0], [12.0], [13.0]]  # only the real rows come back
+    assert seen == dict(
+        ids=[11, 12, 13, 0],
+        pos=[4, 20, 2, 0],
+        slots=[52, 98, 114, -1],
+        lens=[5, 21, 3, 0],
+        qsl=[0, 1, 2, 3, 4],
+    )
+
+
+def test_block_table_writes_only_what_changed():
+    t = DeviceBlockTable(4, 8, torch.device("cpu"))
+    a, b = [1, 2], [3]
+    assert t.update([a, b]).tolist() == [[1, 2, 0, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0]]
+    written = t.entries_written
+    a.append(9)  # a decode step crossed into a new block
+    assert t.update([a, b])[0, :3].tolist() == [1, 2, 9]
+    assert t.entries_written == written + 1  # one new entry, not the whole table
+    out = t.update([b, a])  # the batch order changed: both rows are rewritten (entries past a table are stale)
+    assert out[0, :1].tolist() == [3] and out[1, :3].tolist() == [1, 2, 9]
+    b2 = [7, 8]  # preemption gives the request a new list: its row is rewritten from the start
+    assert t.update([b2, a])[0, :2].tolist() == [7, 8]
+
+
+ENGINE = dict(
+    dtype="float32",
+    kernel_backend="triton",
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    num_kv_blocks=64,
+    max_model_len=64,
+    log_stats_interval=0,
+)
+PROMPTS = [[5, 9, 33, 7, 21, 62, 11], [40, 41], [8, 3, 14, 15, 92, 65, 35, 89, 79]]
+
+
+def test_graph_steps_give_the_eager_tokens(tiny_llama):
+    """Greedy and seeded sampling through graph replays (3 decodes in bucket 4, then 2 in bucket 2 as one finishes,
+    contexts crossing block boundaries of 8) equal the eager engine's, token for token."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True),
+    ]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    eager = LLM(str(tiny_llama), **ENGINE)
+    ref = eager.generate(prompts, params)
+    assert eager.engine.runner.graphs is None
+    graphed = LLM(str(tiny_llama), **ENGINE)
+    graphs = graphed.engine.runner.enable_graphs(ReplayGraph)
+    out = graphed.generate(prompts, params)
+    assert graphs.captured == [1, 2, 4]  # LLM.generate captured what 3 sequences need, first
+    assert graphs.replays >= 8  # every decode step replayed (only the prefill step ran eagerly)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_enforce_eager_and_cpu_never_capture(tiny_llama):
+    llm = LLM(str(tiny_llama), enforce_eager=False, **{**ENGINE, "kernel_backend": "torch"})
+    assert not llm.engine.graphs_enabled and llm.engine.runner.graphs is None  # graphs are CUDA-only
+    assert EngineConfig().enforce_eager  # the default until a GPU check shows graphs equal and faster
+
+
+def test_capture_happens_in_idle_gaps_after_ready(tiny_llama):
+    """AsyncEngine captures nothing during construction, then one bucket per idle gap, smallest first; a request
+    sent meanwhile is served, and once the buckets are in, its decode steps replay graphs."""
+    llm = LLM(str(tiny_llama), **ENGINE)
+    graphs = llm.engine.runner.enable_graphs(ReplayGraph)
+    assert graphs.captured == []  # nothing on the cold-start path
+    ReplayGraph.captured = []
+
+    async def main():
+        eng = AsyncEngine(engine=llm.engine)
+        deadline = time.monotonic() + 120
+        while graphs.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert graphs.captured == list(graph_buckets(8)) == ReplayGraph.captured
+        before = graphs.replays
+        final = None
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        async for o in eng.generate({"prompt_token_ids": PROMPTS[0]}, params):
+            final = o
+        eng.shutdown()
+        assert len(final.outputs[0].token_ids) == 5
+        assert graphs.replays - before == 4  # the prefill step eager, the 4 decodes from the bucket-1 graph
+
+    asyncio.run(main())
+
+
+def test_failed_capture_leaves_eager_steps(tiny_llama):
+    class Broken(ReplayGraph):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    llm = LLM(str(tiny_llama), **ENGINE)
+    graphs = llm.engine.runner.enable_graphs(Broken)
+    assert llm.engine.capture_next_graph() is None and not graphs.pending and not graphs.captured
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("graphs_on", [False, True])
+def test_planner_counts_the_graph_pool(graphs_on):
+    from engine import memory
+    from engine.models.llama import ModelSpec
+    from tests.test_memory import LLAMA31_8B
+
+    LLAMA_8B = ModelSpec.from_hf(LLAMA31_8B)
+
+    reserve = memory.activation_reserve(
+        LLAMA_8B,
+        2048,
+        128,
+        2,
+        graph_pool_bytes=memory.graph_pool_bytes(LLAMA_8B, 128, 2) if graphs_on else 0,
+    )
+    base = memory.activation_reserve(LLAMA_8B, 2048, 128, 2)
+    pool = memory.graph_pool_bytes(LLAMA_8B, 128, 2)
+    assert 0 < pool < base  # a decode step at 128 rows is smaller than a 2048-token prefill step
+    assert reserve == base + (pool if graphs_on else 0)
