@@ -11,8 +11,7 @@ import time
 import pytest
 import torch
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
-from engine import cuda_graphs
+from engine import AsyncEngine, EngineConfig, SamplingParams, cuda_graphs
 from engine.block_table import DeviceBlockTable
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import LLM
