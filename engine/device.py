@@ -38,3 +38,30 @@ def check_fp8_support(cfg: EngineConfig, prequantized: bool, gpu: str, capabilit
             f"H100, H200, B200); this one is {gpu}, capability {capability[0]}.{capability[1]}. Use a "
             f"bf16 checkpoint, unset QUANTIZATION and set KV_CACHE_DTYPE=auto, or pick a newer GPU."
         )
+
+
+DRIVER_FLOOR = 580  # torch's cu130 wheel needs the CUDA 13.0 driver, release 580 or newer
+
+
+def gpu_line(
+    name: str, capability: tuple[int, int], total_bytes: int, cuda: str | None, driver_cuda: int | None
+) -> str:
+    """The start-up log's GPU line. driver_cuda: the CUDA version the driver supports, as the driver API reports it
+    (13000 = 13.0), or None when torch cannot say; an older driver than the build needs is named as the problem."""
+    drv = f"{driver_cuda // 1000}.{driver_cuda % 1000 // 10}" if driver_cuda else "unknown"
+    line = (
+        f"GPU {name}, compute capability {capability[0]}.{capability[1]}, {total_bytes / 2**30:.1f} GiB; torch built "
+        f"for CUDA {cuda}, the driver supports CUDA {drv} (CUDA {cuda} needs driver {DRIVER_FLOOR}+)"
+    )
+    if driver_cuda and cuda and driver_cuda < int(cuda.split(".")[0]) * 1000 + int(cuda.split(".")[1]) * 10:
+        line += f"; THIS DRIVER IS TOO OLD for CUDA {cuda}: update it to {DRIVER_FLOOR}+ or pick another machine"
+    return line
+
+
+def cuda_driver_version() -> int | None:
+    """cudaDriverGetVersion (13000 = 13.0) where this torch build exposes it."""
+    get = getattr(torch._C, "_cuda_getDriverVersion", None)
+    try:
+        return int(get()) if get is not None else None
+    except Exception:  # noqa: BLE001 - only a log line depends on it
+        return None

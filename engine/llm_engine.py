@@ -11,7 +11,7 @@ from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_factory
-from engine.device import check_fp8_support, model_dtype
+from engine.device import check_fp8_support, cuda_driver_version, gpu_line, model_dtype
 from engine.errors import InvalidRequestError
 from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
@@ -51,9 +51,10 @@ class LLMEngine:
         self._resolve_model()
         if self.device.type == "cuda":  # configs read, nothing loaded yet
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            check_fp8_support(
-                cfg, self.spec.prequantized, torch.cuda.get_device_name(idx), torch.cuda.get_device_capability(idx)
-            )
+            props = torch.cuda.get_device_properties(idx)
+            cap = (props.major, props.minor)
+            log.info("%s", gpu_line(props.name, cap, props.total_memory, torch.version.cuda, cuda_driver_version()))
+            check_fp8_support(cfg, self.spec.prequantized, props.name, cap)
         tl.mark("model resolution", str(self.model_path))
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
         self.memory = self._plan_memory(loaded=False)  # refuses what cannot fit, before anything is allocated
@@ -173,6 +174,8 @@ class LLMEngine:
         reserve = memory.activation_reserve(
             spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora, graph_pool_bytes=graphs
         )
+        if loaded:  # blocks freed while loading stay in torch's cache and would count as used
+            torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         gpu = dict(total=total, utilization=cfg.gpu_memory_utilization, weights=weights, reserve=reserve, **kv)
         if loaded:  # the weights are resident: what is in use now is measured

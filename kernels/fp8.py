@@ -202,6 +202,16 @@ def scaled_mm_supported(x: torch.Tensor, n: int, k: int) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
 
 
+def scaled_mm_out_dtype(out_dtype: torch.dtype, capability: tuple[int, int] | None, cuda: str | None) -> torch.dtype:
+    """What _scaled_mm can write for `out_dtype` (torch's ScaledBlas.cpp): cuBLASLt's rowwise path (sm90, CUDA
+    12.9+) writes fp16 as well; CUTLASS's (sm89, sm100+, older CUDA) and the CPU build write only bf16, so there fp16
+    is rounded twice (bf16, then fp16: about 3 mantissa bits lost). `capability` None: not CUDA."""
+    if out_dtype == torch.float16 and capability is not None and capability[0] == 9 and cuda:
+        if tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9):
+            return torch.float16
+    return torch.bfloat16
+
+
 def fp8_gemm_scaled_mm(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -211,17 +221,19 @@ def fp8_gemm_scaled_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """torch._scaled_mm, rowwise: mat1 [M, K] row-major, mat2 [K, N] column-major (wq.t() of a row-major
-    [N, K]), scale_a [M, 1] and scale_b [1, N] fp32. The CUTLASS rowwise kernel (sm89, and sm90 with older
-    cuBLAS) only writes bf16, so the GEMM always outputs bf16 and fuses the bias only when out_dtype is bf16."""
+    [N, K]), scale_a [M, 1] and scale_b [1, N] fp32. The GEMM writes out_dtype when it can (scaled_mm_out_dtype),
+    else bf16; the bias is fused when the GEMM writes out_dtype itself."""
     _check_operands(xq, x_scale, wq, w_scale, bias)
-    fuse_bias = bias is not None and out_dtype == torch.bfloat16
+    cap = torch.cuda.get_device_capability(xq.device) if xq.is_cuda else None
+    gemm_dtype = scaled_mm_out_dtype(out_dtype, cap, torch.version.cuda)
+    fuse_bias = bias is not None and out_dtype == gemm_dtype
     out = torch._scaled_mm(
         xq,
         wq.t(),
         scale_a=x_scale,
         scale_b=w_scale.t(),
-        bias=bias.to(torch.bfloat16) if fuse_bias else None,
-        out_dtype=torch.bfloat16,
+        bias=bias.to(gemm_dtype) if fuse_bias else None,
+        out_dtype=gemm_dtype,
     )
     if bias is not None and not fuse_bias:
         return (out.float() + bias.float()).to(out_dtype)

@@ -25,8 +25,18 @@ def test_fp8_weights_half_the_bytes_and_close_outputs(smollm2_path, tmp_path):
     assert layer.qkv.dtype == torch.float8_e4m3fn and layer.fp8_scales["qkv"].shape == (layer.qkv.shape[0], 1)
     assert fp8.engine.model.embed.dtype == torch.bfloat16  # embeddings, lm_head and norms stay 16-bit
     assert _linear_bytes(fp8) * 2 == _linear_bytes(base)  # measured from the tensors, not computed
-    # layer by layer: never more than one layer's 16-bit weights alive at once while loading
-    assert fp8.engine.model.max_unquantized_layers <= 2
+    # [gpu-review] F6: the fp8 model is built with fp8 linears (no 16-bit copy of them ever exists), and quantizing
+    # each streamed q/k/v, gate/up slice alone gives exactly the bytes of quantizing the fused 16-bit weight
+    from engine.models.llama import LlamaForCausalLM
+    from kernels.fp8 import quant_per_channel
+
+    empty = LlamaForCausalLM(fp8.engine.spec, torch.bfloat16, "cpu", 64, quantization="fp8")
+    assert all(getattr(x, n).dtype == torch.float8_e4m3fn for x in empty.layers for n in x.LINEARS)
+    for i in (0, 7):
+        for n in layer.LINEARS:
+            wq, scale = quant_per_channel(getattr(base.engine.model.layers[i], n))
+            assert torch.equal(getattr(fp8.engine.model.layers[i], n).view(torch.uint8), wq.view(torch.uint8)), n
+            assert torch.equal(fp8.engine.model.layers[i].fp8_scales[n], scale), n
 
     ref, got = _first_step(base), _first_step(fp8)
     gap = _gap(got, ref)

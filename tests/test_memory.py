@@ -210,3 +210,16 @@ def test_engine_sets_the_graph_pool_aside(monkeypatch):
     pool = memory.graph_pool_bytes(ModelSpec.from_hf(LLAMA31_8B), 128, 2)
     assert graphs.activation_reserve_bytes - eager.activation_reserve_bytes == pool
     assert graphs.kv_budget_bytes == eager.kv_budget_bytes - pool
+
+
+def test_gpu_log_line_names_the_driver_floor():
+    """[gpu-review] F3: the start-up line that names the GPU states the driver floor, and says so loudly when the
+    driver is older than the CUDA torch was built for (simulated numbers)."""
+    from engine.device import gpu_line
+
+    ok = gpu_line("NVIDIA H200", (9, 0), 141 * GB, "13.0", 13000)
+    assert "NVIDIA H200, compute capability 9.0, 131.3 GiB" in ok and "needs driver 580+" in ok
+    assert "TOO OLD" not in ok and "supports CUDA 13.0" in ok
+    old = gpu_line("NVIDIA A10", (8, 6), 24 * GB, "13.0", 12040)
+    assert "supports CUDA 12.4" in old and "TOO OLD for CUDA 13.0" in old
+    assert "supports CUDA unknown" in gpu_line("GPU", (8, 9), GB, "13.0", None)

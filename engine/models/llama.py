@@ -87,11 +87,13 @@ class ModelSpec:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelSpec, dtype, device):
+    def __init__(self, s: ModelSpec, dtype, device, fp8: bool = False):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        lin = dict(dtype=torch.float8_e4m3fn, device=device) if s.prequantized else kw
+        # fp8 (a quantized checkpoint, or QUANTIZATION=fp8): the linears never exist in 16 bits, so a model that
+        # fits only as fp8 loads; online quantization writes each streamed tensor straight into them
+        lin = dict(dtype=torch.float8_e4m3fn, device=device) if fp8 else kw
         self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, s.hidden_size, **lin), False)
         self.qkv_bias = (
             nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) if s.attention_bias else None
@@ -103,8 +105,8 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
-        self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32, once quantized
-        if s.prequantized:  # filled from the checkpoint's weight_scale tensors
+        self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32 when the linears are fp8
+        if fp8:  # filled from the checkpoint's weight_scale tensors, or by quantizing while loading
             self.fp8_scales = {n: torch.ones(getattr(self, n).shape[0], 1, device=device) for n in self.LINEARS}
 
     LINEARS = ("qkv", "o_proj", "gate_up", "down")
@@ -131,10 +133,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         s = self.spec = spec
         self.quantization = None if spec.prequantized else quantization  # a fp8 checkpoint is already quantized
-        self.max_unquantized_layers = 0  # peak count of 16-bit layers alive while loading (fp8)
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
-        self.layers = nn.ModuleList(DecoderLayer(s, dtype, device) for _ in range(s.num_layers))
+        fp8 = spec.prequantized or quantization == "fp8"
+        self.layers = nn.ModuleList(DecoderLayer(s, dtype, device, fp8) for _ in range(s.num_layers))
         self.norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.lm_head = (
             self.embed if s.tie_word_embeddings else nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
@@ -215,9 +217,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.fp8_scales[parts[2]] = t.to(self.embed.device)
             elif parts[2] in ("k_scale", "v_scale"):
                 self.checkpoint_kv_scales.setdefault(int(parts[1]), {})[parts[2][0]] = float(t)
-            elif t.dtype == torch.float8_e4m3fn:
-                setattr(layer, parts[2], nn.Parameter(t.to(self.embed.device), False))
-            else:
+            else:  # fp8 linears land in the fp8 parameters built for them
                 _copy(getattr(layer, parts[2]), t, name)
 
     def load_weights(self, weights) -> None:
@@ -240,10 +240,6 @@ class LlamaForCausalLM(nn.Module):
             "k_norm": "k_norm",
         }
         seen: set[str] = set()
-        linear_names = {f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
-            f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
-        }
-        pending: dict[int, set[str]] = {}  # layer -> linear weights still to come (fp8 quantizes when empty)
         for name, t in weights:
             if "rotary_emb" in name:
                 continue
@@ -274,26 +270,16 @@ class LlamaForCausalLM(nn.Module):
                 dst.copy_(t.float().reshape(-1, 1).expand_as(dst) if t.numel() == 1 else t.float().reshape(dst.shape))
             elif kind == "input_scale":
                 raise UnsupportedModelError(f"{name}: static activation scales are not supported (dynamic only)")
-            elif proj in fused:
-                attr, off, size = fused[proj]
-                if kind == "bias":
-                    attr = "qkv_bias"
-                _copy(getattr(layer, attr).narrow(0, off, size), t, name)
+            elif proj in fused and kind == "bias":
+                _copy(layer.qkv_bias.narrow(0, *fused[proj][1:]), t, name)
+            elif proj in fused or (proj in plain and kind == "weight" and plain[proj] in layer.LINEARS):
+                attr, off, size = fused[proj] if proj in fused else (plain[proj], 0, None)
+                self._load_linear(layer, attr, off, size, t, name)
             elif proj in plain and kind == "weight":
                 _copy(getattr(layer, plain[proj]), t, name)
             else:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
             seen.add(name)
-            if self.quantization == "fp8" and ".".join(parts[3:]) in linear_names:
-                # Quantize each layer as soon as its linear weights are in: the full 16-bit model never
-                # sits next to the fp8 one (safetensors stream tensor by tensor, layer after layer).
-                i = int(parts[2])
-                todo = pending.setdefault(i, set(linear_names))
-                todo.discard(".".join(parts[3:]))
-                self.max_unquantized_layers = max(self.max_unquantized_layers, len(pending))
-                if not todo:
-                    layer.quantize_fp8()
-                    del pending[i]
         need = {"model.embed_tokens.weight", "model.norm.weight"}
         if not s.tie_word_embeddings:
             need.add("lm_head.weight")
@@ -304,6 +290,20 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(need - seen)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _load_linear(self, layer, attr: str, off: int, size: int | None, t: torch.Tensor, name: str) -> None:
+        """Rows off:off+size of a (fused) linear weight. Online fp8: quantized per output channel as it streams in,
+        in the model dtype first (rows are independent, so this equals quantizing the fused 16-bit weight)."""
+        dst = getattr(layer, attr)
+        dst = dst if size is None else dst.narrow(0, off, size)
+        if self.quantization != "fp8":
+            return _copy(dst, t, name)
+        if dst.shape != t.shape:
+            _copy(dst, t, name)  # raises with the shapes
+        wq, scale = quant_per_channel(t.to(device=dst.device, dtype=self.embed.dtype))
+        dst.copy_(wq)
+        scales = layer.fp8_scales[attr]
+        (scales if size is None else scales.narrow(0, off, size)).copy_(scale)
 
 
 def _check_quantization(qc: dict | None) -> bool:

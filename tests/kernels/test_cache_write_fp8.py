@@ -21,6 +21,7 @@ from kernels.fp8 import (
     quant_per_channel_ref,
     quant_per_token,
     quant_per_token_ref,
+    scaled_mm_out_dtype,
 )
 from tests.kernels.conftest import DEVICE, assert_close, to_device
 
@@ -242,7 +243,7 @@ def _sm89_or_newer() -> bool:
     DEVICE.type == "cuda" and not _sm89_or_newer(),
     reason="torch._scaled_mm with fp8 needs CUDA sm89+ (the CPU build has it too)",
 )
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_scaled_mm_path(out_dtype):
     """The CUDA sm89+ path's torch._scaled_mm call (rowwise scales): the real GPU path on DEVICE=cuda, and on
     CPU, where _scaled_mm also exists. Checks argument layout and the bf16 GEMM output. Its bf16 rounding
@@ -252,12 +253,28 @@ def test_scaled_mm_path(out_dtype):
     xq, x_scale = quant_per_token(x)
     y = fp8_gemm_scaled_mm(xq, x_scale, wq, w_scale, bias, out_dtype)
     assert y.shape == (5, 48) and y.dtype == out_dtype
-    if out_dtype == torch.bfloat16:  # bias fused into the GEMM, one rounding to bf16
-        assert_close(y, fp8_linear_ref(x, wq, w_scale, bias, out_dtype=torch.bfloat16), "scaled_mm vs ref")
-    else:  # bf16 GEMM output, then bias in fp32: within one bf16 step (2^-7 relative) of the product
+    cap = torch.cuda.get_device_capability(y.device) if y.is_cuda else None
+    if out_dtype == scaled_mm_out_dtype(out_dtype, cap, torch.version.cuda):  # the GEMM writes it, bias fused
+        assert_close(y, fp8_linear_ref(x, wq, w_scale, bias, out_dtype=out_dtype), "scaled_mm vs ref")
+    else:  # bf16 GEMM output, then bias in fp32 (and the cast): within one bf16 step (2^-7 relative) + one fp16 step
         acc = fp8_linear_ref(x, wq, w_scale, None, out_dtype=torch.float32)  # [T, N], before the bias
-        err = (y - (acc + bias)).abs()
-        assert torch.all(err <= 2.0**-7 * acc.abs() + 1e-5), f"max excess {(err - 2.0**-7 * acc.abs()).max():.3g}"
+        err = (y.float() - (acc + bias)).abs()
+        bound = 2.0**-7 * acc.abs() + 2.0**-10 * (acc + bias).abs() + 1e-5
+        assert torch.all(err <= bound), f"max excess {(err - bound).max():.3g}"
+
+
+def test_scaled_mm_writes_fp16_where_cublaslt_can():
+    """[gpu-review] F10, with simulated devices: fp16 straight out of the GEMM on sm90 with CUDA 12.9+ (cuBLASLt's
+    rowwise path), bf16 then a cast where only CUTLASS's rowwise kernel runs (sm89, sm100, older CUDA), and on CPU."""
+    f16, bf16 = torch.float16, torch.bfloat16
+    assert scaled_mm_out_dtype(f16, (9, 0), "13.0") == f16
+    assert scaled_mm_out_dtype(f16, (9, 0), "12.9") == f16
+    assert scaled_mm_out_dtype(f16, (9, 0), "12.8") == bf16
+    assert scaled_mm_out_dtype(f16, (8, 9), "13.0") == bf16
+    assert scaled_mm_out_dtype(f16, (10, 0), "13.0") == bf16
+    assert scaled_mm_out_dtype(f16, None, None) == bf16
+    assert scaled_mm_out_dtype(bf16, (8, 9), "13.0") == bf16
+    assert scaled_mm_out_dtype(torch.float32, (9, 0), "13.0") == bf16
 
 
 @pytest.mark.skipif(not _sm89_or_newer(), reason="fp8_linear takes torch._scaled_mm only on CUDA sm89+")
