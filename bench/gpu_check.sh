@@ -4,7 +4,8 @@
 # its own process under its own timeout, all capped by one deadline (BUDGET_S, default 470 s from the start), so a
 # failing or slow part does not hide the others:
 #   1. the kernel tests on the GPU for real (no interpreter; tensors on cuda), file by file;
-#   2. parity: a model through LLM on CUDA vs HF transformers on the same GPU (bench/gpu_engine.py parity);
+#   2. parity: a model through LLM on CUDA vs HF transformers on the same GPU (bench/gpu_engine.py parity), and
+#      how many Triton compiles a 4k-token generation triggers after the warm steps (bench/gpu_engine.py compiles);
 #   3. start: an engine start at GPU_MEMORY_UTILIZATION=0.9 on a Llama-3-8B-shaped checkpoint, 64 requests, then
 #      4. the same with fp8 weights (bench/gpu_engine.py start);
 #   5. decode steps at batch 1, 8, 64, eager vs CUDA graphs, bf16 and fp8 (bench/decode_step.py);
@@ -42,21 +43,23 @@ part() {
   elif [ "$rc" -eq 0 ] && [ "$(wc -l <"$SUM")" -eq "$before" ]; then echo "PASS $name" >>"$SUM"; fi
 }
 # 1. Compiled kernels are kept in the repo's .triton-cache (ignored by git; the device keeps it between calls), so
-# a rerun skips the ~200 cold compiles. Each test file runs under its own timeout inside a 150 s share.
-KT_END=$((SECONDS + 150))
+# a rerun skips the ~200 cold compiles. Each test file runs under its own timeout inside a 120 s share.
+KT_END=$((SECONDS + 120))
 for f in tests/kernels/test_*.py; do
   share=$((KT_END - SECONDS)); [ "$share" -gt 60 ] && share=60
-  if [ "$share" -lt 5 ]; then echo "SKIP $f: the kernel tests' 150 s are used up" >>"$SUM"; continue; fi
+  if [ "$share" -lt 5 ]; then echo "SKIP $f: the kernel tests' 120 s are used up" >>"$SUM"; continue; fi
   out=$(timeout "$(left "$share")" $PY -m pytest -q -x "$f" -p no:cacheprovider 2>&1); rc=$?
   last=$(echo "$out" | tail -n 1)
   if [ "$rc" -eq 0 ]; then echo "PASS $f: $last" >>"$SUM"
   elif [ "$rc" -eq 124 ]; then echo "FAIL $f: timed out after ${share} s" >>"$SUM"
   else echo "FAIL $f: $last" >>"$SUM"; echo "$out" | grep -E "^(FAILED|ERROR|E )" | head -n 8 | tee -a "$RES/kernel-tests.log"; fi
 done
+# in the issue's order of importance: when the deadline nears, the later parts are the ones cut (SKIP lines)
 part parity 60 $PY -m bench.gpu_engine parity
-part start 110 $PY -m bench.gpu_engine start
+part start 150 $PY -m bench.gpu_engine start
 part decode 80 $PY -m bench.decode_step
-part kernel-bench 50 $PY -m bench.kernel_bench
+part compiles 40 $PY -m bench.gpu_engine compiles
+part kernel-bench 40 $PY -m bench.kernel_bench
 T=$(left 200)
 if [ "$T" -ge 90 ]; then
   part coldstart "$T" $PY -m bench.coldstart_gpu --layers 8 --child-timeout $((T - 30))

@@ -6,6 +6,7 @@
   a run takes along, and the device reaches no registry), so there it is a random checkpoint of SmolLM2's shape
   (30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152) written first, with weights large enough that greedy
   choices are not near-ties.
+- `compiles`: how many Triton compiles a 4k-token generation triggers after the idle-gap warm steps (target 0).
 - `start`: an engine start at GPU_MEMORY_UTILIZATION=0.9 with a Llama-3-8B-shaped random checkpoint written to
   local disk (all 32 layers unless --layers): no OOM, the KV pool equals the planner's plan, 64 concurrent requests
   complete, torch.cuda.max_memory_reserved() stays within the budget. Then the same checkpoint with
@@ -136,7 +137,14 @@ def start(tiny: bool, workdir: Path, layers: int) -> list[str]:
             before = torch.cuda.memory_allocated()
         t = time.perf_counter()
         try:
-            llm = LLM(str(path), device=device, gpu_memory_utilization=0.9, quantization=quant, log_stats_interval=0)
+            llm = LLM(
+                str(path),
+                device=device,
+                gpu_memory_utilization=0.9,
+                quantization=quant,
+                log_stats_interval=0,
+                cache_root=str(workdir / "cache"),  # the fp8 snapshot goes to the temporary folder
+            )
             start_s = time.perf_counter() - t
             eng = llm.engine
             weights = (torch.cuda.memory_allocated() - before - eng.memory.kv_bytes) if not tiny else None
@@ -207,14 +215,56 @@ def start(tiny: bool, workdir: Path, layers: int) -> list[str]:
     return out
 
 
+def compiles(tiny: bool, workdir: Path, tokens: int = 4096) -> list[str]:
+    """How many Triton compiles one long generation triggers once the idle-gap warm steps have run: cache entries
+    (one folder per compiled kernel in TRITON_CACHE_DIR) before and after a 4k-token greedy generation."""
+    import os
+
+    from engine import LLM, SamplingParams
+
+    device, tokens = ("cpu", 24) if tiny else ("cuda", tokens)
+    path = workdir / "compiles-model"
+    write_model(path, TINY if tiny else SMOLLM2, device, std=0.08)
+    llm = LLM(str(path), device=device, kernel_backend="triton", log_stats_interval=0, max_model_len=tokens + 64)
+    runner = llm.engine.runner
+    t = time.perf_counter()
+    for shape in runner.warm_shapes():  # what the worker's step loop does in its idle gaps after ready
+        runner.warm(*shape)
+    warm_s = time.perf_counter() - t
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    count = lambda: len(list(cache.iterdir())) if cache.is_dir() else 0  # noqa: E731
+    before = count()
+    t = time.perf_counter()
+    out = llm.generate(
+        {"prompt_token_ids": prompts(1, 1000, seed=2)[0]}, SamplingParams(max_tokens=tokens, ignore_eos=True)
+    )
+    gen_s = time.perf_counter() - t
+    new = count() - before
+    n = len(out[0].outputs[0].token_ids)
+    line = summarize(
+        new == 0 or tiny,
+        f"compiles during a {n}-token generation after the warm steps: {new} (warm steps {warm_s:.1f} s; "
+        f"{1e3 * gen_s / n:.2f} ms per token, eager)",
+        tiny,
+    )
+    if not tiny:
+        md = ["## Compiles while serving", "", line.split(" ", 1)[1] + f". Kernel cache: `{cache}`."]
+        write_section(DOC, "gpu-compiles", "\n".join(md), title="# GPU check")
+    return [line]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="the GPU check's engine parts -> docs/gpu.md")
-    ap.add_argument("part", choices=["parity", "start"])
+    ap.add_argument("part", choices=["parity", "start", "compiles"])
     ap.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model (start)")
     ap.add_argument("--tiny", action="store_true", help="a toy model on CPU: the same code, for CI")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as d:
-        lines = parity(args.tiny, Path(d)) if args.part == "parity" else start(args.tiny, Path(d), args.layers)
+        d = Path(d)
+        if args.part == "parity":
+            lines = parity(args.tiny, d)
+        else:
+            lines = start(args.tiny, d, args.layers) if args.part == "start" else compiles(args.tiny, d)
     if any(line.startswith("FAIL") for line in lines):
         raise SystemExit(1)
 

@@ -144,16 +144,16 @@ class AsyncEngine:
             # Block for work when idle; otherwise just drain what arrived during the last step. When the last
             # step ran nothing (every request waits for an adapter download), wait briefly instead of spinning.
             try:
-                if not eng.has_unfinished():  # idle: capture a pending CUDA graph first, if any (never blocks work)
-                    cmd = self._inbox.get_nowait() if eng.graphs_pending else self._inbox.get()
+                if not eng.has_unfinished():  # idle: kernel warmup and graph captures first, one piece a gap
+                    cmd = self._inbox.get_nowait() if eng.idle.pending else self._inbox.get()
                 elif self._stalled:
                     cmd = self._inbox.get(timeout=0.02)
                 else:
                     cmd = self._inbox.get_nowait()
             except queue.Empty:
                 cmd = None
-                if not eng.has_unfinished() and eng.graphs_pending:
-                    eng.capture_next_graph()
+                if not eng.has_unfinished() and eng.idle.pending:
+                    eng.idle.step()
                     continue
             while cmd is not None:
                 if cmd[0] == "stop":

@@ -1,4 +1,5 @@
-"""The batch's block tables as one persistent device tensor (vLLM's BlockTable), for the Triton attention path and
+"""Host-to-device traffic of a step. `h2d`: lists to a device tensor through pinned memory. `DeviceBlockTable`: the
+batch's block tables as one persistent device tensor (vLLM's BlockTable), for the Triton attention path and
 the CUDA graphs. Rebuilding a padded tensor from Python lists every step cost O(batch x longest table) ints and
 blocking copies; here each step writes only what changed into a pinned host mirror and sends the batch's rows
 with one non-blocking copy.
@@ -9,6 +10,28 @@ so "same list object as last step in this row" means "its first `filled` entries
 from __future__ import annotations
 
 import torch
+
+
+def h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or list of equal-length lists) as a tensor on `device`. On CUDA it is staged in pinned memory
+    (torch's caching host allocator), so the non-blocking copy really is asynchronous: from pageable memory it
+    would be staged synchronously."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def h2d_rows(rows: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Several host lists in ONE copy, returned as views that each start 16-byte aligned: Triton compiles a
+    separate variant for a pointer that is not (a view at an odd offset would cost a compile mid-request)."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    widths = [len(r) + (-len(r)) % per for r in rows]
+    flat = [v for r, w in zip(rows, widths) for v in r + [0] * (w - len(r))]
+    packed, out, at = h2d(flat, dtype, device), [], 0
+    for r, w in zip(rows, widths):
+        out.append(packed[at : at + len(r)])
+        at += w
+    return out
 
 
 class DeviceBlockTable:

@@ -18,10 +18,15 @@ calling the captured function again, so everything here except the real capture 
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 
 import torch
 
+from engine.block_table import h2d
 from engine.memory import graph_buckets
+
+log = logging.getLogger("engine")
 
 
 class CudaGraph:
@@ -73,7 +78,9 @@ class DecodeGraphs:
         self.graphs: dict[int, object] = {}
         self.captured: list[int] = []  # sorted
         b = max_num_seqs
-        self.inputs = torch.zeros((3, b), dtype=torch.int64, device=device)  # token ids, positions, cache slots
+        # token ids, positions, cache slots; rows padded to 16 bytes so each row's pointer is aligned like the
+        # eager path's (Triton specializes on it: another alignment would be another compile)
+        self.inputs = torch.zeros((3, b + b % 2), dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token per sequence
         self.replays = 0  # decode steps served by a graph
@@ -110,8 +117,62 @@ class DecodeGraphs:
     def run(self, b: int, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int]):
         """Replay bucket b for n = len(ids) decodes (the block table already holds their rows): hidden [n, hidden]."""
         n, pad = len(ids), b - len(ids)
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
-        self.inputs[:, :b].copy_(host, non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        dev = self.inputs.device
+        self.inputs[:, :b].copy_(h2d([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], torch.int64, dev))
+        self.seq_lens[:b].copy_(h2d(seq_lens + [0] * pad, torch.int32, dev))
         self.replays += 1
         return self.graphs[b].replay()[:n]
+
+
+class IdleWork:
+    """What the step loop does in its idle gaps after ready, one piece per gap so a request never waits for more
+    than one: compile the Triton variants a step can need (ModelRunner.warm: padding-only steps; CUDA only), then
+    capture the pending CUDA graphs. A failure is logged and ends that kind of work: steps stay correct without it."""
+
+    def __init__(self, runner, warm_kernels: bool):
+        self.runner = runner
+        self.warm_shapes = runner.warm_shapes() if warm_kernels else []
+
+    @property
+    def pending(self) -> bool:
+        graphs = self.runner.graphs
+        return bool(self.warm_shapes) or (graphs is not None and bool(graphs.pending))
+
+    def step(self) -> None:
+        if self.warm_shapes:
+            self._warm()
+        else:
+            self.capture_next_graph()
+
+    def _warm(self) -> None:
+        shape = self.warm_shapes.pop(0)
+        t0 = time.perf_counter()
+        try:
+            self.runner.warm(*shape)
+        except Exception:
+            log.exception("kernel warmup %s failed; kernels compile on first use instead", shape)
+            self.warm_shapes.clear()
+        if not self.warm_shapes:
+            log.info("Triton kernels warm (the last shape took %.0f ms)", 1e3 * (time.perf_counter() - t0))
+
+    def capture_next_graph(self) -> int | None:
+        """Capture the next decode bucket's graph (smallest first); None when there is nothing left to capture."""
+        graphs = self.runner.graphs
+        if graphs is None or not graphs.pending:
+            return None
+        t0 = time.perf_counter()
+        try:
+            b = graphs.capture_next()
+        except Exception:
+            log.exception("CUDA graph capture failed; decode steps stay eager")
+            graphs.pending.clear()
+            return None
+        log.info("CUDA graph for decode batch %d captured in %.0f ms", b, 1e3 * (time.perf_counter() - t0))
+        return b
+
+    def capture_graphs(self, batch: int) -> None:
+        """Capture pending buckets, smallest first, until one holds `batch` decodes (LLM.generate, a batch API)."""
+        graphs = self.runner.graphs
+        while graphs is not None and graphs.pending and (not graphs.captured or graphs.captured[-1] < batch):
+            if self.capture_next_graph() is None:
+                return

@@ -48,7 +48,7 @@ class LLM:
             rid = f"llm-{next(self._ids)}"
             order[rid] = i
             self.engine.add_request(rid, p, sp, prompt_token_ids=tok, lora=lr)
-        self.engine.capture_graphs(sum(sp.n for sp in params))  # a batch API: the graphs it can use, first
+        self.engine.idle.capture_graphs(sum(sp.n for sp in params))  # a batch API: the graphs it can use, first
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             while self.engine.has_unfinished():

@@ -10,7 +10,7 @@ import torch
 from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import cuda_graph_factory
+from engine.cuda_graphs import IdleWork, cuda_graph_factory
 from engine.device import check_fp8_support, cuda_driver_version, gpu_line, model_dtype
 from engine.errors import InvalidRequestError
 from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
@@ -80,8 +80,10 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        if self.graphs_enabled:  # captured later, in the idle gaps after ready (capture_next_graph)
+        if self.graphs_enabled:  # captured later, in the idle gaps after ready
             self.runner.enable_graphs(cuda_graph_factory())
+        # On CUDA the Triton variants a step can need are compiled in the idle gaps after ready, not mid-request
+        self.idle = IdleWork(self.runner, warm_kernels=self.device.type == "cuda")
         self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -94,10 +96,10 @@ class LLMEngine:
         self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
         self.num_generated_tokens = 0
         # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
-        # kernel warmup (Triton compiles on first use, into TRITON_CACHE_DIR, which lives on the volume).
+        # kernel warmup before ready (it runs in the idle gaps after, into TRITON_CACHE_DIR on the volume).
         tl.skip(
             "kernel warmup",
-            "Triton compiles on first use into TRITON_CACHE_DIR"
+            f"after ready, in idle gaps: {len(self.idle.warm_shapes)} padding-only steps compile the Triton variants"
             if self.kernel_backend == "triton"
             else "torch kernels on CPU: nothing to compile",
         )
@@ -107,33 +109,6 @@ class LLMEngine:
     def graphs_enabled(self) -> bool:
         """CUDA graphs for decode steps: ENFORCE_EAGER=false, on CUDA, with the Triton kernels."""
         return not self.cfg.enforce_eager and self.device.type == "cuda" and self.kernel_backend == "triton"
-
-    def capture_next_graph(self) -> int | None:
-        """Capture the next decode bucket's graph (smallest first); None when there is nothing left to capture.
-        A capture that fails turns graphs off (eager steps are always correct) and logs why."""
-        graphs = self.runner.graphs
-        if graphs is None or not graphs.pending:
-            return None
-        t0 = time.perf_counter()
-        try:
-            b = graphs.capture_next()
-        except Exception:
-            log.exception("CUDA graph capture failed; decode steps stay eager")
-            graphs.pending.clear()
-            return None
-        log.info("CUDA graph for decode batch %d captured in %.0f ms", b, 1e3 * (time.perf_counter() - t0))
-        return b
-
-    def capture_graphs(self, batch: int) -> None:
-        """Capture pending buckets, smallest first, until one holds `batch` decodes (or none is left)."""
-        graphs = self.runner.graphs
-        while graphs is not None and graphs.pending and (not graphs.captured or graphs.captured[-1] < batch):
-            if self.capture_next_graph() is None:
-                return
-
-    @property
-    def graphs_pending(self) -> bool:
-        return self.runner.graphs is not None and bool(self.runner.graphs.pending)
 
     # ---- builders (in the order __init__ calls them) ---------------------------------------------
     def _resolve_model(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from engine.block_table import DeviceBlockTable
+from engine.block_table import DeviceBlockTable, h2d, h2d_rows
 from engine.cuda_graphs import DecodeGraphs
 from engine.layers.attention import StepLayout, TritonAttnMetadata
 from engine.sampler import Sampler
@@ -50,11 +50,33 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self._forward, self.block_table, self.max_num_seqs, self.device, new_graph)
         return self.graphs
 
-    def _forward(self, ids, positions, slots, block_tables, seq_lens, query_start_loc) -> torch.Tensor:
-        """The model over one decode step's device tensors (what a graph captures): hidden [B, hidden]."""
-        meta = TritonAttnMetadata(slots, block_tables, seq_lens, query_start_loc, max_query_len=1)
+    def _forward(self, ids, positions, slots, block_tables, seq_lens, query_start_loc, max_query_len=1):
+        """The model over one step's device tensors (a decode step is what a graph captures): hidden [T, hidden]."""
+        meta = TritonAttnMetadata(slots, block_tables, seq_lens, query_start_loc, max_query_len)
         with kernels.backend(self.kernel_backend):
             return self.model(ids, positions, self.kv_caches, self.attn, meta, None)
+
+    def warm_shapes(self) -> list[tuple[int, int, int]]:
+        """(tokens, tokens per sequence, block-table width) of the padding-only steps that compile every Triton
+        variant a step can ask for: tokens 1, 3 and 16 (Triton's int value classes: == 1, other, % 16 == 0), decode
+        and full query tiles, and a narrow and a full-width table (the split count: 1, or more on a GPU)."""
+        if self.block_table is None:
+            return []
+        widths = (1, self.block_table.max_blocks)
+        shapes = [(t, q, w) for q in (1, 4) for t in (1, 3, 16) for w in widths]
+        return [(t, q, w) for t, q, w in shapes if -(-t // q) <= self.max_num_seqs]
+
+    def warm(self, tokens: int, per_seq: int, width: int) -> None:
+        """One padding-only step (cache slot -1, context 0: nothing written or read) and its logits: Triton
+        compiles (or loads from its cache) what this shape needs, off the request path."""
+        dev, b = self.device, -(-tokens // per_seq)
+        zeros = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        qsl = torch.tensor([min(i * per_seq, tokens) for i in range(b + 1)], dtype=torch.int32, device=dev)
+        seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        bt = self.block_table.table[:b, :width]
+        hidden = self._forward(zeros, zeros, zeros - 1, bt, seq_lens, qsl, max_query_len=per_seq)
+        with kernels.backend(self.kernel_backend):
+            self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[Request, int], dict[Request, dict]]:
@@ -94,7 +116,9 @@ class ModelRunner:
         if not sample_reqs:
             return {}, {}
         with kernels.backend(self.kernel_backend):
-            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows]  # decodes: every row
+            rows = (
+                hidden if len(sample_rows) == hidden.shape[0] else hidden[h2d(sample_rows, torch.int64, hidden.device)]
+            )
             logits = self.model.compute_logits(rows)  # [S, vocab] fp32
         tokens, logprobs = self.sampler(logits, sample_reqs)
         sampled = dict(zip(sample_reqs, tokens))
@@ -103,10 +127,9 @@ class ModelRunner:
 
     def _eager(self, input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora) -> torch.Tensor:
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)  # [T]
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)  # [T]
+        ids_t, pos_t, slots_t = h2d_rows([input_ids, positions, slots], torch.int64, dev)  # one copy
         layout = StepLayout(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=slots_t,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             block_tables=tables,
@@ -115,6 +138,6 @@ class ModelRunner:
         meta = self.attn.build(layout, dev)
         lora = None
         if uses_lora:  # a step without adapters pays nothing for LoRA
-            lora = self.lora.delta(torch.tensor(token_slot, dtype=torch.int64).to(dev, non_blocking=True))
+            lora = self.lora.delta(h2d(token_slot, torch.int64, dev))
         with kernels.backend(self.kernel_backend):
             return self.model(ids_t, pos_t, self.kv_caches, self.attn, meta, lora)  # [T, hidden]

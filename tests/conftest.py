@@ -82,7 +82,7 @@ def build_tiny_model(out: Path, arch: str, *, seed: int = 0, init_range: float =
     import transformers
 
     cls_name, extra = TINY_ARCHS[arch]
-    cfg = getattr(transformers, cls_name)(
+    base = dict(
         vocab_size=TINY_VOCAB,
         hidden_size=96,
         intermediate_size=192,
@@ -96,8 +96,8 @@ def build_tiny_model(out: Path, arch: str, *, seed: int = 0, init_range: float =
         eos_token_id=2,
         pad_token_id=2,
         attention_bias=arch == "qwen2",
-        **{**extra, **overrides},
     )
+    cfg = getattr(transformers, cls_name)(**{**base, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if arch == "qwen2":  # random biases, so that a model ignoring them would fail the parity test

@@ -163,7 +163,7 @@ def test_failed_capture_leaves_eager_steps(tiny_llama):
 
     llm = LLM(str(tiny_llama), **ENGINE)
     graphs = llm.engine.runner.enable_graphs(Broken)
-    assert llm.engine.capture_next_graph() is None and not graphs.pending and not graphs.captured
+    assert llm.engine.idle.capture_next_graph() is None and not graphs.pending and not graphs.captured
     out = llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
 
@@ -187,3 +187,24 @@ def test_planner_counts_the_graph_pool(graphs_on):
     pool = memory.graph_pool_bytes(LLAMA_8B, 128, 2)
     assert 0 < pool < base  # a decode step at 128 rows is smaller than a 2048-token prefill step
     assert reserve == base + (pool if graphs_on else 0)
+
+
+def test_idle_work_warms_kernels_then_captures(tiny_llama):
+    """One piece per idle gap: every kernel-warm shape first (a CUDA engine does these; forced here), then the graph
+    buckets smallest first; then nothing is pending."""
+    from engine.cuda_graphs import IdleWork
+
+    llm = LLM(str(tiny_llama), **ENGINE)
+    graphs = llm.engine.runner.enable_graphs(ReplayGraph)
+    idle = IdleWork(llm.engine.runner, warm_kernels=True)
+    shapes = len(idle.warm_shapes)
+    assert shapes > 0 and idle.pending
+    for _ in range(shapes):
+        idle.step()
+    assert not idle.warm_shapes and graphs.captured == []
+    idle.step()
+    assert graphs.captured == [1]
+    while idle.pending:
+        idle.step()
+    assert graphs.captured == list(graph_buckets(8))
+    assert not IdleWork(LLM(str(tiny_llama), **{**ENGINE, "kernel_backend": "torch"}).engine.runner, True).pending

@@ -16,7 +16,8 @@ def test_decode_steps_eager_vs_graphs():
     assert rows[-1]["replays"] > 0 and rows[2]["weight_bytes"] < rows[0]["weight_bytes"]  # fp8 weights are smaller
 
 
-@pytest.mark.parametrize("part", ["parity", "start"])
+@pytest.mark.parametrize("part", ["parity", "start", "compiles"])
 def test_engine_parts(part, tmp_path):
-    lines = gpu_engine.parity(True, tmp_path) if part == "parity" else gpu_engine.start(True, tmp_path, 2)
+    run = dict(parity=gpu_engine.parity, compiles=gpu_engine.compiles, start=lambda t, d: gpu_engine.start(t, d, 2))
+    lines = run[part](True, tmp_path)
     assert lines and all(line.startswith("PASS") for line in lines), lines

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.block_table import h2d, h2d_rows
 from kernels.cache_write import reshape_and_cache
 from kernels.paged_attention import paged_attention
 
@@ -97,12 +98,13 @@ class TritonAttention(_KVScales):
         if layout.block_table is not None:  # only the used width: it sets the split count
             bt = layout.block_table[:, :nblk]
         else:
-            bt = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int32).to(device)
+            bt = h2d([t + [0] * (nblk - len(t)) for t in tables], torch.int32, device)
+        seq_lens, qsl_t = h2d_rows([layout.seq_lens, qsl], torch.int32, device)  # one copy
         return TritonAttnMetadata(
             slot_mapping=layout.slot_mapping,
             block_tables=bt,
-            seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32).to(device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+            seq_lens=seq_lens,
+            query_start_loc=qsl_t,
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
         )
 
