@@ -19,23 +19,12 @@ from pathlib import Path
 import torch
 
 from bench._common import gpu_summary, timed, write_section
+from bench.synthetic_model import LLAMA3_8B, TINY, hf_config
 
 CTX, BS = 1024, 16  # context per sequence; KV block size
 BATCHES = (1, 8, 64)
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "gpu.md"
-LLAMA3_8B = dict(
-    num_layers=32,
-    hidden_size=4096,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=14336,
-    vocab_size=128256,
-)
-TINY = dict(
-    num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512, vocab_size=1024
-)
 
 
 def step_weight_bytes(model) -> int:
@@ -58,18 +47,7 @@ def build(tiny: bool, ctx: int, batches: tuple[int, ...]):
     from engine.types import Request, SamplingParams, SchedulerOutput
 
     dev = torch.device("cpu" if tiny else "cuda")
-    spec = ModelSpec(
-        architecture="LlamaForCausalLM",
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=None,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        eos_token_ids=(),
-        **(TINY if tiny else LLAMA3_8B),
-    )
+    spec = ModelSpec.from_hf(hf_config(TINY if tiny else LLAMA3_8B))
     dtype = torch.float32 if tiny else torch.bfloat16  # the interpreter's bf16 dots are slow and inexact
     model = LlamaForCausalLM(spec, dtype, dev, max_positions=ctx + BS)
     g = torch.Generator(dev).manual_seed(0)

@@ -31,20 +31,17 @@ import torch
 
 from bench._common import gpu_summary as summarize
 from bench._common import hf_greedy, logprobs_mismatch, write_section
-from bench.synthetic_model import LLAMA3_8B, TINY, write_model
+from bench.synthetic_model import LLAMA3_8B, SMOLLM2, TINY, write_model
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "gpu.md"
-SMOLLM2 = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    vocab_size=49152,
-    num_hidden_layers=30,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
+
+
+def report(key: str, md: list[str], tiny: bool) -> None:
+    """Print a part's section; outside --tiny runs also write it into docs/gpu.md."""
+    if not tiny:
+        write_section(DOC, key, "\n".join(md), title="# GPU check")
+    print("\n".join(md))
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -98,9 +95,7 @@ def parity(tiny: bool, workdir: Path) -> list[str]:
         "|---|---:|---:|---|---:|",
         *rows,
     ]
-    if not tiny:
-        write_section(DOC, "gpu-parity", "\n".join(md), title="# GPU check")
-    print("\n".join(md))
+    report("gpu-parity", md, tiny)
     return out
 
 
@@ -209,9 +204,7 @@ def start(tiny: bool, workdir: Path, layers: int) -> list[str]:
         "",
         *[f"- {k}: `{r['logged']}`" for k, r in results.items()],
     ]
-    if not tiny:
-        write_section(DOC, "gpu-start", "\n".join(md), title="# GPU check")
-    print("\n".join(md))
+    report("gpu-start", md, tiny)
     return out
 
 
@@ -247,9 +240,9 @@ def compiles(tiny: bool, workdir: Path, tokens: int = 4096) -> list[str]:
         f"{1e3 * gen_s / n:.2f} ms per token, eager)",
         tiny,
     )
-    if not tiny:
-        md = ["## Compiles while serving", "", line.split(" ", 1)[1] + f". Kernel cache: `{cache}`."]
-        write_section(DOC, "gpu-compiles", "\n".join(md), title="# GPU check")
+    report(
+        "gpu-compiles", ["## Compiles while serving", "", line.split(" ", 1)[1] + f". Kernel cache: `{cache}`."], tiny
+    )
     return [line]
 
 

@@ -15,6 +15,17 @@ LLAMA3_8B = dict(
     vocab_size=128256,
     num_hidden_layers=32,
 )
+# SmolLM2-135M's shape: the GPU check's parity model where the real one cannot be carried
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    num_hidden_layers=30,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
 TINY = dict(
     hidden_size=256,
     intermediate_size=512,
@@ -88,26 +99,27 @@ def write_model(
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
     )
-    (out / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "torch_dtype": dtype,
-                "hidden_act": "silu",
-                "max_position_embeddings": 8192,
-                "rms_norm_eps": 1e-5,
-                "rope_theta": 500000.0,
-                "tie_word_embeddings": False,
-                "attention_bias": False,
-                "bos_token_id": 1,
-                "eos_token_id": 2,
-                **shape,
-            }
-        )
-    )
+    (out / "config.json").write_text(json.dumps(hf_config(shape, dtype)))
     _tokenizer(out)
     return final
+
+
+def hf_config(shape: dict, dtype: str = "bfloat16") -> dict:
+    """The config.json of a Llama of this shape (what ModelSpec.from_hf reads)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": dtype,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **shape,
+    }
 
 
 def _tokenizer(out: Path) -> None:

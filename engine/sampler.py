@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.block_table import h2d
 from engine.types import Request
 
 
@@ -46,7 +47,7 @@ class Sampler:
         rows, lp = logprobs
         n_max = max(reqs[i].params.logprobs for i in rows)
         top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0])
-        sampled = lp.gather(1, torch.tensor([tokens[i] for i in rows])[:, None].to(lp.device, non_blocking=True))
+        sampled = lp.gather(1, h2d([[tokens[i]] for i in rows], torch.int64, lp.device))
         # values, then the sampled token's, then the ids (exact in fp32: vocabularies are far below 2**24)
         host = torch.cat([top_v, sampled, top_i.to(lp.dtype)], 1).cpu().tolist()
         for j, i in enumerate(rows):
@@ -83,14 +84,13 @@ class Sampler:
     def _counts(self, seqs: list[list[int]], dtype) -> torch.Tensor:
         """[len(seqs), vocab] occurrence counts; padding with id `vocab` lands in a dropped extra column."""
         width = max(1, max(len(t) for t in seqs))
-        ids = torch.tensor([t + [self.vocab_size] * (width - len(t)) for t in seqs], dtype=torch.int64)
-        ids = ids.to(self.device, non_blocking=True)
+        ids = h2d([t + [self.vocab_size] * (width - len(t)) for t in seqs], torch.int64, self.device)
         counts = torch.zeros(len(seqs), self.vocab_size + 1, dtype=dtype, device=self.device)
         return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))[:, : self.vocab_size]
 
     def _column(self, values: list[float]) -> torch.Tensor:
-        """[n, 1] fp32 on the device, copied without waiting for the stream."""
-        return torch.tensor(values, dtype=torch.float32)[:, None].to(self.device, non_blocking=True)
+        """[n, 1] fp32 on the device, copied without waiting for the stream (pinned staging)."""
+        return h2d([[v] for v in values], torch.float32, self.device)
 
     def _draw(self, logits, reqs):
         # Which options apply is known on the host: no device round trip to find out
