@@ -94,6 +94,8 @@ class AsyncEngine:
         self.check_params(params)
         if lora is not None:
             self.engine.resolve_lora(lora)  # a bad adapter name or bucket fails here, before queueing
+        if params.structured_outputs is not None:  # wait for the grammar here, not on the step loop
+            await asyncio.wrap_future(self.engine.structured.compile(params.structured_outputs))
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -20,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.output import OutputProcessor
 from engine.scheduler import Scheduler
+from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
 from engine.tokenizer import Tokenizer
 from engine.types import LoRARequest, Request, RequestOutput, SamplingParams
@@ -94,6 +96,8 @@ class LLMEngine:
             can_start=self.lora.can_start if self.lora is not None else None,
         )
         self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
         self.num_generated_tokens = 0
         # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
         # kernel warmup before ready (it runs in the idle gaps after, into TRITON_CACHE_DIR on the volume).
@@ -104,6 +108,19 @@ class LLMEngine:
             else "torch kernels on CPU: nothing to compile",
         )
         self._log_ready(time.perf_counter() - t0)
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """Grammar-constrained decoding (engine/structured.py), made on first use: a worker that never serves a
+        constrained request never builds it."""
+        with self._structured_lock:  # the event loop (compile) and the engine thread (add_request) may race here
+            if self._structured is None:
+                backend = self.tok.backend or self.tok.hf.backend_tokenizer
+                vocab = backend.get_vocab(with_added_tokens=True)
+                eos = list(self.eos_token_ids)
+                self._structured = StructuredOutputs(backend.to_str(), vocab, self.spec.vocab_size, eos)
+                self.runner.structured = self._structured
+        return self._structured
 
     @property
     def graphs_enabled(self) -> bool:
@@ -300,6 +317,8 @@ class LLMEngine:
                 generator=gen,
             )
             seq.cache_key, seq.lora_key = key, lora_key
+            if params.structured_outputs is not None:  # each sequence its own matcher (compiled once, cached)
+                seq.matcher = self.structured.matcher(params.structured_outputs)
             seqs.append(seq)
         self.output.add(request_id, ids, params, seqs)
         for s in seqs:
@@ -329,6 +348,8 @@ class LLMEngine:
         if scheduled.empty:
             return failed
         sampled, logprobs = self.runner.execute(scheduled)
+        if self._structured is not None:
+            self._structured.accept(sampled)
         self.scheduler.update(scheduled, sampled)
         self.num_generated_tokens += len(sampled)
         return failed + self.output.process(sampled, logprobs)
@@ -352,6 +373,8 @@ class LLMEngine:
         """Stop background work (adapter loads); the engine is not used after this."""
         if self.lora is not None:
             self.lora.shutdown()
+        if self._structured is not None:
+            self._structured.shutdown()
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler

@@ -42,6 +42,7 @@ class ModelRunner:
             else None
         )
         self.graphs: DecodeGraphs | None = None
+        self.structured = None  # the engine's StructuredOutputs, once a constrained request has come
 
     def enable_graphs(self, new_graph) -> DecodeGraphs:
         """Decode steps may replay CUDA graphs once their buckets are captured (engine/cuda_graphs.py)."""
@@ -115,11 +116,15 @@ class ModelRunner:
             hidden = self._eager(input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora)
         if not sample_reqs:
             return {}, {}
+        # grammar masks are filled on the host while a GPU still runs the forward pass launched above
+        mask = self.structured.fill(sample_reqs) if self.structured is not None else None
         with kernels.backend(self.kernel_backend):
             rows = (
                 hidden if len(sample_rows) == hidden.shape[0] else hidden[h2d(sample_rows, torch.int64, hidden.device)]
             )
             logits = self.model.compute_logits(rows)  # [S, vocab] fp32
+        if mask is not None:
+            self.structured.apply(logits, mask)
         tokens, logprobs = self.sampler(logits, sample_reqs)
         sampled = dict(zip(sample_reqs, tokens))
         lps = {r: lp for r, lp in zip(sample_reqs, logprobs) if lp is not None}

@@ -132,6 +132,8 @@ class Scheduler:
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return "stop"
+        if req.matcher is not None and req.matcher.is_terminated():  # the grammar is complete and has stopped
+            return "stop"
         if p.max_tokens is not None and num_out >= p.max_tokens:
             return "length"
         if req.num_tokens >= self.max_model_len:

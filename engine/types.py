@@ -10,6 +10,46 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: exactly one constraint. `field` is the request field it came from, so a
+    schema or grammar that does not compile fails its request with an error naming that field."""
+
+    json: str | dict | None = None  # a JSON schema (a dict, or its text)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # EBNF (GBNF), as xgrammar reads it
+    json_object: bool = False  # any JSON object (response_format {"type": "json_object"})
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise InvalidRequestError(
+                f"{self.field}: give exactly one of json, regex, choice, grammar or json_object (got "
+                f"{', '.join(set_) or 'none'})",
+                field=self.field,
+            )
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError(f"{self.field}: choice must be a non-empty list of strings", field=self.field)
+        for k in ("regex", "grammar"):
+            if getattr(self, k) is not None and not isinstance(getattr(self, k), str):
+                raise InvalidRequestError(f"{self.field}: {k} must be a string", field=self.field)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError(f"{self.field}: json must be a JSON schema object", field=self.field)
+
+    @property
+    def key(self) -> tuple:
+        """What a compiled grammar is cached under (the field name is not part of it)."""
+        import json as _json
+
+        schema = _json.dumps(self.json, sort_keys=True) if isinstance(self.json, dict) else self.json
+        return (schema, self.regex, self.choice, self.grammar, self.json_object)
+
+
 @dataclass
 class SamplingParams:
     """vLLM's names and defaults. Validated on construction; errors name the field."""
@@ -31,6 +71,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained decoding (xgrammar)
+    prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (the first has none)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +103,12 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be an integer in [0, 20]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                 "must be an integer in [0, 20]",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
@@ -131,6 +179,10 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Seeded requests carry their own RNG state (a torch.Generator), owned by the sampler.
     generator: Any = None
+    # A structured-output request's xgrammar GrammarMatcher: it has accepted every output token so far
+    matcher: Any = None
+    # Per prompt position, top-N logprobs (None for the first token), when params.prompt_logprobs is set
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Prefix caching (owned by BlockManager). cache_key: the extra keys hashed into every block (the
     # adapter, ...); () = this request neither shares nor registers blocks.
     cache_key: tuple = ()
