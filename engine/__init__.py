@@ -19,7 +19,14 @@ from engine.llm_engine import LLMEngine
 from engine.models.llama import ModelSpec
 from engine.timeline import Timeline
 from engine.tokenizer import Tokenizer, compare_with_transformers
-from engine.types import CompletionOutput, LoRARequest, RequestMetrics, RequestOutput, SamplingParams
+from engine.types import (
+    CompletionOutput,
+    LoRARequest,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "AsyncEngine",
@@ -37,6 +44,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "Timeline",
     "Tokenizer",
     "UnsupportedModelError",

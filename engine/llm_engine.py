@@ -306,6 +306,8 @@ class LLMEngine:
         key = ("lora", lora_key) if lora_key else ("base",)
         if not self.cfg.enable_prefix_caching:
             key = key + ("n", request_id) if params.n > 1 else ()
+        if params.prompt_logprobs is not None:  # every prompt token is computed (cached KV has no logits)
+            key = ()
         seqs = []
         for i in range(params.n):
             gen = torch.Generator(self.device).manual_seed(params.seed + i) if params.seed is not None else None

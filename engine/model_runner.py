@@ -114,6 +114,8 @@ class ModelRunner:
             hidden = self.graphs.run(bucket, input_ids, positions, slots, seq_lens)  # [n, hidden]
         else:
             hidden = self._eager(input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora)
+            if any(r.params.prompt_logprobs is not None for r in out.requests):
+                self._prompt_logprobs(hidden, out, qsl)
         if not sample_reqs:
             return {}, {}
         # grammar masks are filled on the host while a GPU still runs the forward pass launched above
@@ -129,6 +131,32 @@ class ModelRunner:
         sampled = dict(zip(sample_reqs, tokens))
         lps = {r: lp for r, lp in zip(sample_reqs, logprobs) if lp is not None}
         return sampled, lps
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, out: SchedulerOutput, qsl: list[int]) -> None:
+        """For each request that asked: the logprobs of the prompt tokens this chunk predicts (row j of a chunk
+        starting at position s predicts token s + j + 1), appended to req.prompt_logprobs. Positions already
+        there (a preempted request's recomputed prefill) are not done twice."""
+        for i, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            top = req.params.prompt_logprobs
+            if top is None:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]  # nothing predicts the first token
+            start = req.num_computed_tokens
+            first, last = max(start + 1, len(req.prompt_logprobs)), min(start + n, req.num_prompt_tokens - 1)
+            if first > last:
+                continue
+            rows = h2d([qsl[i] + q - 1 - start for q in range(first, last + 1)], torch.int64, hidden.device)
+            targets = req.prompt_token_ids[first : last + 1]
+            with kernels.backend(self.kernel_backend):
+                lp = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)  # [P, vocab] fp32
+            chosen = lp.gather(1, h2d([[t] for t in targets], torch.int64, lp.device))
+            v, idx = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0])
+            host = torch.cat([chosen, v, idx.to(lp.dtype)], 1).cpu().tolist()  # one copy to the host
+            for t, row in zip(targets, host):
+                d = dict(zip(map(int, row[1 + top :]), row[1 : 1 + top]))
+                d.setdefault(t, row[0])
+                req.prompt_logprobs.append(d)
 
     def _eager(self, input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora) -> torch.Tensor:
         dev = self.device

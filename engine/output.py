@@ -105,4 +105,5 @@ class OutputProcessor:
             finished,
             sum(s.num_preemptions for s in group.seqs),
             RequestMetrics.of(group.seqs, time.monotonic()) if finished else None,
+            prompt_logprobs=group.seqs[0].prompt_logprobs,
         )

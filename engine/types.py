@@ -302,3 +302,6 @@ class RequestOutput:
     num_preemptions: int = 0
     metrics: RequestMetrics | None = None  # set on the finished output
     error: Exception | None = None  # the request failed (e.g. its adapter could not be loaded); finished
+    # SamplingParams.prompt_logprobs: per prompt position top-N {token: logprob} and the prompt's own token; the
+    # first position has None (nothing predicts it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from engine import LoRARequest
+from handler.guided import FIELDS as GUIDED_FIELDS
+from handler.guided import structured_params
 from handler.openai_jobs import openai_job
 from handler.pacing import BatchSizer
 from handler.schemas import DEFAULT_MAX_TOKENS, JobError, NativeJob, parse, sampling_params
@@ -21,6 +23,7 @@ async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
     default_max = sp["max_tokens"] is None
     if default_max:
         sp["max_tokens"] = DEFAULT_MAX_TOKENS
+    sp["structured_outputs"] = structured_params({f: sp.pop(f) for f in GUIDED_FIELDS}, "sampling_params")
     params = sampling_params(sp, "sampling_params")
     lora = None
     if job.lora is not None:
@@ -32,7 +35,11 @@ async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
         body = {
             "messages": [m.model_dump(exclude_none=True) for m in job.messages],
             "stream": job.stream,
-            **{k: v for k, v in job.sampling_params.model_dump(exclude_unset=True).items() if k != "logprobs"},
+            **{
+                k: v
+                for k, v in job.sampling_params.model_dump(exclude_unset=True).items()
+                if k not in ("logprobs", "prompt_logprobs")
+            },
         }
         body.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
         async for chunk in openai_job(w, {"openai_route": "/v1/chat/completions", "openai_input": body}, rid, lora):
@@ -47,12 +54,12 @@ async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
     )
     n = params.n
     pending: list[list[str]] = [[] for _ in range(n)]
-    out_tokens, finish, n_input, metrics = 0, [None] * n, 0, None
+    out_tokens, finish, n_input, metrics, prompt_lps = 0, [None] * n, 0, None, None
     cold: list = []
     gen = w.generate(prompt, params, rid, lora, cold)
     async for group in w.paced(gen, sizer) if job.stream else _whole(gen):
         for out in group:
-            n_input, metrics = len(out.prompt_token_ids), out.metrics
+            n_input, metrics, prompt_lps = len(out.prompt_token_ids), out.metrics, out.prompt_logprobs
             for c in out.outputs:
                 if c.delta_text:
                     pending[c.index].append(c.delta_text)
@@ -69,6 +76,8 @@ async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
         }
         if cold:
             final["metrics"]["cold_start"] = cold[0]
+    if params.prompt_logprobs is not None:  # vLLM's: per prompt token {token id: logprob}, the first null
+        final["prompt_logprobs"] = prompt_lps
     final["max_tokens"] = params.max_tokens
     if default_max:
         final["note"] = f"sampling_params.max_tokens not given; used the default {DEFAULT_MAX_TOKENS}"

@@ -61,8 +61,13 @@ def completion_logprobs(
     for tid, d in zip(token_ids, lps):
         s = _token_str(tokenizer, tid)
         tokens.append(s)
-        token_lps.append(d[tid])
-        tops.append({_token_str(tokenizer, t): lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]})
+        if d is None:  # an echoed prompt's first token: nothing predicts it
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(d[tid])
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+            tops.append({_token_str(tokenizer, t): lp for t, lp in top})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -3,11 +3,14 @@ or streamed as SSE events. The response shapes are in openai_compat.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from engine import InvalidRequestError, LoRARequest
 from handler import openai_compat as oa
+from handler.guided import FIELDS as GUIDED_FIELDS
+from handler.guided import structured_params
 from handler.pacing import BatchSizer
 from handler.schemas import ChatCompletionRequest, CompletionRequest, JobError, parse, sampling_params
 
@@ -61,10 +64,19 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
             code=404,
         )
     lora = _adapter(w, req.model) or lora
+    structured = structured_params({f: getattr(req, f) for f in GUIDED_FIELDS}, "openai_input")
     params = sampling_params(
-        {**{f: getattr(req, f) for f in _SAMPLING_FIELDS}, "logprobs": top_n, "max_tokens": max_tokens or 1},
+        {
+            **{f: getattr(req, f) for f in _SAMPLING_FIELDS},
+            "logprobs": top_n,
+            "max_tokens": max_tokens or 1,
+            "structured_outputs": structured,
+            # echo with logprobs: the prompt's own logprobs too (lm-eval-harness's loglikelihood requests)
+            "prompt_logprobs": top_n if route == COMPLETIONS and req.echo and top_n is not None else None,
+        },
         "openai_input",
     )
+    echo = route == COMPLETIONS and req.echo
     prompt, params = w.fit(
         prompt,
         params,
@@ -76,7 +88,7 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
     cold: list = []
     gen = w.generate(prompt, params, rid, lora, cold)
     if req.stream:
-        async for chunk in _stream(w, gen, shapes, req, chat, top_n):
+        async for chunk in _stream(w, gen, shapes, req, chat, top_n, echo):
             yield chunk
         return
     n_in, n_out, choices, cached = 0, 0, [], 0
@@ -86,10 +98,10 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
             cached = out.metrics.cached_prompt_tokens
             for c in out.outputs:
                 n_out += len(c.token_ids)
-                lp = None
-                if top_n is not None and c.logprobs:
+                text, lp = _echoed(w, out, c, top_n) if echo else (c.text, None)
+                if top_n is not None and c.logprobs and not echo:
                     lp = _logprobs(w, chat, c.token_ids, c.logprobs, top_n)
-                choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp})
+                choices.append({"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp})
     full = shapes.full(choices, oa.usage(n_in, n_out, cached))
     if cold:
         full["metrics"] = {"cold_start": cold[0]}  # an extension field; OpenAI clients ignore it
@@ -115,15 +127,26 @@ def _adapter(w: Worker, model: str | None) -> LoRARequest | None:
     return lora
 
 
+def _echoed(w: Worker, out, c, top_n: int | None) -> tuple[str, dict | None]:
+    """/v1/completions with echo: the prompt's text before the completion's, and with logprobs the prompt's tokens
+    first (the first one's logprob null), as OpenAI's legacy API and vLLM give them."""
+    tok, ids = w.engine.tok, out.prompt_token_ids
+    prompt_text = tok.decode(ids, skip_special_tokens=False)
+    if top_n is None:
+        return prompt_text + c.text, None
+    lps = list(out.prompt_logprobs or [None] * len(ids)) + list(c.logprobs or [])
+    return prompt_text + c.text, oa.completion_logprobs(tok, ids + c.token_ids, lps, top_n)
+
+
 def _logprobs(w: Worker, chat: bool, token_ids: list[int], lps: list[dict], top_n: int) -> dict:
     """OpenAI's logprobs object for these tokens (chat or completions shape)."""
     return (oa.chat_logprobs if chat else oa.completion_logprobs)(w.engine.tok, token_ids, lps, top_n)
 
 
-async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n) -> AsyncIterator[str]:
+async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n, echo: bool = False) -> AsyncIterator[str]:
     s = w.settings
     sizer = BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
-    events, n_in, n_out, cached = [], 0, 0, 0
+    events, n_in, n_out, cached, echoed = [], 0, 0, 0, set()
     if chat:
         events += [oa.sse(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
     async for group in w.paced(gen, sizer):
@@ -135,11 +158,19 @@ async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n) -> AsyncIterat
                 n_out += len(c.delta_token_ids)
                 if not (c.delta_text or c.finish_reason or c.delta_token_ids):
                     continue
-                lp = None
+                lp, text = None, c.delta_text
                 if top_n is not None and c.delta_token_ids and c.logprobs:
                     lp = _logprobs(w, chat, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids) :], top_n)
-                if c.delta_text or lp is not None:
-                    events.append(oa.sse(shapes.chunk(c.index, {"content": c.delta_text}, None, lp)))
+                if echo and c.index not in echoed:  # the prompt goes out first, in the choice's first chunk
+                    echoed.add(c.index)
+                    first = dataclasses.replace(c, text="", token_ids=[], logprobs=[])
+                    prompt_text, prompt_lp = _echoed(w, out, first, top_n)
+                    text = prompt_text + text
+                    if prompt_lp is not None and lp is not None:
+                        lp = {k: prompt_lp[k] + lp[k] for k in lp}
+                    lp = lp or prompt_lp
+                if text or lp is not None:
+                    events.append(oa.sse(shapes.chunk(c.index, {"content": text}, None, lp)))
                 if c.finish_reason:
                     events.append(oa.sse(shapes.chunk(c.index, {}, c.finish_reason)))
         if events and not group[-1].finished:

@@ -98,6 +98,14 @@ class NativeSamplingParams(_Strict):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    # structured output (handler/guided.py): at most one of these
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class LoRASpec(_Strict):
@@ -148,6 +156,13 @@ class _OpenAIBase(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output (handler/guided.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI fields we cannot honour: accepted only when absent/null, so a client never gets a silent no-op
     logit_bias: dict[str, float] | None = None
     # OpenAI bookkeeping fields that do not change generation
@@ -170,16 +185,8 @@ class ChatCompletionRequest(_OpenAIBase):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v and v.get("type") not in (None, "text"):
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return v
 
     @field_validator("tools")
     @classmethod
@@ -220,7 +227,7 @@ class CompletionRequest(_OpenAIBase):
             return v[0]
         return v
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("suffix", "best_of")
     @classmethod
     def _unsupported(cls, v, info):
         if v and not (info.field_name == "best_of" and v == 1):
