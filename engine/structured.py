@@ -59,8 +59,8 @@ class StructuredOutputs:
         compiler = self._get_compiler()
         self.compiles += 1
         try:
-            if p.json_object:
-                return compiler.compile_builtin_json_grammar()
+            if p.json_object:  # any JSON object, without free whitespace either
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if p.json is not None:
                 schema = p.json if isinstance(p.json, str) else json.dumps(p.json)
                 return compiler.compile_json_schema(schema, any_whitespace=False)
