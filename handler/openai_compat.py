@@ -99,7 +99,8 @@ class ChatShapes:
             "choices": [
                 {
                     "index": c["index"],
-                    "message": {"role": "assistant", "content": c["text"]},
+                    "message": {"role": "assistant", "content": c["text"]}
+                    | ({"tool_calls": c["tool_calls"]} if c.get("tool_calls") else {}),
                     "logprobs": c.get("logprobs"),
                     "finish_reason": c["finish_reason"],
                 }

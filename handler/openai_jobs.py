@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine import InvalidRequestError, LoRARequest
 from handler import openai_compat as oa
+from handler import tool_calls
 from handler.guided import FIELDS as GUIDED_FIELDS
 from handler.guided import structured_params
 from handler.pacing import BatchSizer
@@ -44,11 +45,16 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
     if route == MODELS:  # the base model, then the adapters configured or used so far
         yield oa.models_list([w.served_name] + w.engine.lora_names())
         return
+    tool_mode = tool_name = tool_grammar = None
     if route == CHAT:
         req = parse(ChatCompletionRequest, body, "openai_input")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tool_mode, tool_name, tool_grammar = tool_calls.plan(req.tools, req.tool_choice, w.settings)
+        template = w.settings.CUSTOM_CHAT_TEMPLATE or w.engine.tok.chat_template
+        messages = tool_calls.history(
+            [m.model_dump(exclude_none=True) for m in req.messages], w.settings.TOOL_CALL_PARSER, str(template or "")
+        )
         prompt = await w.chat_prompt(
-            messages, "openai_input.messages", req.add_generation_prompt, req.chat_template_kwargs
+            messages, "openai_input.messages", req.add_generation_prompt, req.chat_template_kwargs, req.tools
         )
         shapes, max_tokens = oa.ChatShapes(w.served_name), req.max_completion_tokens or req.max_tokens
         top_n = req.top_logprobs or 0 if req.logprobs else None
@@ -65,6 +71,10 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
         )
     lora = _adapter(w, req.model) or lora
     structured = structured_params({f: getattr(req, f) for f in GUIDED_FIELDS}, "openai_input")
+    if tool_grammar is not None:
+        if structured is not None:
+            raise JobError("tool_choice and a structured-output field cannot both constrain", param=structured.field)
+        structured = tool_grammar
     params = sampling_params(
         {
             **{f: getattr(req, f) for f in _SAMPLING_FIELDS},
@@ -87,8 +97,9 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
     chat = route == CHAT
     cold: list = []
     gen = w.generate(prompt, params, rid, lora, cold)
+    tools = (tool_mode, tool_name) if tool_mode else None
     if req.stream:
-        async for chunk in _stream(w, gen, shapes, req, chat, top_n, echo):
+        async for chunk in _stream(w, gen, shapes, req, chat, top_n, echo, tools):
             yield chunk
         return
     n_in, n_out, choices, cached = 0, 0, [], 0
@@ -101,7 +112,14 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
                 text, lp = _echoed(w, out, c, top_n) if echo else (c.text, None)
                 if top_n is not None and c.logprobs and not echo:
                     lp = _logprobs(w, chat, c.token_ids, c.logprobs, top_n)
-                choices.append({"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp})
+                choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp}
+                if tools:  # the whole text through the same parser a stream uses
+                    st = tool_calls.ToolCallStream(*tools)
+                    st.feed(c.text)
+                    st.pending_content()
+                    choice["text"], choice["tool_calls"] = st.message()
+                    choice["finish_reason"] = "tool_calls" if choice["tool_calls"] else c.finish_reason
+                choices.append(choice)
     full = shapes.full(choices, oa.usage(n_in, n_out, cached))
     if cold:
         full["metrics"] = {"cold_start": cold[0]}  # an extension field; OpenAI clients ignore it
@@ -143,10 +161,10 @@ def _logprobs(w: Worker, chat: bool, token_ids: list[int], lps: list[dict], top_
     return (oa.chat_logprobs if chat else oa.completion_logprobs)(w.engine.tok, token_ids, lps, top_n)
 
 
-async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n, echo: bool = False) -> AsyncIterator[str]:
+async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n, echo=False, tools=None) -> AsyncIterator[str]:
     s = w.settings
     sizer = BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
-    events, n_in, n_out, cached, echoed = [], 0, 0, 0, set()
+    events, n_in, n_out, cached, echoed, parsers = [], 0, 0, 0, set(), {}
     if chat:
         events += [oa.sse(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
     async for group in w.paced(gen, sizer):
@@ -169,10 +187,17 @@ async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n, echo: bool = F
                     if prompt_lp is not None and lp is not None:
                         lp = {k: prompt_lp[k] + lp[k] for k in lp}
                     lp = lp or prompt_lp
+                finish = c.finish_reason
+                if tools:  # content and tool-call deltas in OpenAI's chunk shapes
+                    st = parsers.setdefault(c.index, tool_calls.ToolCallStream(*tools))
+                    text, calls = st.feed(text)
+                    text += st.pending_content() if finish else ""
+                    events += [oa.sse(shapes.chunk(c.index, {"tool_calls": [d]})) for d in calls]
+                    finish = "tool_calls" if finish and st.calls else finish
                 if text or lp is not None:
                     events.append(oa.sse(shapes.chunk(c.index, {"content": text}, None, lp)))
-                if c.finish_reason:
-                    events.append(oa.sse(shapes.chunk(c.index, {}, c.finish_reason)))
+                if finish:
+                    events.append(oa.sse(shapes.chunk(c.index, {}, finish)))
         if events and not group[-1].finished:
             yield "".join(events)
             events = []

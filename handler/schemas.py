@@ -60,6 +60,8 @@ class Message(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -185,22 +187,9 @@ class ChatCompletionRequest(_OpenAIBase):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v):
-        if v not in (None, "none", "auto"):  # "required" or a named function: there are no tools to call
-            raise ValueError("tool_choice other than 'none' or 'auto' needs tools, which are not supported")
-        return v
+    tools: list[dict[str, Any]] | None = None  # handler/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod

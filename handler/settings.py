@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
@@ -62,6 +63,9 @@ class Settings(BaseModel):
     KV_CACHE_DTYPE: str = "auto"
     ENABLE_PREFIX_CACHING: bool = True
     # LoRA (worker-vllm's names, plus S3 sources, which worker-vllm lacks)
+    # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
+    ENABLE_AUTO_TOOL_CHOICE: bool = False
+    TOOL_CALL_PARSER: Literal["hermes", "llama3_json"] | None = None
     ENABLE_LORA: bool = False
     MAX_LORAS: int = Field(default=1, ge=1)
     MAX_LORA_RANK: int = Field(default=16, ge=1)

@@ -152,7 +152,12 @@ class Worker:
             self.rp_config["refresh_worker"] = True  # the SDK stops the pod once in-flight jobs report
 
     async def chat_prompt(
-        self, messages: list[dict], param: str, add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        param: str,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """Rendered on a thread: a template that only transformers can render loads its tokenizer on first use,
         which must not stall the other jobs' streams. template_kwargs: the request's chat_template_kwargs."""
@@ -169,6 +174,7 @@ class Worker:
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.settings.CUSTOM_CHAT_TEMPLATE,
+                tools=tools,
                 **kw,
             )
         except Exception as e:  # jinja errors from a template the messages do not fit
@@ -205,7 +211,7 @@ class Worker:
 
 # apply_chat_template's own arguments, which the request sets: a template kwarg cannot override them
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "conversation", "add_generation_prompt", "chat_template", "tokenize"}
+    {"messages", "conversation", "add_generation_prompt", "chat_template", "tokenize", "tools"}
 )
 
 
