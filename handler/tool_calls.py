@@ -30,7 +30,7 @@ def plan(tools: list[dict] | None, tool_choice: Any, settings, where: str = "ope
     "named". Raises JobError naming the field for what cannot be served."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
-            raise JobError(f"tool_choice {tool_choice!r} needs tools", param=f"{where}.tool_choice")
+            raise JobError(f"{where}.tool_choice: {tool_choice!r} needs tools", param=f"{where}.tool_choice")
         return None, None, None
     funcs = {}
     for i, t in enumerate(tools):
@@ -47,8 +47,8 @@ def plan(tools: list[dict] | None, tool_choice: Any, settings, where: str = "ope
         parser = settings.TOOL_CALL_PARSER
         if not (settings.ENABLE_AUTO_TOOL_CHOICE and parser):
             raise JobError(
-                'tool_choice "auto" needs ENABLE_AUTO_TOOL_CHOICE=true and TOOL_CALL_PARSER (hermes or llama3_json) on '
-                'this worker; send tool_choice "required", "none" or a named function instead',
+                f'{where}.tool_choice: "auto" needs ENABLE_AUTO_TOOL_CHOICE=true and TOOL_CALL_PARSER (hermes or '
+                'llama3_json) on this worker; send tool_choice "required", "none" or a named function instead',
                 param=f"{where}.tool_choice",
             )
         return f"auto:{parser}", None, None
@@ -67,7 +67,7 @@ def plan(tools: list[dict] | None, tool_choice: Any, settings, where: str = "ope
         return "required", None, StructuredOutputsParams(json=schema, field=field)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if name not in funcs:
-        raise JobError(f"tool_choice names {name!r}, which is not among the tools {sorted(funcs)}", param=field)
+        raise JobError(f"{field} names {name!r}, which is not among the tools {sorted(funcs)}", param=field)
     return "named", name, StructuredOutputsParams(json=funcs[name], field=field)
 
 
