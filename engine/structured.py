@@ -100,9 +100,9 @@ class StructuredOutputs:
         return xgr.GrammarMatcher(self.compile(p).result())
 
     # ---- each step (the engine thread) ------------------------------------------------------------------
-    def fill(self, reqs: list[Request]) -> torch.Tensor | None:
-        """The token bitmask of each sampling row ([S, ceil(vocab / 32)] int32 on the host; unconstrained rows
-        allow everything), or None when no row is constrained."""
+    def fill(self, reqs: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
+        """The token bitmask of each constrained sampling row ([S, ceil(vocab / 32)] int32 on the host) and those
+        rows, or None when no row is constrained."""
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if not rows:
             return None
@@ -111,14 +111,15 @@ class StructuredOutputs:
         mask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)  # all ones: everything allowed
         for i in rows:
             reqs[i].matcher.fill_next_token_bitmask(mask, i)
-        return mask
+        return mask, rows
 
     @staticmethod
-    def apply(logits: torch.Tensor, mask: torch.Tensor) -> None:
-        """Disallowed tokens' logits become -inf, in place. logits: [S, vocab] fp32."""
+    def apply(logits: torch.Tensor, fill: tuple[torch.Tensor, list[int]]) -> None:
+        """Disallowed tokens' logits become -inf, in place, in the constrained rows only. logits: [S, vocab] fp32."""
         import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True))
+        mask, rows = fill
+        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=rows)
 
     @staticmethod
     def accept(sampled: dict[Request, int]) -> None:
