@@ -274,3 +274,20 @@ def test_s3_down_or_slow_fails_only_that_request(tiny_adapters, tmp_path):
                 eng.shutdown()
     finally:
         slow.close()
+
+
+def test_structured_output_with_adapters(tiny_adapters, tmp_path):
+    """[structured] A constraint holds on adapter rows as on base rows, in one mixed batch."""
+    import re
+
+    from engine import StructuredOutputsParams
+
+    base, paths, _ = tiny_adapters
+    llm = lora_llm(base, paths, tmp_path)
+    sp = SamplingParams(
+        temperature=0.9, seed=5, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,6}\.")
+    )
+    names = [None, "a1", "a2", "a3", "a4"]
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 5, sp, lora=[LoRARequest(n) if n else None for n in names])
+    for o in outs:
+        assert re.fullmatch(r"[a-z]{3,6}\.", o.outputs[0].text), o.outputs[0].text
