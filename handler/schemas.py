@@ -80,7 +80,18 @@ class Message(_Strict):
         return self
 
 
-class NativeSamplingParams(_Strict):
+class _Guided(_Strict):
+    """Structured-output fields (handler/guided.py): at most one of them may be set."""
+
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class NativeSamplingParams(_Guided):
     """vLLM's SamplingParams names (engine validation checks the ranges)."""
 
     n: int = 1
@@ -101,13 +112,6 @@ class NativeSamplingParams(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    # structured output (handler/guided.py): at most one of these
-    structured_outputs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
 
 
 class LoRASpec(_Strict):
@@ -136,7 +140,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _OpenAIBase(_Strict):
+class _OpenAIBase(_Guided):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)  # null: all the room the context leaves
     temperature: float = 1.0
@@ -158,13 +162,6 @@ class _OpenAIBase(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # structured output (handler/guided.py): at most one of these
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     # OpenAI fields we cannot honour: accepted only when absent/null, so a client never gets a silent no-op
     logit_bias: dict[str, float] | None = None
     # OpenAI bookkeeping fields that do not change generation

@@ -4,7 +4,6 @@ and the official `openai` client and `runpod.Endpoint` talk to it unmodified."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 from pathlib import Path
@@ -12,20 +11,18 @@ from pathlib import Path
 import pytest
 import requests
 
-from bench.procs import Emulator
+from bench.procs import Emulator, emulator_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def emu(smollm2_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(
+    env = emulator_env(
         MODEL_NAME=str(smollm2_path),
         DTYPE="float32",
         MAX_CONCURRENCY="8",
         MAX_MODEL_LEN="2048",
-        HF_HUB_OFFLINE="1",
         OPENAI_SERVED_MODEL_NAME_OVERRIDE="smol",
     )
     e = Emulator(env)

@@ -6,7 +6,6 @@ stream deltas, a follow-up turn with the tool's result runs, and /v1/completions
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -14,19 +13,17 @@ import openai
 import pytest
 import requests
 
-from bench.procs import Emulator
+from bench.procs import Emulator, emulator_env
 from tests.test_structured import SCHEMAS
 
 
 @pytest.fixture(scope="module")
 def emu(smollm2_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_")}
-    env.update(
+    env = emulator_env(
         MODEL_NAME=str(smollm2_path),
         DTYPE="float32",  # streams equal whole responses even when batch neighbours differ (bf16 ties can flip)
         MAX_CONCURRENCY="16",
         MAX_MODEL_LEN="2048",
-        HF_HUB_OFFLINE="1",
         OPENAI_SERVED_MODEL_NAME_OVERRIDE="smol",
         ENABLE_AUTO_TOOL_CHOICE="true",
         TOOL_CALL_PARSER="hermes",
