@@ -186,6 +186,7 @@ class LLMEngine:
         attn = (TritonAttention if self.kernel_backend == "triton" else TorchAttention)(
             self.cfg.block_size, self.spec.head_dim**-0.5
         )
+        attn.windows = self.spec.layer_windows  # sliding windows per layer (Mistral, Qwen2 with windows)
         if self.kv_dtype == torch.float8_e4m3fn:
             attn.set_kv_scales(*self._kv_scales())
             self.timeline.mark("fp8 KV scales")

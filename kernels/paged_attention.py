@@ -4,8 +4,9 @@ Layout (engine/layers/attention.py): caches [KVH, num_blocks, block_size, D]; q 
 sequence b owns rows query_start_loc[b]:query_start_loc[b+1] (n tokens), seq_lens[b] = L is its context
 length INCLUDING those tokens, so its query j sits at position L-n+j and attends to positions <= L-n+j
 (bottom-right causal). Head h reads kv head h // (H // KVH) (MHA, GQA, MQA). fp8 (e4m3) caches are
-dequantized on load as x.float() * k_scale / v_scale. Rows of q past query_start_loc[-1] (padding) are left
-unspecified. Design: docs/kernels.md, "Paged attention".
+dequantized on load as x.float() * k_scale / v_scale. Per call (a layer's): `window` W, a query sees positions
+> its own - W (Mistral, Gemma's local layers); `softcap` c, scores become c * tanh(s / c) (Gemma 2). Rows of q
+past query_start_loc[-1] (padding) are left unspecified. Design: docs/kernels.md, "Paged attention".
 """
 
 from __future__ import annotations
@@ -58,22 +59,18 @@ def _paged_attn_kernel(
     block_size,
     stride_qt,
     stride_qh,
-    stride_qd,
     stride_kh,
     stride_kb,
     stride_ks,
-    stride_kd,
-    stride_vh,
-    stride_vb,
-    stride_vs,
-    stride_vd,
     stride_ot,
     stride_oh,
-    stride_od,
     stride_bt,
     num_splits,
+    window,
+    softcap,
     REP: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -103,7 +100,7 @@ def _paged_attn_kernel(
     d_ok = offs_d < head_dim
 
     q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
@@ -112,10 +109,11 @@ def _paged_attn_kernel(
     k_scale = tl.load(k_scale_ptr)
     v_scale = tl.load(v_scale_ptr)
 
-    # KV range of this tile (up to its last query, inclusive), then this split's share of it
+    # KV range of this tile: from its first query's window start to its last query (inclusive); this split's share
     kv_end = first_pos + tl.minimum(n, (local + 1) * BLOCK_Q)
-    chunk = tl.cdiv(kv_end, num_splits)
-    lo = split * chunk
+    kv_lo = tl.maximum(first_pos + local * BLOCK_Q - window + 1, 0)  # window: 2**30 when the layer has none
+    chunk = tl.cdiv(kv_end - kv_lo, num_splits)
+    lo = kv_lo + split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -123,7 +121,7 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_vh
+    v_base = v_ptr + kvh * stride_kh  # K and V caches share their layout
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_ok = pos < hi
@@ -132,12 +130,12 @@ def _paged_attn_kernel(
         in_blk = pos % block_size
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(
-            k_base + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + offs_d[None, :] * stride_kd,
+            k_base + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
         v = tl.load(
-            v_base + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+            v_base + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
@@ -148,7 +146,10 @@ def _paged_attn_kernel(
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         s = s * scale  # [BLOCK_M, BLOCK_N] fp32
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         visible = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row: exp(-inf - 0) = 0, no NaN
@@ -165,7 +166,7 @@ def _paged_attn_kernel(
     if not IS_SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
-            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
@@ -247,6 +248,8 @@ def paged_attention_triton(
     v_scale=None,
     max_query_len=None,
     num_splits=None,
+    window=None,
+    softcap=None,
     *,
     native_dot: bool | None = None,
     block_n: int = 32,
@@ -256,6 +259,7 @@ def paged_attention_triton(
     t, h, d = q.shape
     kvh, _, bs, dk = k_cache.shape
     assert dk == d and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
     assert h % kvh == 0, f"{h} query heads not a multiple of {kvh} kv heads"
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
     b = seq_lens.shape[0]
@@ -298,14 +302,16 @@ def paged_attention_triton(
         h,
         d,
         bs,
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *out.stride(),
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        *out.stride()[:2],
         block_tables.stride(0),
         num_splits,
+        window or 2**30,  # no window: one longer than any context
+        float(softcap or 0.0),
         REP=rep,
         IS_SPLIT=num_splits > 1,
+        HAS_SOFTCAP=bool(softcap),
         NATIVE_DOT=bool(native_dot),
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -341,8 +347,11 @@ def paged_attention_ref(
     v_scale=None,
     max_query_len=None,
     num_splits=None,
+    window=None,
+    softcap=None,
 ) -> torch.Tensor:
-    """Plain torch, one sequence at a time: gather its blocks, dequantize, causal softmax in fp32.
+    """Plain torch, one sequence at a time: gather its blocks, dequantize, causal softmax in fp32; a query sees the
+    `window` latest positions (itself included) when set, and scores are soft-capped (softcap * tanh(s / softcap)).
     max_query_len and num_splits are accepted for signature parity and ignored."""
     t, h, d = q.shape
     kvh, _, bs, _ = k_cache.shape
@@ -362,38 +371,17 @@ def paged_attention_ref(
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [H, ctx, D]
         qi = q[s:e].float().transpose(0, 1)  # [H, n, D]
         scores = qi @ k.transpose(1, 2) * scale  # [H, n, ctx]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - n, ctx, device=q.device)
-        visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [n, ctx]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        visible = (k_pos <= q_pos[:, None]) & (k_pos > q_pos[:, None] - (window or ctx + 1))  # [n, ctx]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[s:e] = (probs @ v).transpose(0, 1).to(q.dtype)  # [n, H, D]
     return out
 
 
-def paged_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    scale,
-    k_scale=None,
-    v_scale=None,
-    max_query_len=None,
-    num_splits=None,
-) -> torch.Tensor:
-    """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc)."""
-    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return fn(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        max_query_len=max_query_len,
-        num_splits=num_splits,
-    )
+def paged_attention(q, *args, **kwargs) -> torch.Tensor:
+    """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc); the
+    arguments are paged_attention_ref's. The Triton kernel for CUDA tensors (or when forced), else the reference."""
+    return (paged_attention_triton if use_triton(q) else paged_attention_ref)(q, *args, **kwargs)

@@ -47,6 +47,8 @@ TINY_ARCHS = {
         ),
     ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    # a window shorter than most prompts: every layer attends to its last 6 positions only
+    "mistral-window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=48)),  # head_dim != hidden/heads
 }

@@ -74,3 +74,16 @@ def test_tiny_architectures_match_hf(tiny_models, arch):
             got = out.outputs[0]
             assert got.token_ids == ref_ids, f"{arch} {setting} prompt {i}"
             check_logprobs_close(got.token_ids, got.logprobs, ref_ids, ref_lp, f"{arch} prompt {i}")
+
+
+def test_the_window_matters(tiny_models):
+    """[models] must-fail: the same windowed checkpoint with its window ignored no longer matches HF, so the
+    parity above shows the window is applied (in prefill chunks and in decodes alike)."""
+    path = tiny_models["mistral-window"]
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate((16, 33, 70))]
+    ref = hf_greedy(path, prompts, 24)
+    llm = LLM(model=str(path), dtype="float32", log_stats_interval=0)
+    assert set(llm.engine.spec.layer_windows) == {6}
+    llm.engine.runner.attn.windows = ()  # full attention instead
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outs] != [r[0] for r in ref]

@@ -11,7 +11,7 @@ per layer. The torch reference here defines correctness and is the CPU fast path
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,16 @@ class _Decodes:
     rows: torch.Tensor  # [G] flat token row of each decode
     blocks: torch.Tensor  # [G * nblk] block ids, row-major, padded with block 0 (masked out)
     mask: torch.Tensor  # [1, G, 1, L] bool (L = nblk * block_size): position < seq_len
+    ctx: torch.Tensor  # [G] seq_len
+    windowed: dict = field(default_factory=dict)  # window -> mask, made by the first layer that has that window
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if not window:
+            return self.mask
+        if window not in self.windowed:  # also: position > seq_len - 1 - window
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = self.mask & (pos > (self.ctx - 1 - window)[:, None])[None, :, None, :]
+        return self.windowed[window]
 
 
 @dataclass
@@ -69,10 +79,15 @@ FP8 = torch.float8_e4m3fn
 
 class _KVScales:
     """Per-layer fp8 KV scales (fp32 [layers] tensors), set by the engine once it knows them; None for a
-    16/32-bit cache."""
+    16/32-bit cache. Per-layer sliding windows (None: full attention) and the logit soft-cap, set by the model."""
 
     k_scales: torch.Tensor | None = None
     v_scales: torch.Tensor | None = None
+    windows: tuple[int | None, ...] = ()
+    softcap: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if layer < len(self.windows) else None
 
     def set_kv_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
         self.k_scales, self.v_scales = k_scales, v_scales
@@ -123,6 +138,8 @@ class TritonAttention(_KVScales):
             k_scale=ks,
             v_scale=vs,
             max_query_len=meta.max_query_len,
+            window=self.window(layer),
+            softcap=self.softcap,
         )
 
 
@@ -152,6 +169,7 @@ class TorchAttention(_KVScales):
                     rows=torch.tensor([qsl[i] for i in idx]).to(device),
                     blocks=blocks.to(device),
                     mask=mask[None, :, None, :].to(device),
+                    ctx=ctx.to(device),
                 )
             )
         prefills = []
@@ -181,23 +199,38 @@ class TorchAttention(_KVScales):
         ks, vs = self._scales(layer)
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
+        window = self.window(layer)
         for g in meta.decodes:
             kg, vg = self._gather(k_cache, v_cache, g.blocks, g.rows.numel(), q.dtype, ks, vs)
-            out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask)
+            out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask_for(window))
         for p in meta.prefills:
             kg, vg = self._gather(k_cache, v_cache, p.blocks, 1, q.dtype, ks, vs)  # [KVH, 1, nblk * bs, D]
             qp = q[p.start : p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
-            o = F.scaled_dot_product_attention(
-                qp,
-                kg[:, :, : p.ctx].transpose(0, 1),
-                vg[:, :, : p.ctx].transpose(0, 1),
-                attn_mask=p.mask,
-                is_causal=p.mask is None,
-                scale=self.scale,
-                enable_gqa=kvh != q.shape[1],
-            )
+            k, v = kg[:, :, : p.ctx].transpose(0, 1), vg[:, :, : p.ctx].transpose(0, 1)  # [1, KVH, ctx, D]
+            mask = p.mask
+            if window:  # bottom-right causal and within the window
+                q_pos = torch.arange(p.ctx - p.num_q, p.ctx, device=q.device)[:, None]
+                k_pos = torch.arange(p.ctx, device=q.device)[None, :]
+                mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+            if self.softcap:  # SDPA has no soft-cap: the same math spelled out
+                o = self._capped(qp, k, v, mask)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qp, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=kvh != q.shape[1]
+                )
             out[p.start : p.start + p.num_q] = o[0].transpose(0, 1)
         return out
+
+    def _capped(self, q, k, v, mask):
+        """Soft-capped attention. q: [1, H, n, D]; k, v: [1, KVH, ctx, D]; mask: [n, ctx] bool or None (causal)."""
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale  # [1, H, n, ctx]
+        s = self.softcap * torch.tanh(s / self.softcap)
+        if mask is None:
+            n, ctx = s.shape[-2:]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        return torch.matmul(s.masked_fill(~mask, float("-inf")).softmax(-1), v.float()).to(q.dtype)
 
     def _decode(self, q, k, v, mask):
         """Grouped-query attention for one query per sequence, as two batched matmuls with an fp32
@@ -208,6 +241,8 @@ class TorchAttention(_KVScales):
         # head h reads kv head h // rep: the rep query heads of a kv head become its query rows
         qg = q.view(n, kvh, h // kvh, d).transpose(0, 1).to(k.dtype)  # [KVH, G, rep, D]
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [KVH, G, rep, L]
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
         probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(n, h, d).to(q.dtype)
 

@@ -41,6 +41,7 @@ class ModelSpec:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     prequantized: bool = False  # linear weights stored as fp8 + scales (compressed-tensors float-quantized)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
 
     def num_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -83,6 +84,7 @@ class ModelSpec:
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=tuple(dict.fromkeys(eos)),
             prequantized=_check_quantization(cfg.get("quantization_config")),
+            layer_windows=_layer_windows(cfg, arch),
         )
 
 
@@ -304,6 +306,23 @@ class LlamaForCausalLM(nn.Module):
         dst.copy_(wq)
         scales = layer.fp8_scales[attr]
         (scales if size is None else scales.narrow(0, off, size)).copy_(scale)
+
+
+def _layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers applies it: `layer_types` ("sliding_attention" layers get
+    `sliding_window`) where the config has them; else Mistral's `sliding_window` on every layer, and Qwen2's
+    `use_sliding_window` from layer `max_window_layers` on."""
+    n, w = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if not w:
+        return (None,) * n
+    if cfg.get("layer_types"):
+        return tuple(w if t == "sliding_attention" else None for t in cfg["layer_types"])
+    if arch == "MistralForCausalLM":
+        return (w,) * n
+    if cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", n)
+        return tuple(w if i >= first else None for i in range(n))
+    return (None,) * n
 
 
 def _check_quantization(qc: dict | None) -> bool:

@@ -165,12 +165,15 @@ def test_check_can_fail():
         )
 
 
-def test_matches_engine_torch_backend():
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 1.5), (6, 2.0)])
+def test_matches_engine_torch_backend(window, softcap):
     """Same mixed batch through engine.layers.attention.TorchAttention (which also writes the cache: the new
-    tokens' k/v are the values already at their slots). No NaN poison here: the engine's decode path
-    multiplies masked probabilities by padded V rows, so it needs finite unused slots."""
+    tokens' k/v are the values already at their slots), with a sliding window and a soft-cap as Gemma's layers
+    set them. No NaN poison here: the engine's decode path multiplies masked probabilities by padded V rows, so
+    it needs finite unused slots."""
     bs, h, kvh, d = 4, 4, 2, 32
-    args = make_batch(MIXED, h=h, kvh=kvh, d=d, bs=bs, poison=False, seed=29)
+    args = make_batch(MIXED + [(1, 19)], h=h, kvh=kvh, d=d, bs=bs, poison=False, seed=29)
+    args["q"] = args["q"] * 4  # scores large enough that the cap clips
     qsl, lens, tables = args["query_start_loc"].tolist(), args["seq_lens"].tolist(), args["block_tables"]
     slots = []
     for i, ctx in enumerate(lens):
@@ -187,9 +190,11 @@ def test_matches_engine_torch_backend():
         block_tables=[tables[i, : -(-ctx // bs)].tolist() for i, ctx in enumerate(lens)],
     )
     attn = TorchAttention(bs, args["scale"])
-    expected = attn.forward(args["q"], k_new, v_new, k_cache, v_cache, attn.build(layout, DEVICE))
+    attn.windows, attn.softcap = (None, window), softcap  # layer 1 has the window
+    expected = attn.forward(args["q"], k_new, v_new, k_cache, v_cache, attn.build(layout, DEVICE), layer=1)
     assert torch.equal(k_cache, args["k_cache"])  # the cache write was a no-op
-    assert_close(paged_attention(**args), expected, "vs engine TorchAttention", **TOL[torch.float32])
+    got = paged_attention(**args, window=window, softcap=softcap)
+    assert_close(got, expected, "vs engine TorchAttention", **TOL[torch.float32])
 
 
 def test_no_scale_tensor_is_built_per_call_for_a_16bit_cache(monkeypatch):
@@ -243,3 +248,45 @@ def test_batch_shapes_share_compiled_variants(monkeypatch):
     reduce = {(k, c) for name, k, c in seen if name == "_reduce_splits_kernel"}
     assert len(attn) == 4, attn  # BLOCK_Q in {1, full} x IS_SPLIT
     assert len(reduce) == 1, reduce
+
+
+def _dense(args, window, softcap):
+    """Attention computed the plainest way, per sequence from its contiguous K/V: the reference's reference."""
+    q, kc, vc, bt = (
+        args["q"].float().cpu(),
+        args["k_cache"].float().cpu(),
+        args["v_cache"].float().cpu(),
+        args["block_tables"].cpu(),
+    )
+    lens, qsl = args["seq_lens"].tolist(), args["query_start_loc"].tolist()
+    kvh, _, bs, d = kc.shape
+    rep, out = q.shape[1] // kvh, torch.zeros_like(q)
+    for i, ctx in enumerate(lens):
+        blocks = bt[i, : -(-ctx // bs)].long()
+        k = kc[:, blocks].reshape(kvh, -1, d)[:, :ctx].repeat_interleave(rep, 0)  # [H, ctx, D]
+        v = vc[:, blocks].reshape(kvh, -1, d)[:, :ctx].repeat_interleave(rep, 0)
+        for j in range(qsl[i], qsl[i + 1]):
+            p = ctx - (qsl[i + 1] - j)  # this query's position
+            s = (q[j][:, None, :] * k).sum(-1) * args["scale"]  # [H, ctx]
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            lo = max(0, p - window + 1) if window else 0
+            s[:, :lo], s[:, p + 1 :] = float("-inf"), float("-inf")
+            out[j] = (s.softmax(-1)[:, :, None] * v).sum(1)
+    return out
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (3, 1.5), (1, None)])
+def test_sliding_window_and_softcap(window, softcap, splits):
+    """[models] Gemma's and Mistral's attention: windows shorter than the contexts (a window of 1: each query sees
+    itself), soft-caps that clip (q scaled up so |scores| >> softcap), with flash-decoding splits over the window."""
+    args = make_batch(MIXED + [(1, 23), (6, 20)], h=4, kvh=2, seed=17)
+    args["q"] = args["q"] * 4
+    kw = dict(window=window, softcap=softcap)
+    ref = paged_attention_ref(**args, **kw)
+    assert_close(ref.cpu(), _dense(args, window, softcap), "reference vs dense")
+    out = paged_attention_triton(**args, **kw, num_splits=splits)
+    assert_close(out, ref, f"window={window} softcap={softcap} splits={splits}")
+    plain = paged_attention_ref(**args)
+    assert (ref - plain).abs().max() > 1e-2  # the window / cap changes the result: the test could fail
