@@ -18,6 +18,7 @@ from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
 from engine.memory import MemoryPlan
 from engine.model_runner import ModelRunner
+from engine.models.gemma import model_class
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.output import OutputProcessor
 from engine.scheduler import Scheduler
@@ -115,10 +116,7 @@ class LLMEngine:
         constrained request never builds it."""
         with self._structured_lock:  # the event loop (compile) and the engine thread (add_request) may race here
             if self._structured is None:
-                backend = self.tok.backend or self.tok.hf.backend_tokenizer
-                vocab = backend.get_vocab(with_added_tokens=True)
-                eos = list(self.eos_token_ids)
-                self._structured = StructuredOutputs(backend.to_str(), vocab, self.spec.vocab_size, eos)
+                self._structured = StructuredOutputs.of(self.tok, self.spec.vocab_size, self.eos_token_ids)
                 self.runner.structured = self._structured
         return self._structured
 
@@ -180,13 +178,15 @@ class LLMEngine:
         return plan
 
     def _build_model(self) -> LlamaForCausalLM:
-        return LlamaForCausalLM(self.spec, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
+        cls = model_class(self.spec)
+        return cls(self.spec, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
 
     def _build_attention(self):
+        spec = self.spec
         attn = (TritonAttention if self.kernel_backend == "triton" else TorchAttention)(
-            self.cfg.block_size, self.spec.head_dim**-0.5
+            self.cfg.block_size, spec.attn_scale or spec.head_dim**-0.5
         )
-        attn.windows = self.spec.layer_windows  # sliding windows per layer (Mistral, Qwen2 with windows)
+        attn.windows, attn.softcap = spec.layer_windows, spec.attn_softcap  # per-layer windows; Gemma 2's cap
         if self.kv_dtype == torch.float8_e4m3fn:
             attn.set_kv_scales(*self._kv_scales())
             self.timeline.mark("fp8 KV scales")

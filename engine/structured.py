@@ -42,6 +42,12 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (not served from the cache)
 
+    @classmethod
+    def of(cls, tok, vocab_size: int, eos_token_ids) -> StructuredOutputs:
+        """For an engine Tokenizer (its Rust tokenizer, or transformers' fast one's backend)."""
+        backend = tok.backend or tok.hf.backend_tokenizer
+        return cls(backend.to_str(), backend.get_vocab(with_added_tokens=True), vocab_size, list(eos_token_ids))
+
     # ---- compile (any thread) --------------------------------------------------------------------------
     def compile(self, p: StructuredOutputsParams) -> Future:
         """The compiled grammar of `p`, as a future (cached per grammar). A grammar that cannot be compiled

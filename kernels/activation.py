@@ -1,8 +1,10 @@
-"""SiLU-and-mul (the SwiGLU gate of Llama MLPs): Triton kernel, launcher and torch reference.
+"""Gated activations of the MLPs: SiLU-and-mul (Llama's SwiGLU) and GELU(tanh)-and-mul (Gemma's GeGLU). One
+Triton kernel (the activation a constexpr), launchers and torch references.
 
-Math (F.silu(gate) * up in x.dtype): silu is computed in fp32 and rounded to x.dtype, then the product with
+Math (act(gate) * up in x.dtype): the activation is computed in fp32 and rounded to x.dtype, then the product with
 `up` is rounded to x.dtype again. The kernel does the same two roundings
-(with _common.round_to, which rounds bf16 to nearest even under the interpreter too).
+(with _common.round_to, which rounds bf16 to nearest even under the interpreter too). GELU's tanh approximation:
+0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(y) = 2 sigmoid(2y) - 1.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kernels._common import round_to, use_triton
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU: tl.constexpr, BLOCK: tl.constexpr):
     # grid (T, cdiv(I, BLOCK)); x row: [2*I] = [gate | up], out row: [I]
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -24,11 +26,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
     dt = out_ptr.dtype.element_ty
-    act = round_to(gate / (1.0 + tl.exp(-gate)), dt)  # F.silu in x.dtype
+    if GELU:  # F.gelu(gate, approximate="tanh")
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = round_to(0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)), dt)
+    else:  # F.silu
+        act = round_to(gate / (1.0 + tl.exp(-gate)), dt)
     tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dt).to(dt), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2*I], got {tuple(x.shape)}"
     assert x.stride(1) == 1, "last dim must be contiguous"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
@@ -36,7 +42,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)  # [T, I]
     if t > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
+        grid = (t, triton.cdiv(inter, block))
+        _act_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block)
     return out
 
 
@@ -49,3 +56,14 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
     return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2*I] -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2*I] -> gelu_tanh(x[:, :I]) * x[:, I:], [T, I] (Gemma's MLP)."""
+    return silu_and_mul_triton(x, gelu=True) if use_triton(x) else gelu_tanh_and_mul_ref(x)

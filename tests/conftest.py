@@ -51,6 +51,35 @@ TINY_ARCHS = {
     "mistral-window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=48)),  # head_dim != hidden/heads
+    # Gemma: soft-caps that clip, windows shorter than the prompts on alternate layers, a query scale that is not
+    # head_dim's, and (Gemma 3) another rope base on the sliding layers; 4 layers so both layer kinds repeat
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            tie_word_embeddings=False,  # tied, the scaled embedding dominates and the argmax is the input token
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            tie_word_embeddings=False,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
 }
 
 

@@ -17,7 +17,14 @@ from kernels.activation import silu_and_mul
 from kernels.fp8 import fp8_linear, quant_per_channel
 from kernels.rmsnorm import add_rms_norm, rms_norm
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -42,10 +49,17 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     prequantized: bool = False  # linear weights stored as fp8 + scales (compressed-tensors float-quantized)
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
+    # Gemma (engine/models/gemma.py): (1 + w) norms, norms around attention and MLP, GeGLU, scaled embeddings,
+    # query_pre_attn_scalar, soft-caps, and (Gemma 3) its own rope for the sliding layers
+    gemma: bool = False
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope: tuple[float, dict | None] | None = None  # (theta, scaling) of the sliding layers
 
     def num_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h
         embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeds + h
 
@@ -66,6 +80,12 @@ class ModelSpec:
         for src in (generation_cfg or {}, cfg):
             e = src.get("eos_token_id")
             eos += e if isinstance(e, list) else ([e] if e is not None else [])
+        extra = {}
+        if arch.startswith("Gemma"):
+            from engine.models.gemma import gemma_fields
+
+            extra = gemma_fields(cfg, arch)
+            theta, scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -81,10 +101,11 @@ class ModelSpec:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             prequantized=_check_quantization(cfg.get("quantization_config")),
-            layer_windows=_layer_windows(cfg, arch),
+            layer_windows=extra.pop("layer_windows", None) or _layer_windows(cfg, arch),
+            **extra,
         )
 
 
@@ -129,6 +150,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    LAYER = DecoderLayer
+    # checkpoint names -> ours, for the unfused per-layer weights
+    PLAIN_NAMES = {
+        "o_proj": "o_proj",
+        "down_proj": "down",
+        "input_layernorm": "input_norm",
+        "post_attention_layernorm": "post_norm",
+        "q_norm": "q_norm",
+        "k_norm": "k_norm",
+    }
+
     def __init__(
         self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int, quantization: str | None = None
     ):
@@ -138,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
         fp8 = spec.prequantized or quantization == "fp8"
-        self.layers = nn.ModuleList(DecoderLayer(s, dtype, device, fp8) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(self.LAYER(s, dtype, device, fp8) for _ in range(s.num_layers))
         self.norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.lm_head = (
             self.embed if s.tie_word_embeddings else nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
@@ -153,39 +185,55 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]. kv_caches: [layers, 2, kv_heads, blocks, block_size, head_dim].
         lora: None, or fn(layer, linear name, x, out) adding each token's adapter delta to out in place.
         Returns the final hidden states before the last norm: [T, hidden]."""
-        s = self.spec
+        eps = self.spec.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
-                residual, x = h, rms_norm(h, layer.input_norm, s.rms_norm_eps)
+                residual, x = h, rms_norm(h, layer.input_norm, eps)
             else:
-                x, residual = add_rms_norm(h, residual, layer.input_norm, s.rms_norm_eps)
-            qkv = layer.linear("qkv", x, layer.qkv_bias)  # [T, q + 2 kv]
-            if lora is not None:
-                lora(i, "qkv", x, qkv)
-            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = q.view(-1, s.num_heads, s.head_dim)
-            k = k.view(-1, s.num_kv_heads, s.head_dim)
-            v = v.view(-1, s.num_kv_heads, s.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
-            q, k = self.rotary.apply(q, k, positions)
-            o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i)  # [T, H, D]
-            o = o.reshape(-1, layer.q_size)  # [T, q]
-            h = layer.linear("o_proj", o)
-            if lora is not None:
-                lora(i, "o_proj", o, h)
-            x, residual = add_rms_norm(h, residual, layer.post_norm, s.rms_norm_eps)
-            gate_up = layer.linear("gate_up", x)  # [T, 2 * inter]
-            if lora is not None:
-                lora(i, "gate_up", x, gate_up)
-            act = silu_and_mul(gate_up)  # [T, inter]
-            h = layer.linear("down", act)
-            if lora is not None:
-                lora(i, "down", act, h)
+                x, residual = add_rms_norm(h, residual, layer.input_norm, eps)
+            h = self.attention(i, layer, x, positions, kv_caches, attn, meta, lora)
+            x, residual = add_rms_norm(h, residual, layer.post_norm, eps)
+            h = self.mlp(i, layer, x, lora)
         return h + residual
+
+    def attention(self, i: int, layer, x, positions, kv_caches, attn, meta, lora) -> torch.Tensor:
+        """Layer i's attention block on normed x [T, hidden] -> o_proj's output [T, hidden]."""
+        s = self.spec
+        qkv = layer.linear("qkv", x, layer.qkv_bias)  # [T, q + 2 kv]
+        if lora is not None:
+            lora(i, "qkv", x, qkv)
+        q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
+        q, k = self.rotary_for(i).apply(q, k, positions)
+        o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i)  # [T, H, D]
+        o = o.reshape(-1, layer.q_size)  # [T, q]
+        h = layer.linear("o_proj", o)
+        if lora is not None:
+            lora(i, "o_proj", o, h)
+        return h
+
+    def mlp(self, i: int, layer, x, lora) -> torch.Tensor:
+        """Layer i's gated MLP on normed x [T, hidden] -> [T, hidden]."""
+        gate_up = layer.linear("gate_up", x)  # [T, 2 * inter]
+        if lora is not None:
+            lora(i, "gate_up", x, gate_up)
+        act = self.act_and_mul(gate_up)  # [T, inter]
+        h = layer.linear("down", act)
+        if lora is not None:
+            lora(i, "down", act, h)
+        return h
+
+    def rotary_for(self, i: int) -> RotaryCache:
+        return self.rotary
+
+    act_and_mul = staticmethod(silu_and_mul)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32
@@ -233,14 +281,7 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up", 0, inter),
             "up_proj": ("gate_up", inter, inter),
         }
-        plain = {
-            "o_proj": "o_proj",
-            "down_proj": "down",
-            "input_layernorm": "input_norm",
-            "post_attention_layernorm": "post_norm",
-            "q_norm": "q_norm",
-            "k_norm": "k_norm",
-        }
+        plain = self.PLAIN_NAMES
         seen: set[str] = set()
         for name, t in weights:
             if "rotary_emb" in name:

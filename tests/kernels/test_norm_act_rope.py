@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 from tests.kernels.conftest import DEVICE, assert_close, to_device
@@ -108,6 +108,19 @@ def test_silu_and_mul(t, inter, dtype):
     out = silu_and_mul(x)
     assert out.shape == (t, inter) and out.dtype == dtype
     assert_close(out, silu_and_mul_ref(x), "silu_and_mul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,inter", [(1, 96), (5, 123)])
+def test_gelu_tanh_and_mul(t, inter, dtype):
+    """[models] Gemma's GeGLU: F.gelu(gate, approximate="tanh") * up, and not the exact-erf GELU or SiLU."""
+    g = _gen("gelu", t, inter, dtype)
+    x = to_device(_randn((t, 2 * inter), dtype, g, scale=3.0))
+    out = gelu_tanh_and_mul(x)
+    assert out.shape == (t, inter) and out.dtype == dtype
+    assert_close(out, gelu_tanh_and_mul_ref(x), "gelu_tanh_and_mul")
+    gate, up = x.float().chunk(2, dim=-1)
+    assert (out.float() - torch.nn.functional.gelu(gate) * up).abs().max() > 1e-4 or dtype != torch.float32
 
 
 def test_silu_and_mul_strided_rows_and_detects_swapped_halves():
