@@ -65,6 +65,20 @@ TINY_ARCHS = {
             final_logit_softcapping=3.0,
         ),
     ),
+    # longrope with short factors that matter (prompts stay below original_max_position_embeddings, where
+    # transformers and the engine both use the short ones) and fused qkv_proj / gate_up_proj in the checkpoint
+    "phi3": (
+        "Phi3Config",
+        dict(
+            tie_word_embeddings=False,
+            original_max_position_embeddings=128,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0],
+            },
+        ),
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         dict(

@@ -28,18 +28,47 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, out)
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope are)")
+
+
+def _longrope(head_dim: int, theta: float, scaling: dict, max_pos: int) -> torch.Tensor:
+    """Phi-3's longrope as transformers computes it: per-dimension factors on the inverse frequencies, short ones
+    for positions below original_max_position_embeddings and long ones from there on, and cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original)). Returns freqs [max_pos, head_dim/2] (angles, already scaled: see below).
+    transformers switches the whole forward to the long factors once the sequence passes the original length
+    (keys cached before keep the short ones); here each position keeps its own, which is the same up to that
+    length and consistent beyond it."""
+    orig = scaling["original_max_position_embeddings"]
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    pos = torch.arange(max_pos, dtype=torch.float32)[:, None]
+    short = pos * (1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**shape))[None, :]
+    long = pos * (1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta**shape))[None, :]
+    return torch.where(pos < orig, short, long)
 
 
 class RotaryCache:
     """cos/sin tables for every position, built once. apply() indexes them by position."""
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None, device):
-        inv = inv_frequencies(head_dim, theta, scaling)
-        freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]  # [max_pos, head_dim/2]
+        kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+        mscale = 1.0
+        if kind == "longrope":
+            freqs = _longrope(head_dim, theta, scaling, max_pos)  # [max_pos, head_dim/2]
+            factor = (
+                scaling.get("factor")
+                or scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+            )
+            mscale = scaling.get("attention_factor") or (
+                math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+                if factor > 1
+                else 1.0
+            )
+        else:
+            inv = inv_frequencies(head_dim, theta, scaling)
+            freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]  # [max_pos, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.cos = (emb.cos() * mscale).to(device)
+        self.sin = (emb.sin() * mscale).to(device)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]

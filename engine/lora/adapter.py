@@ -22,9 +22,11 @@ from engine.lora.source import CONFIG_FILE, WEIGHTS_FILE
 if TYPE_CHECKING:
     from engine.models.llama import ModelSpec
 
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 SUPPORTED_MODULES = ATTN_MODULES + MLP_MODULES
+# Phi-3's fused projections: B's rows split into the projections' (A is shared), so W + B A stays exact
+SPLITS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an optional ".default" adapter name too)
 _KEY_RE = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
@@ -82,13 +84,15 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
         gate_proj=(h, inter),
         up_proj=(h, inter),
         down_proj=(inter, h),
+        qkv_proj=(h, q + 2 * kv),
+        gate_up_proj=(h, 2 * inter),
     )
 
 
 def max_adapter_bytes(spec: ModelSpec, max_rank: int, dtype_bytes: int = 4) -> int:
     """The largest legitimate safetensors file: every module of every layer at max_rank in fp32, plus a header
     allowance. Used to refuse an oversized download before it starts."""
-    per_layer = sum(max_rank * (i + o) for i, o in module_shapes(spec).values())
+    per_layer = sum(max_rank * (i + o) for m, (i, o) in module_shapes(spec).items() if m not in SPLITS)
     return spec.num_layers * per_layer * dtype_bytes + (1 << 20)
 
 
@@ -194,6 +198,12 @@ def load_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str) ->
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise _bad(name, f"layer {layer} {module} has no {missing} tensor")
-        weights[(layer, module)] = (ab["A"], ab["B"])  # A [r, in] fp32, B [out, r] fp32
+        if module in SPLITS:  # B [q + 2 kv, r] -> q, k, v parts, each with the shared A
+            parts = SPLITS[module]
+            sizes = [shapes[p][1] for p in parts]
+            for part, b in zip(parts, ab["B"].split(sizes, 0)):
+                weights[(layer, part)] = (ab["A"], b.contiguous())
+        else:
+            weights[(layer, module)] = (ab["A"], ab["B"])  # A [r, in] fp32, B [out, r] fp32
     nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in weights.values())
     return LoRAAdapter(name=name, rank=r, scaling=scaling, weights=weights, nbytes=nbytes)

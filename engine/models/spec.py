@@ -1,0 +1,147 @@
+"""What the engine needs from a model's config.json (ModelSpec), normalized across families and transformers
+versions: shapes, rope, per-layer sliding windows, Gemma's flags, an fp8 checkpoint's scheme."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import UnsupportedModelError
+
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs from config.json, normalized across transformers versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    prequantized: bool = False  # linear weights stored as fp8 + scales (compressed-tensors float-quantized)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
+    # Gemma (engine/models/gemma.py): (1 + w) norms, norms around attention and MLP, GeGLU, scaled embeddings,
+    # query_pre_attn_scalar, soft-caps, and (Gemma 3) its own rope for the sliding layers
+    gemma: bool = False
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope: tuple[float, dict | None] | None = None  # (theta, scaling) of the sliding layers
+
+    def num_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h
+        embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeds + h
+
+    @classmethod
+    def from_hf(cls, cfg: dict, generation_cfg: dict | None = None) -> ModelSpec:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architectures {archs} not supported; this engine runs {', '.join(ARCHITECTURES)}"
+            )
+        heads = cfg["num_attention_heads"]
+        # transformers 5 writes rope_parameters; 4.x writes rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = []
+        for src in (generation_cfg or {}, cfg):
+            e = src.get("eos_token_id")
+            eos += e if isinstance(e, list) else ([e] if e is not None else [])
+        if scaling and (scaling.get("rope_type") or scaling.get("type")) == "longrope":  # Phi-3: lengths it needs
+            orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+            scaling = {**scaling, "original_max_position_embeddings": orig}
+            scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", orig)
+        partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"{arch}: partial_rotary_factor={partial} is not supported (1.0 is)")
+        extra = {}
+        if arch.startswith("Gemma"):
+            from engine.models.gemma import gemma_fields
+
+            extra = gemma_fields(cfg, arch)
+            theta, scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            prequantized=_check_quantization(cfg.get("quantization_config")),
+            layer_windows=extra.pop("layer_windows", None) or _layer_windows(cfg, arch),
+            **extra,
+        )
+
+
+def _layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers applies it: `layer_types` ("sliding_attention" layers get
+    `sliding_window`) where the config has them; else Mistral's `sliding_window` on every layer, and Qwen2's
+    `use_sliding_window` from layer `max_window_layers` on."""
+    n, w = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if not w:
+        return (None,) * n
+    if cfg.get("layer_types"):
+        return tuple(w if t == "sliding_attention" else None for t in cfg["layer_types"])
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return (w,) * n
+    if cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", n)
+        return tuple(w if i >= first else None for i in range(n))
+    return (None,) * n
+
+
+def _check_quantization(qc: dict | None) -> bool:
+    """True for a compressed-tensors fp8 checkpoint we can load (float 8-bit weights per channel or per
+    tensor, dynamic per-token or no activation quant); an unsupported scheme is a clear error."""
+    if not qc:
+        return False
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise UnsupportedModelError(
+            f"quantization_config.quant_method={method!r} is not supported; fp8 "
+            "checkpoints in the compressed-tensors format are (or QUANTIZATION=fp8 online)"
+        )
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        ok_w = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor")
+        ok_a = a is None or (a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True)
+        if not (ok_w and ok_a):
+            raise UnsupportedModelError(
+                f"compressed-tensors group {name!r}: only fp8 weights (per channel or per "
+                "tensor) with dynamic fp8 activations are supported"
+            )
+    return True
