@@ -1,0 +1,180 @@
+"""Fused mixture-of-experts MLP (vLLM's fused_moe, in its shape): Triton grouped GEMM, launcher and torch reference.
+
+x [T, H]; w13 [E, 2I, H] (each expert's gate rows then up rows); w2 [E, H, I]; topk_ids / topk_weights [T, K].
+out[t] = sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ x[t]), e = topk_ids[t, k].
+
+- Alignment (`moe_align`, device ops only, no host sync): the T*K (token, k) slots are sorted by expert and each
+  expert's run is padded to BLOCK_M with a sentinel slot, so every BLOCK_M rows of the sorted list belong to one
+  expert; `expert_of_block` names it (-1: past the end). The list has its worst-case length, so its size is
+  known on the host without reading the counts back.
+- GEMM (`_moe_gemm_kernel`): one program per (block of sorted slots, BLOCK_N output columns) multiplies the
+  block's rows by its expert's weight tile, K-loop in fp32. The first GEMM reads x's row slot // K; the second
+  reads the activation's row slot and multiplies by the slot's top-k weight in its epilogue. fp8 (e4m3) weights
+  are widened in the loop and their per-expert, per-output-channel scales applied after it.
+- The activation between them is kernels.activation's (SiLU or GELU-tanh and mul); the K partial rows of a token
+  are summed last, in fp32.
+The reference (the CPU path) runs one matmul pair per expert that has tokens, over its gathered tokens: never a
+loop over tokens."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import FP8, use_triton
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul
+
+BLOCK_M = 16  # tl.dot wants every block dim >= 16
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+    """topk_ids [T, K] -> (sorted_slots [P] int32, expert_of_block [P / block_m] int32), P the worst case
+    T*K + E*(block_m - 1) rounded up to block_m; sentinel slot T*K pads each expert's run."""
+    flat = topk_ids.flatten().to(torch.int64)  # [S], slot s = t * K + k
+    s = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    order = torch.argsort(flat, stable=True)  # slots by expert
+    by_expert = flat[order]
+    rank = torch.arange(s, device=flat.device) - (torch.cumsum(counts, 0) - counts)[by_expert]
+    dest = (torch.cumsum(padded, 0) - padded)[by_expert] + rank
+    p = -(-(s + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_slots = torch.full((p,), s, dtype=torch.int32, device=flat.device)
+    sorted_slots[dest] = order.to(torch.int32)
+    starts = torch.arange(0, p, block_m, device=flat.device)
+    ends = torch.cumsum(padded, 0)
+    expert = torch.searchsorted(ends, starts, right=True)  # the expert whose padded run holds the block
+    expert_of_block = torch.where(starts < ends[-1], expert, -1).to(torch.int32)
+    return sorted_slots, expert_of_block
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    scale_ptr,
+    w_ptr,
+    sorted_ptr,
+    expert_ptr,
+    num_slots,
+    N,
+    K,
+    top_k,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    stride_se,
+    FIRST: tl.constexpr,  # the first GEMM: A's row is slot // top_k (the token)
+    MUL_WEIGHT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    slot = tl.load(sorted_ptr + pid_m * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # [BLOCK]
+    ok = slot < num_slots
+    row = slot // top_k if FIRST else slot
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + row[:, None] * stride_am + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(
+            b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
+            mask=k_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if HAS_SCALE:  # fp8 weights: the expert's per-output-channel scales
+        acc = acc * tl.load(scale_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+    if MUL_WEIGHT:
+        acc = acc * tl.load(w_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(
+        c_ptr + slot[:, None] * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=ok[:, None] & n_ok[None, :],
+    )
+
+
+def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: bool) -> torch.Tensor:
+    e, n, k = w.shape
+    out = torch.empty((num_slots, n), dtype=a.dtype, device=a.device)
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (experts.numel(), triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        scale if scale is not None else a,
+        weights if weights is not None else a,
+        sorted_slots,
+        experts,
+        num_slots,
+        n,
+        k,
+        top_k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        scale.stride(0) if scale is not None else 0,
+        FIRST=first,
+        MUL_WEIGHT=weights is not None,
+        HAS_SCALE=scale is not None,
+        BLOCK=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return out
+
+
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None):
+    t, h = x.shape
+    top_k = topk_ids.shape[1]
+    assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2], (w13.shape, w2.shape)
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    if t == 0:
+        return torch.empty_like(x)
+    sorted_slots, experts = moe_align(topk_ids, w13.shape[0])
+    s = t * top_k
+    inter = _gemm(x, w13, w13_scale, None, sorted_slots, experts, s, top_k, first=True)  # [S, 2I]
+    act = gelu_tanh_and_mul(inter) if gelu else silu_and_mul(inter)  # [S, I]
+    weights = topk_weights.to(torch.float32).flatten().contiguous()
+    out = _gemm(act, w2, w2_scale, weights, sorted_slots, experts, s, top_k, first=False)  # [S, H]
+    return out.view(t, top_k, h).float().sum(1).to(x.dtype)
+
+
+def _dequant(w: torch.Tensor, scale: torch.Tensor | None, dtype) -> torch.Tensor:
+    return w if scale is None else (w.float() * scale).to(dtype)
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None):
+    """One matmul pair per expert that has tokens, over its gathered tokens; weighted rows summed per token."""
+    t, h = x.shape
+    out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    act_fn = gelu_tanh_and_mul if gelu else silu_and_mul
+    for e in torch.unique(topk_ids).tolist():
+        tok, k = torch.nonzero(topk_ids == e, as_tuple=True)
+        w_e = _dequant(w13[e], None if w13_scale is None else w13_scale[e], x.dtype)
+        d_e = _dequant(w2[e], None if w2_scale is None else w2_scale[e], x.dtype)
+        y = act_fn(x[tok] @ w_e.T) @ d_e.T  # [n, H]
+        out.index_add_(0, tok, (y * topk_weights[tok, k, None].to(y.dtype)).float())
+    return out.to(x.dtype)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None) -> torch.Tensor:
+    """[T, H] (see module doc); fp8 weights (e4m3) with per-expert [E, N, 1] fp32 scales."""
+    fn = fused_moe_triton if use_triton(x) else fused_moe_ref
+    if w13.dtype == FP8 and fn is fused_moe_ref:
+        assert w13_scale is not None and w2_scale is not None, "fp8 expert weights need their scales"
+    return fn(x, w13, w2, topk_weights, topk_ids, gelu, w13_scale, w2_scale)
