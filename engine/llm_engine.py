@@ -18,7 +18,7 @@ from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
 from engine.memory import MemoryPlan
 from engine.model_runner import ModelRunner
-from engine.models.gemma import model_class
+from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.output import OutputProcessor
 from engine.scheduler import Scheduler

@@ -37,8 +37,16 @@ def weight_bytes(spec, dtype_bytes: int, quantization: str | None) -> int:
     output channel; embeddings, lm_head and norms stay in the model dtype (as vLLM)."""
     if quantization != "fp8" and not getattr(spec, "prequantized", False):
         return spec.num_params() * dtype_bytes
-    linear = spec.num_layers * sum(i * o for i, o, _ in _linear_shapes(spec))
-    scales = spec.num_layers * sum(o for _, o, _ in _linear_shapes(spec)) * 4
+    linear = scales = 0
+    for layer in range(spec.num_layers):
+        moe = getattr(spec, "is_moe", lambda _: False)(layer)
+        shapes = _linear_shapes(spec)[:2] if moe else _linear_shapes(spec)  # a MoE layer's MLP is its experts
+        linear += sum(i * o for i, o, _ in shapes)
+        scales += sum(o for _, o, _ in shapes) * 4
+        if moe:  # every expert's gate, up and down in fp8, with per-expert per-channel scales
+            e, h, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+            linear += e * 3 * h * inter
+            scales += e * (2 * inter + h) * 4
     return linear + scales + (spec.num_params() - linear) * dtype_bytes
 
 

@@ -79,6 +79,32 @@ TINY_ARCHS = {
             },
         ),
     ),
+    # mixture of experts: routing that spreads over experts (random routers), top-2 of 4 / 5; Qwen2-MoE with its
+    # shared expert and a dense first layer (mlp_only_layers), Qwen3-MoE with renormalized top-k and q/k norms
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        dict(
+            tie_word_embeddings=False,
+            num_hidden_layers=3,
+            num_experts=5,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            head_dim=16,
+        ),
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         dict(

@@ -155,6 +155,12 @@ def load_adapter(path: str | Path, spec: ModelSpec, max_rank: int, name: str) ->
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
             for key in f.keys():
                 m = _KEY_RE.fullmatch(key)
+                if spec.num_experts and (".experts." in key or ".block_sparse_moe." in key):
+                    raise _bad(
+                        name,
+                        f"tensor {key!r} adapts a mixture-of-experts expert or router, which is not supported; "
+                        "adapters may target the attention projections (q/k/v/o_proj) of this model",
+                    )
                 if m is None:
                     raise _bad(
                         name,

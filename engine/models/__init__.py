@@ -1,0 +1,14 @@
+"""The model families: `model_class(spec)` picks the class a ModelSpec needs."""
+
+from __future__ import annotations
+
+
+def model_class(spec):
+    """Gemma's, the mixture-of-experts one, or the Llama family's."""
+    from engine.models.gemma import GemmaForCausalLM
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.moe import MoEForCausalLM
+
+    if spec.gemma:
+        return GemmaForCausalLM
+    return MoEForCausalLM if spec.num_experts else LlamaForCausalLM

@@ -112,8 +112,3 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 if layer.q_norm is not None:
                     layer.q_norm.add_(1.0)
                     layer.k_norm.add_(1.0)
-
-
-def model_class(spec) -> type[LlamaForCausalLM]:
-    """The model class for a spec: Gemma's, or the Llama family's."""
-    return GemmaForCausalLM if spec.gemma else LlamaForCausalLM

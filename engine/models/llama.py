@@ -18,8 +18,10 @@ from kernels.rmsnorm import add_rms_norm, rms_norm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelSpec, dtype, device, fp8: bool = False):
+    def __init__(self, s: ModelSpec, dtype, device, fp8: bool = False, mlp: bool = True):
         super().__init__()
+        if not mlp:  # a mixture-of-experts layer: its MLP weights are the experts' (engine/models/moe.py)
+            self.LINEARS = ("qkv", "o_proj")
         kw = dict(dtype=dtype, device=device)
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         # fp8 (a quantized checkpoint, or QUANTIZATION=fp8): the linears never exist in 16 bits, so a model that
@@ -30,8 +32,8 @@ class DecoderLayer(nn.Module):
             nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) if s.attention_bias else None
         )
         self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **lin), False)
-        self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.hidden_size, **lin), False)
-        self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **lin), False)
+        self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.hidden_size, **lin), False) if mlp else None
+        self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **lin), False) if mlp else None
         self.input_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
@@ -78,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
         fp8 = spec.prequantized or quantization == "fp8"
-        self.layers = nn.ModuleList(self.LAYER(s, dtype, device, fp8) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, dtype, device, fp8) for i in range(s.num_layers))
         self.norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.lm_head = (
             self.embed if s.tie_word_embeddings else nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
@@ -105,6 +107,9 @@ class LlamaForCausalLM(nn.Module):
             x, residual = add_rms_norm(h, residual, layer.post_norm, eps)
             h = self.mlp(i, layer, x, lora)
         return h + residual
+
+    def make_layer(self, i: int, dtype, device, fp8: bool) -> DecoderLayer:
+        return self.LAYER(self.spec, dtype, device, fp8)
 
     def attention(self, i: int, layer, x, positions, kv_caches, attn, meta, lora) -> torch.Tensor:
         """Layer i's attention block on normed x [T, hidden] -> o_proj's output [T, hidden]."""
@@ -142,6 +147,22 @@ class LlamaForCausalLM(nn.Module):
         return self.rotary
 
     act_and_mul = staticmethod(silu_and_mul)
+
+    def required_weights(self) -> set[str]:
+        """The checkpoint names every model of this spec must have (the MLP's only on dense layers)."""
+        s = self.spec
+        need = {"model.embed_tokens.weight", "model.norm.weight"} | (
+            set() if s.tie_word_embeddings else {"lm_head.weight"}
+        )
+        phi3 = s.architecture == "Phi3ForCausalLM"
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            need |= {p + n for n in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight")} if phi3 else set()
+            need |= set() if phi3 else {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
+            if not s.is_moe(i):
+                mlp = ("gate_up", "down") if phi3 else ("gate", "up", "down")
+                need |= {p + f"mlp.{n}_proj.weight" for n in mlp}
+        return need
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32
@@ -233,18 +254,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
             seen.add(name)
-        need = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not s.tie_word_embeddings:
-            need.add("lm_head.weight")
-        for i in range(s.num_layers):
-            p = f"model.layers.{i}."
-            if s.architecture == "Phi3ForCausalLM":
-                need |= {p + n for n in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight")}
-                need |= {p + n for n in ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")}
-            else:
-                need |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
-                need |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
-        missing = sorted(need - seen)
+        missing = sorted(self.required_weights() - seen)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 

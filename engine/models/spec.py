@@ -15,6 +15,9 @@ ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
@@ -47,12 +50,28 @@ class ModelSpec:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     local_rope: tuple[float, dict | None] | None = None  # (theta, scaling) of the sliding layers
+    # mixture of experts (engine/models/moe.py): per MoE layer a router, num_experts gated MLPs of
+    # moe_intermediate_size, top-k of them per token, and (Qwen2-MoE) a shared expert with a sigmoid gate
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k probabilities (Mixtral always)
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def num_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (4 if self.gemma else 2) * h
+        attn = h * (q + 2 * kv) + q * h + (4 if self.gemma else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        attn += (q + 2 * kv) if self.attention_bias else 0
+        dense = 3 * h * self.intermediate_size
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and the router's rows
+        moe += (3 * h * self.shared_expert_intermediate_size + h) if self.shared_expert_intermediate_size else 0
+        mlps = sum(moe if self.is_moe(i) else dense for i in range(self.num_layers))
         embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeds + h
+        return self.num_layers * attn + mlps + embeds + h
 
     @classmethod
     def from_hf(cls, cfg: dict, generation_cfg: dict | None = None) -> ModelSpec:
@@ -98,13 +117,49 @@ class ModelSpec:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            attention_bias=_attention_bias(cfg, arch),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             prequantized=_check_quantization(cfg.get("quantization_config")),
             layer_windows=extra.pop("layer_windows", None) or _layer_windows(cfg, arch),
+            **_moe_fields(cfg, arch),
             **extra,
         )
+
+
+def _attention_bias(cfg: dict, arch: str) -> bool:
+    """q/k/v biases: Qwen2-MoE's modeling reads qkv_bias (its config carries an unused attention_bias too); the
+    others attention_bias, which Qwen2 configs may omit (Qwen2 has biases)."""
+    key = "qkv_bias" if arch == "Qwen2MoeForCausalLM" else "attention_bias"
+    return bool(cfg[key]) if cfg.get(key) is not None else arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    """Mixtral: every layer routes over num_local_experts experts of intermediate_size, top-k renormalized.
+    Qwen2/3-MoE: num_experts (transformers 5 writes num_local_experts) of moe_intermediate_size on the layers
+    that are not in mlp_only_layers and fall on decoder_sparse_step; the rest keep a dense MLP."""
+    n = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        e = cfg["num_local_experts"]
+        return dict(
+            num_experts=e,
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layers=(True,) * n,
+        )
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        e = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+        return dict(
+            num_experts=e,
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            moe_layers=tuple(e > 0 and i not in dense and (i + 1) % step == 0 for i in range(n)),
+        )
+    return {}
 
 
 def _layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
@@ -116,7 +171,7 @@ def _layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
         return (None,) * n
     if cfg.get("layer_types"):
         return tuple(w if t == "sliding_attention" else None for t in cfg["layer_types"])
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return (w,) * n
     if cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", n)
