@@ -98,6 +98,33 @@ def rows(dtype=torch.bfloat16):
             None,
         )
     )
+    out += moe_rows(dtype)
+    return out
+
+
+def moe_rows(dtype):
+    """The fused MoE layer at Mixtral-8x7B's shapes (8 experts of 14336, hidden 4096, top-2): decode batches read
+    the weights of the experts they reach (bytes = those experts' w13 + w2, at batch 64 all 8)."""
+    from kernels.fused_moe import fused_moe
+
+    e, h, inter, k = 8, 4096, 14336, 2
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=dtype) * 0.02
+    w2 = torch.randn(e, h, inter, device="cuda", dtype=dtype) * 0.02
+    out = []
+    for t in (1, 64):
+        x = torch.randn(t, h, device="cuda", dtype=dtype)
+        ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)])
+        w = torch.rand(t, k, device="cuda").softmax(-1).to(dtype)
+        reached = len(set(ids.flatten().tolist()))
+        nbytes = reached * 3 * inter * h * w13.element_size()
+        out.append(
+            (
+                f"fused_moe Mixtral-8x7B [{t} tokens, {reached} experts]",
+                lambda x=x, ids=ids, w=w: fused_moe(x, w13, w2, w, ids),
+                nbytes,
+                None,
+            )
+        )
     return out
 
 

@@ -137,3 +137,29 @@ def _tokenizer(out: Path) -> None:
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
     ).save_pretrained(str(out))
+
+
+def write_tiny_moe(out: Path, experts: int = 8, top_k: int = 2) -> Path:
+    """A small Mixtral (4 layers, hidden 256, experts of 512, top-2 of 8, vocab 8192) with random weights, saved by
+    transformers itself, plus a tokenizer: bench/throughput.py --moe's model."""
+    import torch
+    import transformers
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(out))
+    _tokenizer(out)
+    return out

@@ -212,6 +212,13 @@ def hf_cb_generate_batch(model, wl: Workload, max_batch_tokens: int) -> None:
 
 # ---- report --------------------------------------------------------------------------------------
 def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
+    model_line = (
+        f"Model: a random Mixtral, {spec.num_layers} layers, hidden {spec.hidden_size}, top-{spec.num_experts_per_tok} "
+        f"of {spec.num_experts} experts of {spec.moe_intermediate_size} ({p_ne / 1e6:.1f} M active non-embedding "
+        f"params per token, vocab {spec.vocab_size})."
+        if spec.num_experts
+        else f"Model: SmolLM2-135M-Instruct ({p_ne / 1e6:.1f} M non-embedding params, vocab {spec.vocab_size})."
+    )
     floor_s = flops / (peak * 1e9)
     ours = next((r for r in rows if r[0] == "ours"), None)
     hf = [r for r in rows if r[0] != "ours"]
@@ -223,7 +230,7 @@ def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
         f"Workload: {len(wl.prompts)} requests, prompt tokens uniform in [{args.min_prompt}, {args.max_prompt}] "
         f"(sum {wl.n_prompt}), output tokens uniform in [{args.min_out}, {args.max_out}] (sum {wl.n_out}); "
         f"random token ids (seed {args.seed}), ignore_eos, greedy, all submitted at t=0, {args.dtype}. "
-        f"Model: SmolLM2-135M-Instruct ({p_ne / 1e6:.1f} M non-embedding params, vocab {spec.vocab_size}). "
+        f"{model_line} "
         "One timed call per peer, all in one process run; output tok/s counts only each request's own output "
         "tokens.",
         "",
@@ -283,7 +290,7 @@ def plot(rows, wl, floor_s, png: Path) -> None:
     ax.axvline(wl.n_out / floor_s, ls="--", color="tab:red", label="GEMM roofline")
     ax.invert_yaxis()
     ax.set_xlabel("useful output tokens / s (higher is better)")
-    ax.set_title(f"Offline throughput, SmolLM2-135M, {len(wl.prompts)} requests")
+    ax.set_title(f"Offline throughput, {png.stem}, {len(wl.prompts)} requests")
     ax.legend(loc="lower right")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -306,6 +313,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help=f"also run hf-cb at max_batch_tokens {TUNE_MBT}")
     ap.add_argument("--quick", action="store_true", help="8 short requests; prints only unless --docs-dir")
     ap.add_argument("--docs-dir", type=Path, default=None, help="where to write (default docs/, none with --quick)")
+    ap.add_argument("--moe", action="store_true", help="a small random Mixtral (8 experts, top-2) instead of SmolLM2")
     args = ap.parse_args()
     oh_n, oh_out = 64, 128
     if args.quick:
@@ -322,9 +330,25 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype]
 
-    path = default_model_path()
+    if args.moe:
+        import tempfile
+
+        from bench.synthetic_model import write_tiny_moe
+
+        path = write_tiny_moe(Path(tempfile.mkdtemp(prefix="tiny-moe-")))
+    else:
+        path = default_model_path()
     spec = ModelSpec.from_hf(read_json(path / "config.json"), read_json(path / "generation_config.json"))
     p_ne = spec.num_params() - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    if spec.num_experts:  # the work per token: only the top-k experts run
+        inactive = spec.num_experts - spec.num_experts_per_tok
+        p_ne -= (
+            sum(spec.is_moe(i) for i in range(spec.num_layers))
+            * inactive
+            * 3
+            * spec.hidden_size
+            * spec.moe_intermediate_size
+        )
     wl = make_workload(
         args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out, spec.vocab_size, args.seed
     )
@@ -372,9 +396,12 @@ def main() -> None:
     md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device))
     print("\n" + md)
     if docs is not None:
-        write_section(docs / "benchmarks.md", "throughput", md)
-        plot(rows, wl, flops / (peak * 1e9), docs / "throughput.png")
-        print(f"\nwrote {docs / 'benchmarks.md'} and {docs / 'throughput.png'}")
+        key = "throughput-moe" if args.moe else "throughput"
+        if args.moe:
+            md = md.replace("## ", "## Mixture of experts: ", 1).replace("throughput.png", "throughput-moe.png")
+        write_section(docs / "benchmarks.md", key, md)
+        plot(rows, wl, flops / (peak * 1e9), docs / f"{key}.png")
+        print(f"\nwrote {docs / 'benchmarks.md'} and {docs / f'{key}.png'}")
 
 
 if __name__ == "__main__":

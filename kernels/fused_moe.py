@@ -10,7 +10,8 @@ out[t] = sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ x[t]), e = topk
 - GEMM (`_moe_gemm_kernel`): one program per (block of sorted slots, BLOCK_N output columns) multiplies the
   block's rows by its expert's weight tile, K-loop in fp32. The first GEMM reads x's row slot // K; the second
   reads the activation's row slot and multiplies by the slot's top-k weight in its epilogue. fp8 (e4m3) weights
-  are widened in the loop and their per-expert, per-output-channel scales applied after it.
+  are widened in the loop and their per-expert, per-output-channel scales applied after it. On a GPU 16-bit
+  operands go to tl.dot as they are (tensor cores); elsewhere (the interpreter) in fp32.
 - The activation between them is kernels.activation's (SiLU or GELU-tanh and mul); the K partial rows of a token
   are summed last, in fp32.
 The reference (the CPU path) runs one matmul pair per expert that has tokens, over its gathered tokens: never a
@@ -70,6 +71,7 @@ def _moe_gemm_kernel(
     FIRST: tl.constexpr,  # the first GEMM: A's row is slot // top_k (the token)
     MUL_WEIGHT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -93,7 +95,10 @@ def _moe_gemm_kernel(
             mask=k_ok[:, None] & n_ok[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        if NATIVE_DOT:  # 16-bit operands on the tensor cores (fp8 weights widened to them), fp32 accumulation
+            acc += tl.dot(a, b.to(a.dtype))
+        else:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     if HAS_SCALE:  # fp8 weights: the expert's per-output-channel scales
         acc = acc * tl.load(scale_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
     if MUL_WEIGHT:
@@ -131,6 +136,7 @@ def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: 
         FIRST=first,
         MUL_WEIGHT=weights is not None,
         HAS_SCALE=scale is not None,
+        NATIVE_DOT=a.is_cuda and a.dtype in (torch.bfloat16, torch.float16),
         BLOCK=BLOCK_M,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
