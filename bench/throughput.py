@@ -37,6 +37,7 @@ import gc
 import logging
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from bench._common import (
     timed,
     write_section,
 )
+from bench.synthetic_model import write_tiny_moe  # noqa: E402
 from engine.models.llama import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
 
@@ -212,13 +214,9 @@ def hf_cb_generate_batch(model, wl: Workload, max_batch_tokens: int) -> None:
 
 # ---- report --------------------------------------------------------------------------------------
 def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
-    model_line = (
-        f"Model: a random Mixtral, {spec.num_layers} layers, hidden {spec.hidden_size}, top-{spec.num_experts_per_tok} "
-        f"of {spec.num_experts} experts of {spec.moe_intermediate_size} ({p_ne / 1e6:.1f} M active non-embedding "
-        f"params per token, vocab {spec.vocab_size})."
-        if spec.num_experts
-        else f"Model: SmolLM2-135M-Instruct ({p_ne / 1e6:.1f} M non-embedding params, vocab {spec.vocab_size})."
-    )
+    name = f"a random Mixtral, top-{spec.num_experts_per_tok} of {spec.num_experts} experts" if spec.num_experts else ""
+    model_line = f"Model: {name or 'SmolLM2-135M-Instruct'} ({p_ne / 1e6:.1f} M non-embedding params per token, "
+    model_line += f"vocab {spec.vocab_size})."
     floor_s = flops / (peak * 1e9)
     ours = next((r for r in rows if r[0] == "ours"), None)
     hf = [r for r in rows if r[0] != "ours"]
@@ -330,25 +328,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype]
 
-    if args.moe:
-        import tempfile
-
-        from bench.synthetic_model import write_tiny_moe
-
-        path = write_tiny_moe(Path(tempfile.mkdtemp(prefix="tiny-moe-")))
-    else:
-        path = default_model_path()
+    path = write_tiny_moe(Path(tempfile.mkdtemp(prefix="tiny-moe-"))) if args.moe else default_model_path()
     spec = ModelSpec.from_hf(read_json(path / "config.json"), read_json(path / "generation_config.json"))
-    p_ne = spec.num_params() - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    if spec.num_experts:  # the work per token: only the top-k experts run
-        inactive = spec.num_experts - spec.num_experts_per_tok
-        p_ne -= (
-            sum(spec.is_moe(i) for i in range(spec.num_layers))
-            * inactive
-            * 3
-            * spec.hidden_size
-            * spec.moe_intermediate_size
-        )
+    # the work per token (a MoE token runs only its top-k experts)
+    p_ne = spec.num_active_params() - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     wl = make_workload(
         args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out, spec.vocab_size, args.seed
     )

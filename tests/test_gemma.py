@@ -81,21 +81,13 @@ def test_lora_on_gemma(tiny_models, tmp_path):
     HF + peft's tokens, and differs from the base model's."""
     from engine import LoRARequest
     from tests.lora_fixtures import make_peft_adapter
-    from tests.test_lora_engine import peft_greedy
+    from tests.test_lora_engine import lora_llm, peft_greedy
 
     base = tiny_models["gemma2"]
     folder, _ = make_peft_adapter(base, tmp_path / "ad", r=4, alpha=8, seed=3, b_std=0.3)
     ref = peft_greedy(base, folder, PROMPTS)
     assert ref != peft_greedy(base, None, PROMPTS), "the adapter must change the output, or this could not fail"
-    llm = LLM(
-        model=str(base),
-        dtype="float32",
-        enable_lora=True,
-        max_lora_rank=4,
-        lora_modules=(("ad", str(folder)),),
-        cache_root=str(tmp_path / "cache"),
-        log_stats_interval=0,
-    )
+    llm = lora_llm(base, {"ad": folder}, tmp_path, max_lora_rank=4)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora=LoRARequest("ad"))
     assert [o.outputs[0].token_ids for o in outs] == ref

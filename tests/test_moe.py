@@ -98,7 +98,7 @@ def test_fp8_experts(tiny_models, tmp_path):
 
 def test_lora_on_attention_works_and_on_experts_is_refused(tiny_models, tmp_path):
     from tests.lora_fixtures import make_peft_adapter
-    from tests.test_lora_engine import peft_greedy
+    from tests.test_lora_engine import lora_llm, peft_greedy
 
     base = tiny_models["qwen3-moe"]
     attn, _ = make_peft_adapter(
@@ -117,15 +117,7 @@ def test_lora_on_attention_works_and_on_experts_is_refused(tiny_models, tmp_path
         },
         str(experts / "adapter_model.safetensors"),
     )
-    llm = LLM(
-        model=str(base),
-        dtype="float32",
-        enable_lora=True,
-        max_lora_rank=4,
-        lora_modules=(("attn", str(attn)), ("experts", str(experts))),
-        cache_root=str(tmp_path / "cache"),
-        log_stats_interval=0,
-    )
+    llm = lora_llm(base, {"attn": attn, "experts": experts}, tmp_path, max_lora_rank=4)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora=LoRARequest("attn"))
     assert [o.outputs[0].token_ids for o in outs] == peft_greedy(base, attn, PROMPTS)

@@ -48,7 +48,7 @@ def test_long_factors_from_the_original_length_on(tiny_models):
 
 def test_lora_on_fused_projections(tiny_models, tmp_path):
     from tests.lora_fixtures import make_peft_adapter
-    from tests.test_lora_engine import peft_greedy
+    from tests.test_lora_engine import lora_llm, peft_greedy
 
     base = tiny_models["phi3"]
     folder, _ = make_peft_adapter(
@@ -56,15 +56,7 @@ def test_lora_on_fused_projections(tiny_models, tmp_path):
     )
     ref = peft_greedy(base, folder, PROMPTS)
     assert ref != peft_greedy(base, None, PROMPTS)
-    llm = LLM(
-        model=str(base),
-        dtype="float32",
-        enable_lora=True,
-        max_lora_rank=4,
-        lora_modules=(("ad", str(folder)),),
-        cache_root=str(tmp_path / "cache"),
-        log_stats_interval=0,
-    )
+    llm = lora_llm(base, {"ad": folder}, tmp_path, max_lora_rank=4)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora=LoRARequest("ad"))
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -88,10 +88,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         h = F.embedding(input_ids, self.embed) * torch.tensor(self.spec.hidden_size**0.5, dtype=self.embed.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, x = h, rms_norm(h, layer.input_norm, eps)
-            else:
-                x, residual = add_rms_norm(h, residual, layer.input_norm, eps)
+            x, residual = self.input_norm(h, residual, layer)
             o = rms_norm(self.attention(i, layer, x, positions, kv_caches, attn, meta, lora), layer.post_norm, eps)
             x, residual = add_rms_norm(o, residual, layer.pre_ffn_norm, eps)
             h = rms_norm(self.mlp(i, layer, x, lora), layer.post_ffn_norm, eps)

@@ -99,14 +99,17 @@ class LlamaForCausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, x = h, rms_norm(h, layer.input_norm, eps)
-            else:
-                x, residual = add_rms_norm(h, residual, layer.input_norm, eps)
+            x, residual = self.input_norm(h, residual, layer)
             h = self.attention(i, layer, x, positions, kv_caches, attn, meta, lora)
             x, residual = add_rms_norm(h, residual, layer.post_norm, eps)
             h = self.mlp(i, layer, x, lora)
         return h + residual
+
+    def input_norm(self, h, residual, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's input norm with the residual add fused in (the first layer has no residual yet): (x, residual)."""
+        if residual is None:
+            return rms_norm(h, layer.input_norm, self.spec.rms_norm_eps), h
+        return add_rms_norm(h, residual, layer.input_norm, self.spec.rms_norm_eps)
 
     def make_layer(self, i: int, dtype, device, fp8: bool) -> DecoderLayer:
         return self.LAYER(self.spec, dtype, device, fp8)

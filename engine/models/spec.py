@@ -59,6 +59,11 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
 
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: all of them, less the experts its router did not pick."""
+        idle = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_params() - idle * sum(self.is_moe(i) for i in range(self.num_layers))
+
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
