@@ -34,7 +34,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     T*K + E*(block_m - 1) rounded up to block_m; sentinel slot T*K pads each expert's run."""
     flat = topk_ids.flatten().to(torch.int64)  # [S], slot s = t * K + k
     s = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E]; scatter_add, not bincount: CUDA's bincount reads the max back to size its output (a sync; no graphs)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     order = torch.argsort(flat, stable=True)  # slots by expert
     by_expert = flat[order]

@@ -123,3 +123,13 @@ def test_lora_on_attention_works_and_on_experts_is_refused(tiny_models, tmp_path
     assert [o.outputs[0].token_ids for o in outs] == peft_greedy(base, attn, PROMPTS)
     with pytest.raises(InvalidRequestError, match="expert"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, lora=LoRARequest("experts"))
+
+
+def test_decode_graphs_on_moe(tiny_models, refs):
+    """The MoE layer inside a decode graph (the CPU stand-in: the captured function replayed over the static
+    buffers) gives HF's tokens: its routing and alignment read only device tensors."""
+    from engine.cuda_graphs import ReplayGraph
+
+    llm = LLM(model=str(tiny_models["mixtral"]), dtype="float32", kernel_backend="triton", log_stats_interval=0)
+    graphs = llm.engine.runner.enable_graphs(ReplayGraph)
+    assert _tokens(llm) == refs["mixtral"] and graphs.replays > 0
