@@ -20,6 +20,7 @@ model left free to emit whitespace can loop on it until max_tokens."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.types import Request, StructuredOutputsParams
 
+log = logging.getLogger("engine")
 CACHE_ENTRIES = 512  # compiled grammars kept (LRU); each is small (a bitmask automaton over the vocabulary)
 
 
@@ -129,11 +131,14 @@ class StructuredOutputs:
 
     @staticmethod
     def accept(sampled: dict[Request, int]) -> None:
-        """Advance each constrained sequence's matcher by its sampled token (the mask allowed it)."""
+        """Advance each constrained sequence's matcher by its sampled token. The mask allowed it, unless another
+        rule removed every allowed token (min_tokens masks the stop token a complete grammar leaves): then the
+        sequence stops there (Scheduler checks `grammar_rejected`), rather than the step failing everyone."""
         for req, token in sampled.items():
             if req.matcher is not None and not req.matcher.is_terminated():
                 if not req.matcher.accept_token(token):
-                    raise RuntimeError(f"{req.request_id}: the grammar rejected token {token} that its mask allowed")
+                    log.warning("%s: the grammar allows no token here; the sequence stops", req.request_id)
+                    req.grammar_rejected = True
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -219,3 +219,13 @@ def test_prompt_logprobs_equal_hf(smollm2_path, prefix_caching):
             top = lp[i - 1].topk(3)
             for t, v in zip(top.indices.tolist(), top.values.tolist()):
                 assert abs(got[i][t] - v) < 1e-3
+
+
+def test_a_grammar_left_without_tokens_stops_its_sequence_only(llm):
+    """min_tokens masks the stop token that a complete grammar leaves as its only choice: that sequence stops there
+    (it used to fail the whole step), and the engine serves on."""
+    sp = SamplingParams(temperature=0, max_tokens=10, min_tokens=5, structured_outputs=S(choice=["ok"]))
+    out = llm.generate(prompt(llm, "x"), sp)[0].outputs[0]
+    assert out.text.startswith("ok") and out.finish_reason == "stop"
+    again = llm.generate(prompt(llm, "x"), SamplingParams(max_tokens=5, structured_outputs=S(choice=["yes"])))
+    assert again[0].outputs[0].text == "yes"
