@@ -63,6 +63,9 @@ class Settings(BaseModel):
     KV_CACHE_DTYPE: str = "auto"
     ENABLE_PREFIX_CACHING: bool = True
     # LoRA (worker-vllm's names, plus S3 sources, which worker-vllm lacks)
+    # worker-vllm variables this worker does not implement yet: read so that a start can say so (ignored())
+    SPECULATIVE_CONFIG: str | None = None
+    TENSOR_PARALLEL_SIZE: int = Field(default=1, ge=1)
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
     TOOL_CALL_PARSER: Literal["hermes", "llama3_json"] | None = None
@@ -157,6 +160,13 @@ class Settings(BaseModel):
         out = []
         if self.LORA_MODULES and not self.ENABLE_LORA:
             out.append("LORA_MODULES (ignored unless ENABLE_LORA=true)")
+        if self.SPECULATIVE_CONFIG:
+            out.append("SPECULATIVE_CONFIG (speculative decoding is not implemented yet: ignored)")
+        if self.TENSOR_PARALLEL_SIZE > 1:
+            out.append(
+                f"TENSOR_PARALLEL_SIZE={self.TENSOR_PARALLEL_SIZE} (tensor parallelism is not implemented yet: one "
+                "GPU serves; a model that does not fit it is refused at start with its numbers)"
+            )
         return out
 
     def engine_config(self) -> EngineConfig:

@@ -100,6 +100,10 @@ def test_job_variables_and_worker_vllm_aliases():
     assert load_settings({"LORA_MODULES": '{"name": "a", "path": "/x"}'}).ignored() == [
         "LORA_MODULES (ignored unless ENABLE_LORA=true)"
     ]
+    # worker-vllm variables not implemented yet are said to be ignored, not silently dropped
+    unbuilt = load_settings({"SPECULATIVE_CONFIG": '{"method": "ngram"}', "TENSOR_PARALLEL_SIZE": "2"}).ignored()
+    assert len(unbuilt) == 2 and "SPECULATIVE_CONFIG" in unbuilt[0] and "TENSOR_PARALLEL_SIZE=2" in unbuilt[1]
+    assert load_settings({"TENSOR_PARALLEL_SIZE": "1"}).ignored() == []
     lora = load_settings(
         {
             "ENABLE_LORA": "1",
