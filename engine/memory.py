@@ -65,12 +65,17 @@ def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
 def graph_pool_bytes(spec, max_num_seqs: int, dtype_bytes: int) -> int:
     """The CUDA graph pool: all buckets share it, so it holds one decode step's activations at the largest bucket
     (the activation_reserve terms at T = max_num_seqs) plus every bucket's output, doubled like the reserve."""
-    b, h, i = max_num_seqs, spec.hidden_size, spec.intermediate_size
+    outputs = sum(graph_buckets(max_num_seqs)) * spec.hidden_size * dtype_bytes
+    return 2 * (_step_bytes(spec, max_num_seqs, max_num_seqs, dtype_bytes) + outputs)
+
+
+def _step_bytes(spec, tokens: int, rows: int, dtype_bytes: int) -> int:
+    """One layer's activations for `tokens` tokens (activation_reserve lists the terms), plus flash-decoding's fp32
+    split scratch for `rows` sequences."""
+    h, i = spec.hidden_size, spec.intermediate_size
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    step = (4 * h + qkv + 3 * i) * b * dtype_bytes + b * (max(h, i) + 4)
-    splits = 32 * b * spec.num_heads * (spec.head_dim + 2) * 4
-    outputs = sum(graph_buckets(max_num_seqs)) * h * dtype_bytes
-    return 2 * (step + splits + outputs)
+    per_layer = (4 * h + qkv + 3 * i) * tokens * dtype_bytes + tokens * (max(h, i) + 4)
+    return per_layer + 32 * rows * spec.num_heads * (spec.head_dim + 2) * 4
 
 
 def activation_reserve(
@@ -91,13 +96,10 @@ def activation_reserve(
     - the sampler: fp32 logits of max_num_seqs rows, three times over (logits, probabilities, a sorted copy);
     - LoRA slots (lora = (max_loras, max_lora_rank)) and the CUDA graph pool.
     Doubled for the allocator's rounding and fragmentation."""
-    t, h, i = max_num_batched_tokens, spec.hidden_size, spec.intermediate_size
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    per_layer = (4 * h + qkv + 3 * i) * t * dtype_bytes + t * (max(h, i) + 4)
-    splits = 32 * max_num_seqs * spec.num_heads * (spec.head_dim + 2) * 4
+    t = max_num_batched_tokens
     logits = 3 * max_num_seqs * spec.vocab_size * 4
     lora_b = lora_bytes(spec, lora[0], lora[1], dtype_bytes) + t * 4 * lora[1] * 4 if lora else 0
-    return 2 * (per_layer + splits + logits) + lora_b + graph_pool_bytes
+    return 2 * (_step_bytes(spec, t, max_num_seqs, dtype_bytes) + logits) + lora_b + graph_pool_bytes
 
 
 @dataclass(frozen=True)

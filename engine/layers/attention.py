@@ -178,8 +178,8 @@ class TorchAttention(_KVScales):
             if n == 1:
                 continue
             mask = None
-            if n != lens[i]:  # bottom-right causal: query j sees positions <= ctx - n + j
-                mask = (torch.arange(lens[i])[None, :] <= torch.arange(lens[i] - n, lens[i])[:, None]).to(device)
+            if n != lens[i]:  # earlier context: SDPA's is_causal would align the wrong corner
+                mask = _chunk_mask(lens[i], n, None, device)
             prefills.append(_Prefill(qsl[i], n, lens[i], torch.tensor(tables[i]).to(device), mask))
         return TorchAttnMetadata(layout.slot_mapping, decodes, prefills)
 
@@ -207,11 +207,7 @@ class TorchAttention(_KVScales):
             kg, vg = self._gather(k_cache, v_cache, p.blocks, 1, q.dtype, ks, vs)  # [KVH, 1, nblk * bs, D]
             qp = q[p.start : p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
             k, v = kg[:, :, : p.ctx].transpose(0, 1), vg[:, :, : p.ctx].transpose(0, 1)  # [1, KVH, ctx, D]
-            mask = p.mask
-            if window:  # bottom-right causal and within the window
-                q_pos = torch.arange(p.ctx - p.num_q, p.ctx, device=q.device)[:, None]
-                k_pos = torch.arange(p.ctx, device=q.device)[None, :]
-                mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+            mask = _chunk_mask(p.ctx, p.num_q, window, q.device) if window else p.mask
             if self.softcap:  # SDPA has no soft-cap: the same math spelled out
                 o = self._capped(qp, k, v, mask)
             else:
@@ -229,7 +225,7 @@ class TorchAttention(_KVScales):
         s = self.softcap * torch.tanh(s / self.softcap)
         if mask is None:
             n, ctx = s.shape[-2:]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            mask = _chunk_mask(ctx, n, None, q.device)
         return torch.matmul(s.masked_fill(~mask, float("-inf")).softmax(-1), v.float()).to(q.dtype)
 
     def _decode(self, q, k, v, mask):
@@ -266,6 +262,14 @@ class TorchAttention(_KVScales):
                 torch.index_select(cache[h], 0, blocks, out=buf[i, h])
         k, v = buf[0].view(kvh, n, -1, d), buf[1].view(kvh, n, -1, d)
         return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+
+
+def _chunk_mask(ctx: int, n: int, window: int | None, device) -> torch.Tensor:
+    """[n, ctx] bool for a chunk of the last n of ctx positions: bottom-right causal (query j at position
+    ctx - n + j sees positions <= its own), and within `window` positions of it when set."""
+    q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+    k_pos = torch.arange(ctx, device=device)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos
 
 
 def _length_buckets(nblks: list[int], max_buckets: int = 4, overhead: int = 64) -> list[range]:

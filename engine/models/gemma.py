@@ -45,13 +45,12 @@ def gemma_fields(cfg: dict, arch: str) -> dict:
     scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
     local_theta = float(local.pop("rope_theta"))
     local_scaling = local if local.get("rope_type", local.get("type", "default")) != "default" else None
-    w = cfg.get("sliding_window")
     return dict(
         gemma=True,
         rope_theta=theta,
         rope_scaling=scaling,
         local_rope=(local_theta, local_scaling) if arch == "Gemma3ForCausalLM" else None,
-        layer_windows=tuple(w if t == "sliding_attention" and w else None for t in types),
+        layer_types=tuple(types),  # spec.py turns them into layer_windows, as for every family
         attn_scale=cfg.get("query_pre_attn_scalar", cfg["hidden_size"] // cfg["num_attention_heads"]) ** -0.5,
         attn_softcap=cfg.get("attn_logit_softcapping"),
         final_softcap=cfg.get("final_logit_softcapping"),

@@ -264,16 +264,22 @@ class LlamaForCausalLM(nn.Module):
     def _load_linear(self, layer, attr: str, off: int, size: int | None, t: torch.Tensor, name: str) -> None:
         """Rows off:off+size of a (fused) linear weight. Online fp8: quantized per output channel as it streams in,
         in the model dtype first (rows are independent, so this equals quantizing the fused 16-bit weight)."""
-        dst = getattr(layer, attr)
-        dst = dst if size is None else dst.narrow(0, off, size)
-        if self.quantization != "fp8":
-            return _copy(dst, t, name)
-        if dst.shape != t.shape:
-            _copy(dst, t, name)  # raises with the shapes
-        wq, scale = quant_per_channel(t.to(device=dst.device, dtype=self.embed.dtype))
-        dst.copy_(wq)
-        scales = layer.fp8_scales[attr]
-        (scales if size is None else scales.narrow(0, off, size)).copy_(scale)
+        dst, scales = getattr(layer, attr), layer.fp8_scales.get(attr) if self.quantization == "fp8" else None
+        if size is not None:
+            dst, scales = dst.narrow(0, off, size), None if scales is None else scales.narrow(0, off, size)
+        load_into(dst, scales, t, name, self.embed.dtype)
+
+
+def load_into(dst: torch.Tensor, scales: torch.Tensor | None, t: torch.Tensor, name: str, dtype) -> None:
+    """Checkpoint tensor `t` into parameter rows `dst`: copied, or with `scales` (online fp8) quantized per output
+    channel from `dtype` (the model's) into dst's e4m3 and scales' [N, 1] fp32."""
+    if scales is None:
+        return _copy(dst, t, name)
+    if dst.shape != t.shape:
+        _copy(dst, t, name)  # raises with the shapes
+    wq, scale = quant_per_channel(t.to(device=dst.device, dtype=dtype))
+    dst.copy_(wq)
+    scales.copy_(scale)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UnsupportedModelError
-from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.llama import DecoderLayer, LlamaForCausalLM, _copy, load_into
 from kernels.activation import silu_and_mul
-from kernels.fp8 import quant_per_channel
 from kernels.fused_moe import fused_moe
 
 FP8 = torch.float8_e4m3fn
@@ -96,24 +95,26 @@ class MoEForCausalLM(LlamaForCausalLM):
             if m := _EXPERT.fullmatch(name):
                 i, j, kind = int(m[1]), int(m[2]), m[3]
                 layer = self.layers[i]
+                fp8 = self.quantization == "fp8"
                 if kind in ("w2", "down_proj"):
-                    self._put(layer.w2[j], layer.expert_scales.get("w2"), j, t, name)
+                    load_into(layer.w2[j], layer.expert_scales["w2"][j] if fp8 else None, t, name, self.embed.dtype)
                 else:
                     n = self.spec.moe_intermediate_size
                     rows = slice(_W13_HALF[kind] * n, (_W13_HALF[kind] + 1) * n)
-                    self._put(layer.w13[j][rows], layer.expert_scales.get("w13"), j, t, name, rows)
+                    sc = layer.expert_scales["w13"][j][rows] if fp8 else None
+                    load_into(layer.w13[j][rows], sc, t, name, self.embed.dtype)
                 self._expert_rows[i] = self._expert_rows.get(i, 0) + 1
             elif m := _ROUTER.fullmatch(name):
-                _check_copy(self.layers[int(m[1])].router, t, name)
+                _copy(self.layers[int(m[1])].router, t, name)
             elif m := _SHARED.fullmatch(name):
                 layer = self.layers[int(m[1])]
                 if m[3] is None:
-                    _check_copy(layer.shared_gate, t, name)
+                    _copy(layer.shared_gate, t, name)
                 elif m[3] == "down_proj":
-                    _check_copy(layer.shared_down, t, name)
+                    _copy(layer.shared_down, t, name)
                 else:
                     n = self.spec.shared_expert_intermediate_size
-                    _check_copy(layer.shared_gate_up[(0 if m[3] == "gate_proj" else n) :][:n], t, name)
+                    _copy(layer.shared_gate_up[(0 if m[3] == "gate_proj" else n) :][:n], t, name)
             else:
                 yield name, t
 
@@ -134,20 +135,3 @@ class MoEForCausalLM(LlamaForCausalLM):
                     yield name, t
 
         super().load_snapshot(rest())
-
-    def _put(self, dst, scales, j: int, t, name: str, rows: slice | None = None) -> None:
-        if dst.dtype != FP8:
-            return _check_copy(dst, t, name)
-        if tuple(dst.shape) != tuple(t.shape):
-            _check_copy(dst, t, name)  # raises with the shapes
-        wq, scale = quant_per_channel(t.to(device=dst.device, dtype=self.embed.dtype))  # per output channel
-        dst.copy_(wq)
-        (scales[j] if rows is None else scales[j][rows]).copy_(scale)
-
-
-def _check_copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise UnsupportedModelError(
-            f"weight {name}: shape {tuple(src.shape)} does not match config ({tuple(dst.shape)})"
-        )
-    dst.copy_(src)

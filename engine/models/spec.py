@@ -108,6 +108,7 @@ class ModelSpec:
 
             extra = gemma_fields(cfg, arch)
             theta, scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
+        types = extra.pop("layer_types", cfg.get("layer_types"))  # Gemma's, derived for older configs
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -126,7 +127,7 @@ class ModelSpec:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             prequantized=_check_quantization(cfg.get("quantization_config")),
-            layer_windows=extra.pop("layer_windows", None) or _layer_windows(cfg, arch),
+            layer_windows=_layer_windows(cfg | {"layer_types": types}, arch),
             **_moe_fields(cfg, arch),
             **extra,
         )
