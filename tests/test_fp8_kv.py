@@ -47,9 +47,10 @@ def test_fp8_kv_capacity_scales_and_quality(smollm2_path):
     # Measured here: 0.14 nats mean |delta logprob| over the top-5 (bf16 weights vs fp32 weights: 0.05).
     # The perplexity / KL targets of the [fp8] issue are measured by a benchmark, not asserted here.
     assert gap < 0.25, gap
-    # the check can fail: scales 100x too small saturate almost every K/V value
+    # the check can fail: scales 100x too small saturate almost every K/V value (measured 4x to 5x the calibrated
+    # gap, depending on the CPU's bf16 GEMM path)
     attn.set_kv_scales(attn.k_scales / 100, attn.v_scales / 100)
-    assert _gap(_first_step(fp8), ref) > 5 * gap
+    assert _gap(_first_step(fp8), ref) > 3 * gap
 
     # a full generation runs and frees everything
     outs = fp8.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
