@@ -42,6 +42,9 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
+        # Speculative decoding with a draft model: 1 = the draft's KV pool holds this block's tokens too (set by the
+        # draft, cleared when the block is handed out for new data), so a prefix-cache hit spares the draft as well
+        self.draft_ready = bytearray(num_blocks)
         self.queried_tokens = 0  # prefix-cache stats: tokens looked up at admission, and found
         self.hit_tokens = 0
         self.evictions = 0
@@ -92,14 +95,17 @@ class BlockManager:
         self.hit_tokens += num_hit_tokens
 
     # ---- allocation -----------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Grow req's block table to cover num_computed + len(cached_blocks) * block_size + num_new tokens,
-        taking `cached_blocks` (a hit from find_cached, for a request holding no blocks yet) first.
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, cached_blocks: list[int] = (), num_lookahead: int = 0
+    ) -> bool:
+        """Grow req's block table to cover num_computed + len(cached_blocks) * block_size + num_new tokens, and
+        `num_lookahead` slots past them for speculative drafts, taking `cached_blocks` (a hit from find_cached, for
+        a request holding no blocks yet) first. Lookahead slots are never registered: only verified tokens are.
 
         Returns False, and changes nothing, when the pool cannot supply the blocks."""
         assert not cached_blocks or not req.block_ids, "cached blocks are only taken at admission"
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        need = blocks_needed(total, self.block_size) - len(req.block_ids) - len(cached_blocks)
+        need = blocks_needed(total + num_lookahead, self.block_size) - len(req.block_ids) - len(cached_blocks)
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)  # these leave the free queue
         if need > len(self.free_queue) - revived:
             return False
@@ -117,6 +123,17 @@ class BlockManager:
             self._register(req, total // self.block_size)
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free req's blocks past the first `num_tokens` tokens (the slots of rejected drafts). Those blocks
+        held only lookahead slots: never registered, never shared, so they are handed out first."""
+        keep = blocks_needed(num_tokens, self.block_size)
+        while len(req.block_ids) > keep:
+            block_id = req.block_ids.pop()
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] == 0 and self.block_hash[block_id] is None, "a lookahead block is private"
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+
     def _register(self, req: Request, num_full: int) -> None:
         """Make req's first num_full blocks findable (they are full once this step has run)."""
         hashes = self._block_hashes(req, num_full)
@@ -130,6 +147,7 @@ class BlockManager:
 
     def _forget(self, block_id: int) -> None:
         """A free block is handed out for new data: drop its cached identity (an eviction)."""
+        self.draft_ready[block_id] = 0
         h = self.block_hash[block_id]
         if h is not None:
             if self.cached.get(h) == block_id:

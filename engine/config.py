@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ConfigError
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -66,6 +67,8 @@ class EngineConfig:
     s3_endpoint_url: str | None = None  # R2, MinIO, Backblaze or any S3-compatible store; None = AWS
     lora_cache_bytes: int = 10 << 30  # disk cache of downloaded adapters (LRU), under cache_root/lora-cache
     lora_load_timeout_s: float = 120.0  # a request whose adapter is not ready by then fails (only that request)
+    # Speculative decoding (engine/spec_decode/): n-gram prompt lookup or a draft model; a dict or its JSON is taken
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -95,6 +98,7 @@ class EngineConfig:
         need(self.lora_cache_bytes > 0, "lora_cache_bytes", "must be > 0 bytes")
         need(self.lora_load_timeout_s > 0, "lora_load_timeout_s", "must be > 0 seconds")
         need(self.lora_s3_uri is None or self.lora_s3_uri.startswith("s3://"), "lora_s3_uri", "must start with s3://")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if isinstance(self.hf_cache_dirs, (list, str)):
             dirs = (self.hf_cache_dirs,) if isinstance(self.hf_cache_dirs, str) else tuple(self.hf_cache_dirs)
             object.__setattr__(self, "hf_cache_dirs", dirs)

@@ -22,6 +22,7 @@ from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.output import OutputProcessor
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import Speculator
 from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
 from engine.tokenizer import Tokenizer
@@ -96,6 +97,7 @@ class LLMEngine:
             cfg.long_prefill_token_threshold,
             can_start=self.lora.can_start if self.lora is not None else None,
         )
+        self.speculator = self._build_speculator()
         self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
@@ -135,6 +137,11 @@ class LLMEngine:
         self.spec = ModelSpec.from_hf(hf_cfg, read_json(self.model_path / "generation_config.json"))
         self.dtype = model_dtype(cfg.dtype, hf_cfg, self.device.type)
         self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
+        self.draft_path = self.draft_spec = None
+        sc = cfg.speculative_config
+        if sc is not None and sc.method == "draft_model":  # its bytes are planned with the target's
+            self.draft_path = resolve_model_path(cfg.replace(model=sc.model, speculative_config=None))
+            self.draft_spec = ModelSpec.from_hf(read_json(self.draft_path / "config.json"), {})
         eos = set(self.spec.eos_token_ids)
         if self.tok.eos_token_id is not None:
             eos.add(self.tok.eos_token_id)
@@ -145,8 +152,12 @@ class LLMEngine:
         refuse weights that cannot fit and predict the rest; after it, plan from the measured memory."""
         cfg, spec = self.cfg, self.spec
         weights = memory.weight_bytes(spec, self.dtype.itemsize, cfg.quantization)
+        kv_per_token = memory.kv_bytes_per_token(spec, self.kv_dtype.itemsize)
+        if self.draft_spec is not None:  # the draft's weights, and its KV for every token of the shared block ids
+            weights += memory.weight_bytes(self.draft_spec, self.dtype.itemsize, None)
+            kv_per_token += memory.kv_bytes_per_token(self.draft_spec, self.dtype.itemsize)
         kv = dict(
-            kv_bytes_per_token=memory.kv_bytes_per_token(spec, self.kv_dtype.itemsize),
+            kv_bytes_per_token=kv_per_token,
             block_size=cfg.block_size,
             max_model_len=cfg.max_model_len,
             num_blocks=cfg.num_kv_blocks,
@@ -198,6 +209,21 @@ class LLMEngine:
         from engine.lora.manager import LoRAManager  # boto3 and friends only when LoRA is on
 
         return LoRAManager(self.cfg, self.spec, self.dtype, self.device)
+
+    def _build_speculator(self) -> Speculator | None:
+        sc = self.cfg.speculative_config
+        if sc is None:
+            return None
+        draft = None
+        if sc.method == "draft_model":
+            from engine.spec_decode.draft import DraftProposer
+
+            draft = DraftProposer(self, self.draft_path, self.draft_spec)
+            self.timeline.mark("draft model", str(draft.path))
+        spec = Speculator(sc, self.max_model_len, draft)
+        self.scheduler.lookahead = spec.lookahead
+        log.info("speculative decoding: %s", sc.describe())
+        return spec
 
     def _log_ready(self, seconds: float) -> None:
         other_dtype = self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn
@@ -347,15 +373,23 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         failed = self._fail_lora_waiters() if self.lora is not None else []
+        spec = self.speculator
+        if spec is not None:
+            spec.before_schedule(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.empty:
             return failed
+        if spec is not None:
+            spec.propose(scheduled)  # a draft model runs here, over every speculating sequence at once
         sampled, logprobs = self.runner.execute(scheduled)
         if self._structured is not None:
             self._structured.accept(sampled)
         self.scheduler.update(scheduled, sampled)
-        self.num_generated_tokens += len(sampled)
-        return failed + self.output.process(sampled, logprobs)
+        if spec is not None:
+            spec.after_update(scheduled, sampled)
+        outs = self.output.process(sampled, logprobs)
+        self.num_generated_tokens += sum(len(o.delta_token_ids) for out in outs for o in out.outputs)
+        return failed + outs
 
     def _fail_lora_waiters(self) -> list[RequestOutput]:
         """Requests whose adapter failed to load, or not in time: finished with the error, alone."""
@@ -392,6 +426,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             **bm.stats(),
             **(self.lora.stats() if self.lora else {}),
+            **(self.speculator.stats() if self.speculator else {}),
         }
 
     def lora_names(self) -> list[str]:

@@ -10,6 +10,7 @@ from engine.block_table import DeviceBlockTable, h2d, h2d_rows
 from engine.cuda_graphs import DecodeGraphs
 from engine.layers.attention import StepLayout, TritonAttnMetadata
 from engine.sampler import Sampler
+from engine.spec_decode.rejection import verify
 from engine.types import Request, SchedulerOutput
 
 
@@ -79,33 +80,50 @@ class ModelRunner:
         with kernels.backend(self.kernel_backend):
             self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[Request, int], dict[Request, dict]]:
-        """Run one step. Returns the sampled token of each request whose prefill is complete, and
-        top-N logprobs for those that asked."""
+    def _flat(self, items) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """items: (request, first position, its token ids) per sequence -> the flat batch's input ids, positions,
+        cache slots (from the request's block table), query_start_loc and seq_lens."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        token_slot: list[int] = []  # per token: its adapter's device slot, -1 = none
-        for req, n in zip(out.requests, out.num_scheduled_tokens):
-            if self.lora is not None:
-                token_slot += [req.lora_slot if req.lora_key is not None else -1] * n
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            input_ids += req.token_slice(start, end)
+        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        for req, start, ids in items:
+            end = start + len(ids)
+            input_ids += ids
             positions += range(start, end)
             table = req.block_ids
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            qsl.append(qsl[-1] + n)
+            qsl.append(qsl[-1] + len(ids))
             seq_lens.append(end)
-            if end == req.num_tokens:  # the chunk reaches the last token: this row samples
-                sample_rows.append(qsl[-1] - 1)
-                sample_reqs.append(req)
+        return input_ids, positions, slots, qsl, seq_lens
 
+    @torch.inference_mode()
+    def forward(self, items) -> tuple[torch.Tensor, list[int]]:
+        """The model (eager, no adapters) over one flat batch of `items` (see _flat): hidden [T, hidden] and
+        query_start_loc. The draft model's runs."""
+        input_ids, positions, slots, qsl, seq_lens = self._flat(items)
+        tables = [r.block_ids for r, _, _ in items]
+        bt = self.block_table.update(tables) if self.block_table is not None else None
+        return self._eager(input_ids, positions, slots, qsl, seq_lens, tables, bt, [], False), qsl
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[dict[Request, list[int]], dict[Request, list[dict]]]:
+        """Run one step. Returns the tokens of each request whose prefill is complete (one, or with speculation
+        the accepted drafts and the target's next token), and their top-N logprobs for those that asked."""
+        items, sample_reqs, sample_rows, drafts = [], [], [], []
+        end_row = 0
+        for req, n in zip(out.requests, out.num_scheduled_tokens):
+            spec = out.spec_tokens.get(req, [])
+            start, real = req.num_computed_tokens, n - len(spec)
+            items.append((req, start, req.token_slice(start, start + real) + spec))
+            end_row += n
+            if start + real == req.num_tokens:  # the chunk reaches the last token: this row samples, and each draft
+                sample_rows += range(end_row - 1 - len(spec), end_row)
+                sample_reqs.append(req)
+                drafts.append(spec)
+        input_ids, positions, slots, qsl, seq_lens = self._flat(items)
+        token_slot = []  # per token: its adapter's device slot, -1 = none
+        if self.lora is not None:
+            for req, n in zip(out.requests, out.num_scheduled_tokens):
+                token_slot += [req.lora_slot if req.lora_key is not None else -1] * n
         uses_lora = any(s >= 0 for s in token_slot)
         tables = [r.block_ids for r in out.requests]
         bt = self.block_table.update(tables) if self.block_table is not None else None
@@ -119,7 +137,7 @@ class ModelRunner:
         if not sample_reqs:
             return {}, {}
         # grammar masks are filled on the host while a GPU still runs the forward pass launched above
-        mask = self.structured.fill(sample_reqs) if self.structured is not None else None
+        mask = self.structured.fill(sample_reqs, drafts) if self.structured is not None else None
         with kernels.backend(self.kernel_backend):
             rows = (
                 hidden if len(sample_rows) == hidden.shape[0] else hidden[h2d(sample_rows, torch.int64, hidden.device)]
@@ -127,7 +145,12 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)  # [S, vocab] fp32
         if mask is not None:
             self.structured.apply(logits, mask)
-        tokens, logprobs = self.sampler(logits, sample_reqs)
+        if out.spec_tokens:
+            tokens, logprobs = verify(self.sampler, logits, sample_reqs, drafts, out.draft_probs)
+        else:
+            tokens, logprobs = self.sampler(logits, sample_reqs)
+            tokens = [[t] for t in tokens]
+            logprobs = [[lp] if lp is not None else None for lp in logprobs]
         sampled = dict(zip(sample_reqs, tokens))
         lps = {r: lp for r, lp in zip(sample_reqs, logprobs) if lp is not None}
         return sampled, lps

@@ -22,6 +22,7 @@ class Group:
     seqs: list[Request]
     detoks: list[IncrementalDetokenizer]
     sent_tokens: list[int] = field(default_factory=list)  # per seq: token ids already reported
+    detok_tokens: list[int] = field(default_factory=list)  # per seq: token ids the detokenizer has seen
 
 
 class OutputProcessor:
@@ -39,7 +40,7 @@ class OutputProcessor:
             )
             for _ in seqs
         ]
-        group = Group(request_id, ids, params, seqs, detoks, [0] * len(seqs))
+        group = Group(request_id, ids, params, seqs, detoks, [0] * len(seqs), [0] * len(seqs))
         self.groups[request_id] = group
         for s in seqs:
             self.group_of[s] = group
@@ -51,31 +52,39 @@ class OutputProcessor:
             self.group_of.pop(s, None)
         return group
 
-    def process(self, sampled: dict[Request, int], logprobs: dict[Request, dict]) -> list[RequestOutput]:
-        """After the scheduler's update: record timings and logprobs, detokenize, apply stop strings, and return
-        one output per request that got a token this step."""
-        for req, lp in logprobs.items():
-            req.logprobs.append(lp)
+    def process(self, sampled: dict[Request, list[int]], logprobs: dict[Request, list[dict]]) -> list[RequestOutput]:
+        """After the scheduler's update (which appended each sequence's new tokens, up to a stop): record timings and
+        logprobs, detokenize, apply stop strings (a stop string inside a run of accepted drafts drops the tokens
+        after it), and return one output per request that got tokens this step."""
         now = time.monotonic()
         touched: dict[Group, None] = {}
-        for req, token in sampled.items():
+        for req in sampled:
+            group = self.group_of[req]
+            touched[group] = None
+            i = group.seqs.index(req)
+            new = req.output_token_ids[group.detok_tokens[i] :]
+            if req.params.logprobs is not None:
+                req.logprobs += logprobs.get(req, [])[: len(new)]
             if req.first_token_time is None:
                 req.first_token_time = now
-            else:
+            else:  # tokens that arrive together count one gap, for the first of them
                 gap = now - req.last_token_time
                 req.itl_sum += gap
                 req.itl_max = max(req.itl_max, gap)
             req.last_token_time = now
-            group = self.group_of[req]
-            touched[group] = None
             p = req.params
-            hidden = (token in self.eos_token_ids and p.skip_special_tokens) or (
-                req.stop_reason == token and not p.include_stop_str_in_output
-            )
-            stop_str = group.detoks[group.seqs.index(req)].add_token(token, emit=not hidden)
-            if stop_str is not None and not req.finished:
-                self.finish(req, "stop")
-                req.stop_reason = stop_str
+            for j, token in enumerate(new):
+                hidden = (token in self.eos_token_ids and p.skip_special_tokens) or (
+                    req.stop_reason == token and j == len(new) - 1 and not p.include_stop_str_in_output
+                )
+                stop_str = group.detoks[i].add_token(token, emit=not hidden)
+                if stop_str is not None and not req.finished:
+                    del req.output_token_ids[group.detok_tokens[i] + j + 1 :]
+                    del req.logprobs[len(req.output_token_ids) :]
+                    self.finish(req, "stop")
+                    req.stop_reason = stop_str
+                    break
+            group.detok_tokens[i] = len(req.output_token_ids)
         return [self._output(g) for g in touched]
 
     def _output(self, group: Group) -> RequestOutput:

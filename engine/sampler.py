@@ -93,6 +93,10 @@ class Sampler:
         return h2d([[v] for v in values], torch.float32, self.device)
 
     def _draw(self, logits, reqs):
+        return self.race(self.probs(logits, reqs), reqs)
+
+    def probs(self, logits, reqs) -> torch.Tensor:
+        """The distribution a random row draws from: temperature, min_p, top_k, top_p, softmax. [R, vocab]."""
         # Which options apply is known on the host: no device round trip to find out
         logits = logits / self._column([r.params.temperature for r in reqs])
         if any(r.params.min_p > 0 for r in reqs):
@@ -102,9 +106,12 @@ class Sampler:
         top_k = [r.params.top_k for r in reqs]
         if any(top_k) or any(r.params.top_p < 1 for r in reqs):
             logits = self._top_k_top_p(logits, top_k, self._column([r.params.top_p for r in reqs])[:, 0])
-        probs = logits.softmax(-1)
-        # Exponential race (as vLLM): argmax(p / q), q ~ Exp(1), equals a draw from p. Seeded rows
-        # draw q from their own generator, so their tokens do not depend on the rest of the batch.
+        return logits.softmax(-1)
+
+    @staticmethod
+    def race(probs, reqs) -> torch.Tensor:
+        """One draw per row from `probs` (unnormalized is fine): the exponential race (as vLLM), argmax(p / q) with
+        q ~ Exp(1). Seeded rows draw q from their own generator, so their tokens do not depend on the batch."""
         q = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
         if unseeded:

@@ -16,7 +16,12 @@ class Scheduler:
 
     Running requests go first (one token per decode, the next chunk for an unfinished prefill); waiting
     requests fill what is left, a chunk at a time. When blocks run out, the most recently admitted running
-    request is preempted by recompute: its blocks are freed and it goes back to the front of the queue."""
+    request is preempted by recompute: its blocks are freed and it goes back to the front of the queue.
+
+    With speculative decoding (`lookahead`: how many drafts a decoding request would verify), each decoding
+    request then gets up to that many extra slots from what is left of the budget and the pool, after every
+    running request has its real tokens: a short pool shortens speculation and never preempts for it.
+    Waiting requests are admitted after that."""
 
     def __init__(
         self,
@@ -26,6 +31,7 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
         can_start: Callable[[Request, list[Request]], bool] | None = None,
+        lookahead: Callable[[Request], int] | None = None,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -40,6 +46,7 @@ class Scheduler:
         # Optional admission gate (LoRAManager.can_start: the adapter's device slot), asked with the running
         # requests: False keeps a request queued without blocking the others.
         self.can_start = can_start
+        self.lookahead = lookahead
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -68,6 +75,8 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
             i += 1
+        if self.lookahead is not None:
+            budget = self._grant_lookahead(out, budget)
 
         # Admit waiting requests only when nothing was preempted this step: otherwise the
         # freed blocks would be handed straight to a newcomer and the victim would starve.
@@ -98,6 +107,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         return out
 
+    def _grant_lookahead(self, out: SchedulerOutput, budget: int) -> int:
+        for j, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            if budget <= 0:
+                break
+            if n != 1 or req.num_computed_tokens != req.num_tokens - 1:  # only a decode speculates
+                continue
+            k = min(self.lookahead(req), budget)
+            while k and not self.bm.allocate_slots(req, n, num_lookahead=k):
+                k -= 1  # the pool is short: fewer drafts
+            if k:
+                out.spec[req] = k
+                out.num_scheduled_tokens[j] += k
+                budget -= k
+        return budget
+
     def _preempt(self, req: Request) -> None:
         self.bm.free(req)
         req.num_computed_tokens = 0
@@ -106,21 +130,27 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[Request, list[int]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
 
-        `sampled` maps the requests that produced a token this step to it. Returns the newly finished."""
+        `sampled` maps the requests that produced tokens this step to them: one, or with speculation the
+        accepted drafts and the target's own token. Tokens after a stop are dropped, and the slots of rejected
+        drafts are rolled back (their blocks freed). Returns the newly finished."""
         finished = []
         for req, n in zip(out.requests, out.num_scheduled_tokens):
-            req.num_computed_tokens += n
-            token = sampled.get(req)
-            if token is None:
-                continue
-            req.output_token_ids.append(token)
-            reason = self._check_stop(req, token)
-            if reason is not None:
-                self.finish(req, reason)
-                finished.append(req)
+            tokens = sampled.get(req)
+            granted = out.spec.get(req, 0)
+            # the KV of accepted drafts is valid; that of rejected ones is not
+            req.num_computed_tokens += n - granted + (len(tokens) - 1 if tokens and granted else 0)
+            for token in tokens or ():
+                req.output_token_ids.append(token)
+                reason = self._check_stop(req, token)
+                if reason is not None:
+                    self.finish(req, reason)
+                    finished.append(req)
+                    break
+            if granted and not req.finished:
+                self.bm.trim(req, req.num_computed_tokens)
         return finished
 
     def _check_stop(self, req: Request, token: int) -> str | None:

@@ -108,17 +108,33 @@ class StructuredOutputs:
         return xgr.GrammarMatcher(self.compile(p).result())
 
     # ---- each step (the engine thread) ------------------------------------------------------------------
-    def fill(self, reqs: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
-        """The token bitmask of each constrained sampling row ([S, ceil(vocab / 32)] int32 on the host) and those
-        rows, or None when no row is constrained."""
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows:
+    def fill(self, reqs: list[Request], drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int]] | None:
+        """The token bitmask of each constrained sampling row ([rows, ceil(vocab / 32)] int32 on the host) and those
+        rows, or None when no row is constrained. With speculation a request has one row per draft plus one: row
+        j is masked as the grammar stands after drafts 1..j (the matcher advances through them, then rolls back;
+        a draft the grammar refuses ends the run there, since its own row's mask then rejects it)."""
+        drafts = drafts or [[] for _ in reqs]
+        if all(r.matcher is None for r in reqs):
             return None
         import xgrammar as xgr
 
-        mask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)  # all ones: everything allowed
-        for i in rows:
-            reqs[i].matcher.fill_next_token_bitmask(mask, i)
+        mask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), self.vocab_size)  # all ones: all allowed
+        rows, row = [], 0
+        for req, ds in zip(reqs, drafts):
+            m = req.matcher
+            if m is not None:
+                advanced = 0
+                for j in range(len(ds) + 1):
+                    if m.is_terminated():
+                        break
+                    m.fill_next_token_bitmask(mask, row + j)
+                    rows.append(row + j)
+                    if j == len(ds) or not m.accept_token(ds[j]):
+                        break
+                    advanced += 1
+                if advanced:
+                    m.rollback(advanced)
+            row += len(ds) + 1
         return mask, rows
 
     @staticmethod
@@ -130,15 +146,18 @@ class StructuredOutputs:
         xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=rows)
 
     @staticmethod
-    def accept(sampled: dict[Request, int]) -> None:
-        """Advance each constrained sequence's matcher by its sampled token. The mask allowed it, unless another
+    def accept(sampled: dict[Request, list[int]]) -> None:
+        """Advance each constrained sequence's matcher by its sampled tokens. The mask allowed them, unless another
         rule removed every allowed token (min_tokens masks the stop token a complete grammar leaves): then the
         sequence stops there (Scheduler checks `grammar_rejected`), rather than the step failing everyone."""
-        for req, token in sampled.items():
-            if req.matcher is not None and not req.matcher.is_terminated():
+        for req, tokens in sampled.items():
+            for token in tokens if req.matcher is not None else ():
+                if req.matcher.is_terminated():
+                    break
                 if not req.matcher.accept_token(token):
                     log.warning("%s: the grammar allows no token here; the sequence stops", req.request_id)
                     req.grammar_rejected = True
+                    break
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

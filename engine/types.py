@@ -198,6 +198,11 @@ class Request:
     last_token_time: float | None = None
     itl_sum: float = 0.0
     itl_max: float = 0.0
+    # Speculative decoding: drafts verified for this sequence, accepted, and accepted at each draft position
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_verify_steps: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -231,6 +236,11 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]
     # Requests preempted this step (their blocks are already freed).
     preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding: lookahead slots granted to decoding requests (counted in num_scheduled_tokens), then
+    # the draft tokens that fill them and, for drafts sampled from a draft model, their q rows [k, vocab]
+    spec: dict[Request, int] = field(default_factory=dict)
+    spec_tokens: dict[Request, list[int]] = field(default_factory=dict)
+    draft_probs: dict[Request, Any] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -272,6 +282,9 @@ class RequestMetrics:
     cached_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
     output_tokens: int
     num_preemptions: int
+    # speculative decoding, when on: draft_tokens, accepted_tokens, acceptance_rate, mean_acceptance_length (tokens
+    # per verification step, the target's own included) and accepted_per_pos (rate at each draft position)
+    spec_decode: dict | None = None
 
     @classmethod
     def of(cls, seqs: list[Request], now: float) -> RequestMetrics:
@@ -291,7 +304,23 @@ class RequestMetrics:
             cached_prompt_tokens=first.num_cached_tokens or 0,
             output_tokens=sum(len(s.output_token_ids) for s in seqs),
             num_preemptions=sum(s.num_preemptions for s in seqs),
+            spec_decode=spec_metrics(seqs),
         )
+
+
+def spec_metrics(seqs: list[Request]) -> dict | None:
+    steps = sum(s.spec_verify_steps for s in seqs)
+    if not steps:
+        return None
+    drafted, accepted = sum(s.spec_draft_tokens for s in seqs), sum(s.spec_accepted_tokens for s in seqs)
+    per_pos = [sum(c) for c in zip(*(s.spec_accepted_per_pos for s in seqs if s.spec_accepted_per_pos))]
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "mean_acceptance_length": round(1 + accepted / steps, 4),
+        "accepted_per_pos": [round(c / steps, 4) for c in per_pos],
+    }
 
 
 @dataclass
