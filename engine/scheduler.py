@@ -162,7 +162,7 @@ class Scheduler:
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return "stop"
-        if req.matcher is not None and (req.matcher.is_terminated() or req.grammar_rejected):  # the grammar ended
+        if req.grammar_stop_at is not None and num_out >= req.grammar_stop_at:  # the grammar ended here
             return "stop"
         if p.max_tokens is not None and num_out >= p.max_tokens:
             return "length"

@@ -147,16 +147,21 @@ class StructuredOutputs:
 
     @staticmethod
     def accept(sampled: dict[Request, list[int]]) -> None:
-        """Advance each constrained sequence's matcher by its sampled tokens. The mask allowed them, unless another
-        rule removed every allowed token (min_tokens masks the stop token a complete grammar leaves): then the
-        sequence stops there (Scheduler checks `grammar_rejected`), rather than the step failing everyone."""
+        """Advance each constrained sequence's matcher by its sampled tokens (before the scheduler appends them). The
+        mask allowed them, unless another rule removed every allowed token (min_tokens masks the stop token a
+        complete grammar leaves): then the sequence stops at that token, rather than the step failing everyone.
+        Where the grammar ends is recorded as an output length (`grammar_stop_at`), so the scheduler stops a run
+        of accepted drafts exactly there."""
         for req, tokens in sampled.items():
-            for token in tokens if req.matcher is not None else ():
-                if req.matcher.is_terminated():
-                    break
-                if not req.matcher.accept_token(token):
+            m = req.matcher
+            if m is None or req.grammar_stop_at is not None:
+                continue
+            for j, token in enumerate(tokens):
+                ok = m.accept_token(token)
+                if not ok:
                     log.warning("%s: the grammar allows no token here; the sequence stops", req.request_id)
-                    req.grammar_rejected = True
+                if not ok or m.is_terminated():
+                    req.grammar_stop_at = len(req.output_token_ids) + j + 1
                     break
 
     def shutdown(self) -> None:

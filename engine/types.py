@@ -181,7 +181,8 @@ class Request:
     generator: Any = None
     # A structured-output request's xgrammar GrammarMatcher: it has accepted every output token so far
     matcher: Any = None
-    grammar_rejected: bool = False  # its grammar allowed no token left after the other rules: it stops
+    # the output length at which the grammar ended (terminated, or refused a token the other rules forced): it stops
+    grammar_stop_at: int | None = None
     # Per prompt position, top-N logprobs (None for the first token), when params.prompt_logprobs is set
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Prefix caching (owned by BlockManager). cache_key: the extra keys hashed into every block (the

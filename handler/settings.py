@@ -63,8 +63,8 @@ class Settings(BaseModel):
     KV_CACHE_DTYPE: str = "auto"
     ENABLE_PREFIX_CACHING: bool = True
     # LoRA (worker-vllm's names, plus S3 sources, which worker-vllm lacks)
+    SPECULATIVE_CONFIG: str | None = None  # JSON: {"method": "ngram", ...} or {"model": ..., ...}
     # worker-vllm variables this worker does not implement yet: read so that a start can say so (ignored())
-    SPECULATIVE_CONFIG: str | None = None
     TENSOR_PARALLEL_SIZE: int = Field(default=1, ge=1)
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
@@ -160,8 +160,6 @@ class Settings(BaseModel):
         out = []
         if self.LORA_MODULES and not self.ENABLE_LORA:
             out.append("LORA_MODULES (ignored unless ENABLE_LORA=true)")
-        if self.SPECULATIVE_CONFIG:
-            out.append("SPECULATIVE_CONFIG (speculative decoding is not implemented yet: ignored)")
         if self.TENSOR_PARALLEL_SIZE > 1:
             out.append(
                 f"TENSOR_PARALLEL_SIZE={self.TENSOR_PARALLEL_SIZE} (tensor parallelism is not implemented yet: one "
@@ -185,7 +183,14 @@ class Settings(BaseModel):
         try:
             return EngineConfig(**kw)
         except ValueError as e:
-            env = next((env for env, field in ENGINE_FIELDS.items() if f"EngineConfig.{field}=" in str(e)), None)
+            env = next(
+                (
+                    env
+                    for env, field in ENGINE_FIELDS.items()
+                    if f"EngineConfig.{field}=" in str(e) or str(e).startswith(field)
+                ),
+                None,
+            )
             raise SettingsError(f"environment variable {env}: {e}" if env else f"invalid engine setting: {e}") from e
 
 
@@ -216,6 +221,7 @@ ENGINE_FIELDS = {
     "S3_ENDPOINT_URL": "s3_endpoint_url",
     "LORA_CACHE_BYTES": "lora_cache_bytes",
     "LORA_LOAD_TIMEOUT_S": "lora_load_timeout_s",
+    "SPECULATIVE_CONFIG": "speculative_config",
 }
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).

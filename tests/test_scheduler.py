@@ -17,7 +17,7 @@ def run_step(sched: Scheduler, token: int = 7):
     """Schedule, then pretend the model ran: every request whose chunk reached its end samples `token`."""
     out = sched.schedule()
     sampled = {
-        r: token for r, n in zip(out.requests, out.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens
+        r: [token] for r, n in zip(out.requests, out.num_scheduled_tokens) if r.num_computed_tokens + n == r.num_tokens
     }
     sched.update(out, sampled)
     return out
@@ -132,7 +132,7 @@ def test_stop_rules():
     for r in (eos, stop_id, min_tok):
         s.add(r)
     out = s.schedule()
-    s.update(out, {eos: 0, stop_id: 9, min_tok: 0})
+    s.update(out, {eos: [0], stop_id: [9], min_tok: [0]})
     assert eos.finish_reason == "stop" and stop_id.finish_reason == "stop" and stop_id.stop_reason == 9
     assert min_tok.finish_reason is None  # eos before min_tokens does not stop
     assert s.running == [min_tok]

@@ -101,8 +101,10 @@ def test_job_variables_and_worker_vllm_aliases():
         "LORA_MODULES (ignored unless ENABLE_LORA=true)"
     ]
     # worker-vllm variables not implemented yet are said to be ignored, not silently dropped
-    unbuilt = load_settings({"SPECULATIVE_CONFIG": '{"method": "ngram"}', "TENSOR_PARALLEL_SIZE": "2"}).ignored()
-    assert len(unbuilt) == 2 and "SPECULATIVE_CONFIG" in unbuilt[0] and "TENSOR_PARALLEL_SIZE=2" in unbuilt[1]
+    unbuilt = load_settings({"TENSOR_PARALLEL_SIZE": "2"}).ignored()
+    assert len(unbuilt) == 1 and "TENSOR_PARALLEL_SIZE=2" in unbuilt[0]
+    with pytest.raises(SettingsError, match=r"SPECULATIVE_CONFIG: speculative_config.num_speculative_tokens"):
+        load_settings({"SPECULATIVE_CONFIG": '{"method": "ngram"}'}).engine_config()
     assert load_settings({"TENSOR_PARALLEL_SIZE": "1"}).ignored() == []
     lora = load_settings(
         {

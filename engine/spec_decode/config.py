@@ -39,13 +39,16 @@ class SpeculativeConfig:
                  "applies to method ngram only")  # fmt: skip
             return
         need(self.model is None, "model", "method ngram takes no model (set method draft_model, or leave it out)")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        lo, hi = (lo or hi or NGRAM_DEFAULT), (hi or lo or NGRAM_DEFAULT)  # one given: both take it (vLLM)
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1")
+            need(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
+                 "must be an integer >= 1")  # fmt: skip
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = NGRAM_DEFAULT
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)  # one given: both take it (vLLM)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
         need(lo <= hi, "prompt_lookup_min", f"must not exceed prompt_lookup_max={hi}")
 
     @classmethod

@@ -71,7 +71,7 @@ def verify(
         q = _draft_q(p, rows, rand, draft_tok, draft_probs)
         di = dr.clamp(min=0)[:, None]
         p_d, q_d = p.gather(1, di)[:, 0], q.gather(1, di)[:, 0]
-        u = _uniform(rr, dev)
+        u = _uniform(rr, [draft_tok[i] >= 0 for i in rand], dev)
         accept[rand] = has & (u * q_d < p_d)  # strict: a token with p = 0 is never accepted
         residual = torch.where(has[:, None], (p - q).clamp_min(0), p)  # rows without a draft: p itself
         tok[rand] = sampler.race(residual, rr)
@@ -109,9 +109,11 @@ def _draft_q(p, rows, rand, draft_tok, draft_probs) -> torch.Tensor:
     return q
 
 
-def _uniform(rows, dev) -> torch.Tensor:
+def _uniform(rows, has_draft: list[bool], dev) -> torch.Tensor:
+    """One uniform per row that has a draft to accept. A seeded row draws only then, so a row without a draft uses
+    its generator exactly as a plain step does, whatever else is in the batch."""
     u = torch.rand(len(rows), device=dev)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
+    for i, (r, has) in enumerate(zip(rows, has_draft)):
+        if r.generator is not None and has:
             u[i] = torch.rand(1, device=dev, generator=r.generator)[0]
     return u

@@ -1,0 +1,337 @@
+"""Speculative decoding (engine/spec_decode/): n-gram prompt lookup and a draft model, verified by rejection
+sampling. Greedy output must equal the plain engine's token for token; sampled output must keep the target's
+distribution; rejected slots must be rolled back."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.block_manager import blocks_needed
+from engine.errors import ConfigError
+from engine.sampler import Sampler
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.rejection import verify
+from engine.types import Request, StructuredOutputsParams
+from tests.conftest import build_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# prompts whose greedy continuations repeat (a random tiny model loops), plus one that does not
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [100, 101, 102, 103], list(range(20, 60)), [7] * 10, [42, 17, 99]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+CHI2_999 = {4: 18.467, 15: 37.697}  # chi-square critical values at p = 0.001 by degrees of freedom
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_llama) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    return {
+        "target": tiny_llama,
+        "random_draft": build_tiny_model(root / "draft", "llama", seed=7, num_hidden_layers=1),
+        "other_vocab": build_tiny_model(root / "vocab", "llama", vocab_size=500),
+    }
+
+
+def llm(models, spec=None, **kw) -> LLM:
+    kw = {"model": str(models["target"]), "dtype": "float32", "log_stats_interval": 0, "num_kv_blocks": 64, **kw}
+    return LLM(speculative_config=spec, **kw)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def run(engine_llm, prompts=PROMPTS, params=GREEDY, **kw):
+    return engine_llm.generate([{"prompt_token_ids": p} for p in prompts], params, **kw)
+
+
+def assert_pool_clean(e) -> None:
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+
+# ---- configuration ----------------------------------------------------------------------------------------
+def test_config_values_and_errors_name_the_field():
+    c = SpeculativeConfig.of('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    c = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    assert SpeculativeConfig.of({"model": "x", "num_speculative_tokens": 2}).method == "draft_model"
+    assert SpeculativeConfig.of("") is None and SpeculativeConfig.of({}) is None
+    assert EngineConfig(speculative_config=NGRAM).speculative_config.num_speculative_tokens == 3
+    bad = {
+        '{"method": "ngram"}': "num_speculative_tokens",
+        '{"method": "ngram", "num_speculative_tokens": 0}': "num_speculative_tokens",
+        '{"method": "medusa", "num_speculative_tokens": 2}': "method",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}': (
+            "prompt_lookup_min"
+        ),
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}': "prompt_lookup_max",
+        '{"method": "draft_model", "num_speculative_tokens": 2}': "model",
+        '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
+        "{not json": "not valid JSON",
+    }
+    for text, field in bad.items():
+        with pytest.raises(ConfigError, match=field):
+            SpeculativeConfig.of(text)
+
+
+def test_env_reaches_the_engine():
+    from handler.settings import load_settings
+
+    s = load_settings({"SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 2}'})
+    assert s.engine_config().speculative_config.num_speculative_tokens == 2
+    assert s.ignored() == []
+
+
+def test_draft_with_another_vocabulary_is_refused(models):
+    with pytest.raises(ConfigError, match=r"speculative_config.model.*vocabulary has 500 tokens"):
+        llm(models, {"model": str(models["other_vocab"]), "num_speculative_tokens": 2})
+
+
+def test_propose_ngram():
+    t = np.array([1, 2, 3, 4, 9, 1, 2, 3], dtype=np.int64)
+    assert propose_ngram(t, 1, 3, 3) == [4, 9, 1]  # "1 2 3" occurred at 0: what followed it
+    assert propose_ngram(t, 1, 3, 10) == [4, 9, 1, 2, 3]  # as far as the sequence goes
+    assert propose_ngram(np.array([5, 6, 7, 5]), 1, 2, 2) == [6, 7]  # down to a 1-gram
+    assert propose_ngram(np.array([5, 6, 7, 5]), 2, 2, 2) == []  # no 2-gram recurs
+    assert propose_ngram(np.array([1, 2, 1, 3, 1]), 1, 1, 1) == [3]  # the most recent occurrence
+
+
+# ---- greedy equality --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_out(models):
+    return tokens(run(llm(models)))
+
+
+@pytest.mark.parametrize("kind", ["ngram", "random_draft", "self_draft"])
+def test_greedy_equals_plain_decoding(models, base_out, kind):
+    spec = {
+        "ngram": NGRAM,
+        "random_draft": {"model": str(models["random_draft"]), "num_speculative_tokens": 3},
+        "self_draft": {"model": str(models["target"]), "num_speculative_tokens": 4},
+    }[kind]
+    e = llm(models, spec)
+    outs = run(e)
+    assert tokens(outs) == base_out
+    st = e.engine.stats()
+    assert st["spec_decode_num_draft_tokens"] > 50
+    rate = st["spec_decode_acceptance_rate"]
+    if kind == "self_draft":
+        assert rate > 0.95 and st["spec_decode_mean_acceptance_length"] > 4
+    elif kind == "random_draft":
+        assert rate < 0.2  # a random draft is rejected almost always, and changes nothing
+    else:  # a random model rarely repeats itself: few n-gram drafts are right, but some are
+        assert st["spec_decode_num_accepted_tokens"] > 0
+    m = outs[0].metrics.spec_decode
+    assert m["draft_tokens"] > 0 and len(m["accepted_per_pos"]) == spec["num_speculative_tokens"]
+    assert 1 <= m["mean_acceptance_length"] <= 1 + spec["num_speculative_tokens"]
+    assert m["acceptance_rate"] == round(m["accepted_tokens"] / m["draft_tokens"], 4)
+    assert_pool_clean(e.engine)
+
+
+def test_greedy_equality_with_chunked_prefill_preemption_and_stops(models):
+    long = [list(range(3, 3 + 70)) + list(range(3, 20)), [11, 12, 13] * 20, [8] * 50]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=25, min_tokens=10, ignore_eos=False),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+    ]
+    # small budget (chunked prefill) and a pool too small for all three at once (preemption)
+    kw = dict(max_num_batched_tokens=24, num_kv_blocks=14, block_size=8)
+    base = llm(models, **kw)
+    ref = base.generate([{"prompt_token_ids": p} for p in long], params)
+    e = llm(models, NGRAM, **kw)
+    got = e.generate([{"prompt_token_ids": p} for p in long], params)
+    assert tokens(got) == tokens(ref)
+    assert e.engine.scheduler.num_preemptions > 0 and base.engine.scheduler.num_preemptions > 0
+    lp_ref, lp_got = ref[2].outputs[0].logprobs, got[2].outputs[0].logprobs
+    assert len(lp_got) == len(lp_ref) == 30
+    for a, b in zip(lp_ref, lp_got):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert_pool_clean(e.engine)
+
+    # stop token ids, stop strings and max_tokens inside an accepted run (the model drafting for itself accepts
+    # every draft): nothing past the stop
+    self_draft = {"model": str(models["target"]), "num_speculative_tokens": 4}
+    plain = tokens(run(llm(models), [[11, 12, 13] * 8]))[0]
+    stop_tok = plain[5]
+    text = base.engine.tok.decode(plain[:8])
+    stop_str = text[len(base.engine.tok.decode(plain[:6])) :][:2] or None
+    for sp in (
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop_str] if stop_str else None),
+    ):
+        ref_o = run(llm(models), [[11, 12, 13] * 8], sp)[0].outputs[0]
+        got_o = run(llm(models, self_draft), [[11, 12, 13] * 8], sp)[0].outputs[0]
+        assert (got_o.token_ids, got_o.text, got_o.finish_reason) == (ref_o.token_ids, ref_o.text, ref_o.finish_reason)
+
+
+def test_greedy_equality_with_n_and_a_lora_request(models, tmp_path):
+    from engine import LoRARequest
+    from tests.lora_fixtures import make_peft_adapter
+
+    adapter = make_peft_adapter(models["target"], tmp_path / "a1", b_std=0.3, seed=1)[0]
+    kw = dict(enable_lora=True, lora_modules=(("a1", str(adapter)),), cache_root=str(tmp_path), max_lora_rank=8)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    loras = [LoRARequest("a1"), None, LoRARequest("a1")]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
+    ref = llm(models, **kw).generate(prompts, sp, lora=loras)
+    draft = {"model": str(models["target"]), "num_speculative_tokens": 3}  # the draft runs without the adapter
+    e = llm(models, draft, **kw)
+    got = e.generate(prompts, sp, lora=loras)
+    assert tokens(got) == tokens(ref)
+    assert tokens(ref)[0] != tokens(ref)[2]  # the adapter changes the output: the test could fail
+    assert got[1].metrics.spec_decode["acceptance_rate"] > 0.95  # base model: its own draft
+    assert got[0].metrics.spec_decode["acceptance_rate"] < got[1].metrics.spec_decode["acceptance_rate"]
+
+
+@pytest.mark.slow
+def test_smollm2_self_draft_and_ngram(smollm2_path):
+    prompt = "Rewrite this function with a docstring:\ndef add(a, b):\n    total = a + b\n    return total\n"
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    kw = dict(model=str(smollm2_path), dtype="float32", log_stats_interval=0, kv_cache_memory=64 << 20)
+    ref = LLM(**kw).generate(prompt, sp)[0].outputs[0].token_ids
+    for spec, min_rate in (({"model": str(smollm2_path), "num_speculative_tokens": 3}, 0.9), (NGRAM, 0.1)):
+        e = LLM(speculative_config=spec, **kw)
+        out = e.generate(prompt, sp)[0]
+        assert out.outputs[0].token_ids == ref
+        assert out.metrics.spec_decode["acceptance_rate"] > min_rate, out.metrics.spec_decode
+
+
+# ---- sampling -----------------------------------------------------------------------------------------------
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("sampled_draft", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(sampled_draft):
+    """Chi-square: the first emitted token follows p_0, and after an accepted first draft the second follows p_1,
+    whatever the draft proposes (one-hot n-gram drafts, or drafts drawn from a q far from p)."""
+    torch.manual_seed(0)
+    vocab, n, k = 6, 20000, 2
+    target = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.0, 1.5, -0.5, 1.0, 0.2, 0.0], [0.0] * 6])
+    q_rows = torch.tensor([[0.05, 0.05, 0.5, 0.2, 0.1, 0.1], [0.3, 0.1, 0.1, 0.1, 0.3, 0.1]])
+    sp = SamplingParams(temperature=1.0, top_k=5)  # top_k applies: the least likely token (4) must never appear
+    reqs = [Request(f"r{i}", [1, 2], sp) for i in range(n)]
+    if sampled_draft:
+        drafts = torch.multinomial(q_rows, n, replacement=True).T.tolist()  # [n, k], d_j ~ q_j
+        probs = {r: q_rows for r in reqs}
+    else:
+        drafts = [[2, 1]] * (n // 2) + [[0, 3]] * (n - n // 2)  # fixed proposals, q = 1
+        probs = None
+    logits = target.repeat(n, 1)
+    out, _ = verify(Sampler(vocab, torch.device("cpu")), logits, reqs, drafts, probs)
+    cut = torch.tensor([[4], [2]])  # top_k=5 drops each row's least likely token
+    p = torch.softmax(target[:2].scatter(1, cut, float("-inf")), -1).numpy()
+    first = np.bincount([o[0] for o in out], minlength=vocab)
+    assert first[4] == 0
+    keep0 = [i for i in range(vocab) if i != 4]
+    assert _chi2(first[keep0], p[0][keep0]) < CHI2_999[4]
+    # a first draft that was accepted is followed by row 1's token (a rejected one never equals its draft)
+    second = np.bincount([o[1] for o, d in zip(out, drafts) if o[0] == d[0]], minlength=vocab)
+    assert second.sum() > 2000 and second[2] == 0
+    keep1 = [i for i in range(vocab) if i != 2]
+    assert _chi2(second[keep1], p[1][keep1]) < CHI2_999[4]
+    assert all(len(o) <= k + 1 for o in out) and any(len(o) == k + 1 for o in out)
+    # the check can fail: accepting every draft would follow the drafts, not p
+    naive = np.bincount([d[0] for d in drafts], minlength=vocab)
+    assert _chi2(naive[keep0] + 1, p[0][keep0]) > CHI2_999[4]
+
+
+def test_engine_samples_from_the_target_distribution(models):
+    """End to end, with the model as its own (sampled) draft: the joint law of the first two tokens under
+    top_k=4 matches the one computed from the plain engine's logprobs."""
+    prompt, top = [5, 9, 13, 21], 4
+    plain = llm(models)
+
+    def top_probs(ids) -> dict[int, float]:
+        lp = run(plain, [ids], SamplingParams(temperature=0, max_tokens=1, logprobs=top))[0].outputs[0].logprobs[0]
+        best = sorted(lp, key=lp.get, reverse=True)[:top]
+        z = sum(math.exp(lp[t]) for t in best)
+        return {t: math.exp(lp[t]) / z for t in best}
+
+    p1 = top_probs(prompt)
+    joint = {(a, b): pa * pb for a, pa in p1.items() for b, pb in top_probs(prompt + [a]).items()}
+    e = llm(models, {"model": str(models["target"]), "num_speculative_tokens": 2}, max_num_seqs=256, num_kv_blocks=1200)
+    sp = SamplingParams(temperature=1.0, top_k=top, max_tokens=3, ignore_eos=True, n=200, seed=None)
+    outs = run(e, [prompt] * 20, sp)
+    pairs = [tuple(c.token_ids[:2]) for o in outs for c in o.outputs]
+    assert e.engine.stats()["spec_decode_num_accepted_tokens"] > 500  # drafts were verified and accepted
+    cells = sorted(joint)
+    counts = np.array([sum(1 for x in pairs if x == c) for c in cells])
+    assert counts.sum() == len(pairs) == 4000  # no pair outside the top-4 x top-4 support
+    assert _chi2(counts, np.array([joint[c] for c in cells])) < CHI2_999[15]
+
+
+def test_seeded_request_alone_and_in_a_batch(models):
+    spec = {"model": str(models["random_draft"]), "num_speculative_tokens": 3}
+    sp = SamplingParams(temperature=0.8, max_tokens=24, seed=1234, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    alone = run(llm(models, spec), [PROMPTS[0]], sp)[0].outputs[0].token_ids
+    e = llm(models, spec)
+    batch = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[4]]
+    outs = e.generate([{"prompt_token_ids": p} for p in batch], [other, other, sp, other, other])
+    assert outs[2].outputs[0].token_ids == alone
+    both = e.generate([{"prompt_token_ids": PROMPTS[1]}, {"prompt_token_ids": PROMPTS[0]}], [other, sp])
+    assert both[1].outputs[0].token_ids == alone
+    ng = llm(models, NGRAM)
+    a = run(ng, [PROMPTS[0]], sp)[0].outputs[0].token_ids
+    b = ng.generate([{"prompt_token_ids": p} for p in PROMPTS[1::-1] + PROMPTS[2:3]], [other, sp, other])
+    b = b[1].outputs[0].token_ids
+    assert a == b
+
+
+# ---- KV rollback ------------------------------------------------------------------------------------------
+def test_rollback_frees_rejected_slots_and_aborts_free_everything(models):
+    e = llm(models, {"model": str(models["random_draft"]), "num_speculative_tokens": 4}, block_size=8).engine
+    for i, p in enumerate(PROMPTS):
+        e.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    rejected = 0
+    for _ in range(8):
+        e.step()
+        for r in e.scheduler.running:  # after verification a sequence holds the blocks of its verified tokens only
+            assert len(r.block_ids) == blocks_needed(r.num_computed_tokens, 8)
+        rejected = e.speculator.num_draft_tokens - e.speculator.num_accepted_tokens
+    assert rejected > 0
+    # abort in the middle of a speculation: the granted lookahead slots are freed with the rest
+    e.speculator.before_schedule(e.scheduler.running)
+    out = e.scheduler.schedule()
+    assert out.spec
+    e.abort_all()
+    assert_pool_clean(e)
+
+
+def test_short_pool_speculates_less_before_preempting(models):
+    """A pool that only fits the real tokens: speculation shrinks, and preempts no one the plain engine does not."""
+    kw = dict(num_kv_blocks=9, block_size=8, max_num_seqs=3)
+    prompts = [[11, 12, 13] * 7, [5, 9, 13] * 7, [7] * 21]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = llm(models, **kw)
+    ref = run(base, prompts, sp)
+    e = llm(models, NGRAM, **kw)
+    assert tokens(run(e, prompts, sp)) == tokens(ref)
+    assert e.engine.scheduler.num_preemptions <= base.engine.scheduler.num_preemptions
+    assert e.engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_grammar_constrained_speculation(models):
+    """A regex constraint with n-gram drafts: the drafts are checked against the grammar row by row."""
+    so = StructuredOutputsParams(regex=r"(ab|cd){3,12}")
+    sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+    prompt = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13]}]
+    ref = llm(models).generate(prompt, sp)[0].outputs[0]
+    e = llm(models, NGRAM)
+    got = e.generate(prompt, sp)[0].outputs[0]
+    assert (got.token_ids, got.text) == (ref.token_ids, ref.text)
+    import re
+
+    assert re.fullmatch(r"(ab|cd){3,12}", got.text)
+    assert e.engine.stats()["spec_decode_num_draft_tokens"] > 0
