@@ -186,14 +186,21 @@ class AsyncEngine:
                 now, s = time.monotonic(), self._stats
                 rate = (s["num_generated_tokens"] - last_generated) / (now - last_log)
                 last_log, last_generated = now, s["num_generated_tokens"]
+                spec = (
+                    f", spec acceptance {100 * s['spec_decode_acceptance_rate']:.1f}% "
+                    f"(mean length {s['spec_decode_mean_acceptance_length']:.2f})"
+                    if "spec_decode_acceptance_rate" in s
+                    else ""
+                )
                 log.info(
-                    "running %d, waiting %d, KV %.0f%%, prefix cache hit rate %.1f%%, preemptions %d, %.1f tok/s",
+                    "running %d, waiting %d, KV %.0f%%, prefix cache hit rate %.1f%%, preemptions %d, %.1f tok/s%s",
                     s["running"],
                     s["waiting"],
                     100 * s["kv_usage"],
                     100 * s["prefix_cache_hit_rate"],
                     s["num_preemptions"],
                     rate,
+                    spec,
                 )
 
     def _handle(self, cmd) -> None:

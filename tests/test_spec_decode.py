@@ -335,3 +335,57 @@ def test_grammar_constrained_speculation(models):
 
     assert re.fullmatch(r"(ab|cd){3,12}", got.text)
     assert e.engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+# ---- what a user sees -------------------------------------------------------------------------------------------
+def test_native_job_metrics_status_line_and_draft_prefix_reuse(models, caplog):
+    """Through the handler: a native job's final metrics carry the acceptance numbers, the status line shows the
+    rate, and a second request on a cached prefix spares the draft that prefix too."""
+    import asyncio
+    import logging
+
+    from engine import AsyncEngine
+    from handler.settings import load_settings
+    from handler.worker import Worker
+
+    spec = {"model": str(models["target"]), "num_speculative_tokens": 3}
+    cfg = EngineConfig(
+        model=str(models["target"]), dtype="float32", num_kv_blocks=64, log_stats_interval=0.001,
+        speculative_config=spec,
+    )  # fmt: skip
+    eng = AsyncEngine(cfg)
+    try:
+        worker = Worker(load_settings({}), eng)
+        prompt = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "stream": True}
+        inp = {**prompt, "sampling_params": {"temperature": 0, "max_tokens": 24, "ignore_eos": True}}
+
+        async def job():
+            return [c async for c in worker.handle({"id": "t", "input": inp})]
+
+        with caplog.at_level(logging.INFO, logger="engine"):
+            chunks = asyncio.run(job())
+        m = chunks[-1]["metrics"]["spec_decode"]
+        assert m["draft_tokens"] > 0 and m["acceptance_rate"] > 0.9 and m["mean_acceptance_length"] > 3
+        assert chunks[-1]["usage"]["output"] == 24
+        assert any("spec acceptance" in r.getMessage() for r in caplog.records)
+        draft = eng.engine.speculator.draft
+        before = draft.num_catchup_tokens
+        asyncio.run(job())  # the same prompt: its full blocks are cached for the target and the draft
+        n_prompt = chunks[-1]["usage"]["input"]
+        assert draft.num_catchup_tokens - before < n_prompt - 16
+    finally:
+        eng.shutdown()
+
+
+def test_draft_weights_and_kv_are_planned_with_the_target(models):
+    """The draft's KV shares the target's block ids, so each block costs both: the same budget gives fewer blocks."""
+    kw = dict(model=str(models["target"]), dtype="float32", log_stats_interval=0, kv_cache_memory=4 << 20)
+    plain = LLM(**kw).engine
+    e = LLM(speculative_config={"model": str(models["random_draft"]), "num_speculative_tokens": 2}, **kw).engine
+    from engine import memory
+
+    t = memory.kv_bytes_per_token(plain.spec, 4)
+    d = memory.kv_bytes_per_token(e.draft_spec, 4)
+    assert plain.block_manager.num_blocks == (4 << 20) // (t * 16)
+    assert e.block_manager.num_blocks == (4 << 20) // ((t + d) * 16)
+    assert e.memory.weight_bytes == memory.weight_bytes(plain.spec, 4, None) + memory.weight_bytes(e.draft_spec, 4, None)

@@ -56,6 +56,7 @@ class DraftProposer:
         self.kv_bytes = kv.numel() * kv.element_size()
         # per sequence: (tokens whose draft KV is valid, the preemption count it was computed under)
         self._computed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.num_catchup_tokens = 0  # tokens of the sequences themselves the draft has run (not its own drafts)
         log.info("draft model %s (%s): %d layers, KV %.0f MiB", self.path, s.architecture, s.num_layers,
                  self.kv_bytes / 2**20)  # fmt: skip
 
@@ -75,6 +76,7 @@ class DraftProposer:
         """ks[i] (>= 1) drafts for reqs[i]. Returns {req: drafts} and {req: q rows [k, vocab]} for sampled drafts."""
         starts = [self._start(r) for r in reqs]
         items = [(r, s, r.token_slice(s, r.num_tokens)) for r, s in zip(reqs, starts)]
+        self.num_catchup_tokens += sum(len(t) for _, _, t in items)
         drafts: dict[Request, list[int]] = {r: [] for r in reqs}
         probs: dict[Request, list[torch.Tensor]] = {r: [] for r in reqs if not r.params.greedy}
         for step in range(max(ks)):
