@@ -388,4 +388,5 @@ def test_draft_weights_and_kv_are_planned_with_the_target(models):
     d = memory.kv_bytes_per_token(e.draft_spec, 4)
     assert plain.block_manager.num_blocks == (4 << 20) // (t * 16)
     assert e.block_manager.num_blocks == (4 << 20) // ((t + d) * 16)
-    assert e.memory.weight_bytes == memory.weight_bytes(plain.spec, 4, None) + memory.weight_bytes(e.draft_spec, 4, None)
+    both = memory.weight_bytes(plain.spec, 4, None) + memory.weight_bytes(e.draft_spec, 4, None)
+    assert e.memory.weight_bytes == both
