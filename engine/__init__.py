@@ -1,7 +1,8 @@
 """Public API of the inference engine. handler/ and warmup/ import only from here (tests/test_structure.py).
 
 `weights` is the model-files API (find a model, its safetensors, the fp8 snapshot) that `python -m warmup` uses;
-`memory` is the memory planner (pure arithmetic) that the engine and `python -m warmup.plan` share."""
+`memory` is the memory planner (pure arithmetic) that the engine and `python -m warmup.plan` share;
+`tensor_parallel` says what one rank of a tensor-parallel engine holds (the planner plans one rank)."""
 
 from engine import memory, weights
 from engine.async_engine import AsyncEngine
@@ -17,6 +18,7 @@ from engine.errors import (
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.llama import ModelSpec
+from engine.parallel import shard as tensor_parallel
 from engine.timeline import Timeline
 from engine.tokenizer import Tokenizer, compare_with_transformers
 from engine.types import (
@@ -51,6 +53,7 @@ __all__ = [
     "compare_with_transformers",
     "default_cache_root",
     "memory",
+    "tensor_parallel",
     "weights",
     "writable_dir",
 ]

@@ -127,8 +127,11 @@ class BlockManager:
         """Free req's blocks past the first `num_tokens` tokens (the slots of rejected drafts). Those blocks
         held only lookahead slots: never registered, never shared, so they are handed out first."""
         keep = blocks_needed(num_tokens, self.block_size)
-        while len(req.block_ids) > keep:
-            block_id = req.block_ids.pop()
+        surplus = req.block_ids[keep:]
+        # a new list, not the old one cut in place: DeviceBlockTable rewrites a row only when the table it
+        # copied is replaced (an appended-to table is copied from where it left off)
+        req.block_ids = req.block_ids[:keep]
+        for block_id in reversed(surplus):
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] == 0 and self.block_hash[block_id] is None, "a lookahead block is private"
             self.free_queue[block_id] = None

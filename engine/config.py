@@ -67,6 +67,9 @@ class EngineConfig:
     s3_endpoint_url: str | None = None  # R2, MinIO, Backblaze or any S3-compatible store; None = AWS
     lora_cache_bytes: int = 10 << 30  # disk cache of downloaded adapters (LRU), under cache_root/lora-cache
     lora_load_timeout_s: float = 120.0  # a request whose adapter is not ready by then fails (only that request)
+    # Tensor parallelism (engine/parallel/): ranks, each a process on its own GPU (gloo processes on CPU)
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0  # a collective waiting longer than this fails the engine (a hung rank)
     # Speculative decoding (engine/spec_decode/): n-gram prompt lookup or a draft model; a dict or its JSON is taken
     speculative_config: SpeculativeConfig | None = None
 
@@ -98,6 +101,12 @@ class EngineConfig:
         need(self.lora_cache_bytes > 0, "lora_cache_bytes", "must be > 0 bytes")
         need(self.lora_load_timeout_s > 0, "lora_load_timeout_s", "must be > 0 seconds")
         need(self.lora_s3_uri is None or self.lora_s3_uri.startswith("s3://"), "lora_s3_uri", "must start with s3://")
+        need(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            "must be an integer >= 1",
+        )
+        need(self.distributed_timeout_s > 0, "distributed_timeout_s", "must be > 0 seconds")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if isinstance(self.hf_cache_dirs, (list, str)):
             dirs = (self.hf_cache_dirs,) if isinstance(self.hf_cache_dirs, str) else tuple(self.hf_cache_dirs)

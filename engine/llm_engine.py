@@ -8,31 +8,26 @@ import time
 
 import torch
 
-from engine import memory
 from engine.block_manager import BlockManager
+from engine.builders import EngineBuilders
 from engine.config import EngineConfig
 from engine.cuda_graphs import IdleWork, cuda_graph_factory
-from engine.device import check_fp8_support, cuda_driver_version, gpu_line, model_dtype
+from engine.device import check_fp8_support, cuda_driver_version, gpu_line
 from engine.errors import InvalidRequestError
-from engine.kv_cache import CALIBRATION_TEXT, allocate, calibrate_kv_scales
-from engine.layers.attention import TorchAttention, TritonAttention
-from engine.memory import MemoryPlan
+from engine.kv_cache import allocate
 from engine.model_runner import ModelRunner
-from engine.models import model_class
-from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.output import OutputProcessor
+from engine.parallel.group import TPGroup, backend_for
 from engine.scheduler import Scheduler
-from engine.spec_decode.speculator import Speculator
 from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
-from engine.tokenizer import Tokenizer
 from engine.types import LoRARequest, Request, RequestOutput, SamplingParams
-from engine.weights import load_model, read_json, resolve_model_path, safetensors_files
+from engine.weights import load_model
 
 log = logging.getLogger("engine")
 
 
-class LLMEngine:
+class LLMEngine(EngineBuilders):
     def __init__(self, cfg: EngineConfig, timeline: Timeline | None = None):
         t0 = time.perf_counter()
         self.cfg = cfg
@@ -40,6 +35,8 @@ class LLMEngine:
         self.timeline = tl = timeline or Timeline()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        elif cfg.tensor_parallel_size > 1 and cfg.device in ("cpu", "auto") and not torch.cuda.is_available():
+            torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))  # ranks share the cores
         self.device = torch.device(
             cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
@@ -63,14 +60,22 @@ class LLMEngine:
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
         self.memory = self._plan_memory(loaded=False)  # refuses what cannot fit, before anything is allocated
         self.max_model_len = self.memory.max_model_len  # the model's rope tables are built for this length
+        self.tp_group = None
+        if self.tp > 1:  # the other ranks start and load their shards while this one loads its own
+            self.tp_group = TPGroup(cfg, self.device, self.max_model_len)
+            tl.mark("tensor-parallel ranks", f"{self.tp} ranks, {backend_for(self.device)}")
         self.model, self.weights = load_model(
             cfg, self.model_path, self.spec.prequantized, self._build_model, self.device
         )
+        if self.tp_group is not None:
+            self.tp_group.expect("loaded", timeout_s=3600)
         tl.mark(self.weights.phase, self.weights.note())
         if self.device.type == "cuda":
             self.memory = self._plan_memory(loaded=True)  # from the memory measured now, weights resident
             self.max_model_len = self.memory.max_model_len
-        kv = allocate(self.spec, self.memory, self.kv_dtype, self.device)
+        kv = allocate(self.rank_spec, self.memory, self.kv_dtype, self.device)
+        if self.tp_group is not None:  # the same pool on every rank (its own heads), and the same scales rule
+            self.tp_group.send(("setup", self.memory, self._calibration_ids()))
         tl.mark("KV allocation", f"{self.memory.num_blocks} blocks, {self.memory.kv_bytes / 2**20:.0f} MiB")
         self.lora = self._build_lora()
         self.runner = ModelRunner(
@@ -83,11 +88,15 @@ class LLMEngine:
             self.lora,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.max_model_len,
+            vocab_size=self.spec.vocab_size,
         )
+        if self.tp_group is not None:
+            self.runner.tp = self.tp_group
+            self.tp_group.expect("ready", timeout_s=600)
         if self.graphs_enabled:  # captured later, in the idle gaps after ready
             self.runner.enable_graphs(cuda_graph_factory())
         # On CUDA the Triton variants a step can need are compiled in the idle gaps after ready, not mid-request
-        self.idle = IdleWork(self.runner, warm_kernels=self.device.type == "cuda")
+        self.idle = IdleWork(self.runner, warm_kernels=self.device.type == "cuda" and self.tp == 1)
         self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -124,140 +133,18 @@ class LLMEngine:
 
     @property
     def graphs_enabled(self) -> bool:
-        """CUDA graphs for decode steps: ENFORCE_EAGER=false, on CUDA, with the Triton kernels."""
-        return not self.cfg.enforce_eager and self.device.type == "cuda" and self.kernel_backend == "triton"
-
-    # ---- builders (in the order __init__ calls them) ---------------------------------------------
-    def _resolve_model(self) -> None:
-        """model_path, spec, dtype, tok, eos_token_ids: from config files alone, no weights read."""
-        cfg = self.cfg
-        self.model_path = resolve_model_path(cfg)
-        safetensors_files(self.model_path)  # refuse pickle-only checkpoints before anything else
-        hf_cfg = read_json(self.model_path / "config.json")
-        self.spec = ModelSpec.from_hf(hf_cfg, read_json(self.model_path / "generation_config.json"))
-        self.dtype = model_dtype(cfg.dtype, hf_cfg, self.device.type)
-        self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
-        self.draft_path = self.draft_spec = None
-        sc = cfg.speculative_config
-        if sc is not None and sc.method == "draft_model":  # its bytes are planned with the target's
-            self.draft_path = resolve_model_path(cfg.replace(model=sc.model, speculative_config=None))
-            self.draft_spec = ModelSpec.from_hf(read_json(self.draft_path / "config.json"), {})
-        eos = set(self.spec.eos_token_ids)
-        if self.tok.eos_token_id is not None:
-            eos.add(self.tok.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-
-    def _plan_memory(self, loaded: bool) -> MemoryPlan:
-        """The KV pool and context length (engine/memory.py). CPU: from KV_CACHE_MEMORY. CUDA: before the load,
-        refuse weights that cannot fit and predict the rest; after it, plan from the measured memory."""
-        cfg, spec = self.cfg, self.spec
-        weights = memory.weight_bytes(spec, self.dtype.itemsize, cfg.quantization)
-        kv_per_token = memory.kv_bytes_per_token(spec, self.kv_dtype.itemsize)
-        if self.draft_spec is not None:  # the draft's weights, and its KV for every token of the shared block ids
-            weights += memory.weight_bytes(self.draft_spec, self.dtype.itemsize, None)
-            kv_per_token += memory.kv_bytes_per_token(self.draft_spec, self.dtype.itemsize)
-        kv = dict(
-            kv_bytes_per_token=kv_per_token,
-            block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len,
-            num_blocks=cfg.num_kv_blocks,
-        )
-        if self.device.type != "cuda":
-            return memory.plan(
-                kv_budget=cfg.kv_cache_memory,
-                budget=cfg.kv_cache_memory,
-                weights=weights,
-                model_max_len=spec.max_position_embeddings,
-                **kv,
-            )
-        lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
-        graphs = memory.graph_pool_bytes(spec, cfg.max_num_seqs, self.dtype.itemsize) if self.graphs_enabled else 0
-        reserve = memory.activation_reserve(
-            spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora, graph_pool_bytes=graphs
-        )
-        if loaded:  # blocks freed while loading stay in torch's cache and would count as used
-            torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        gpu = dict(total=total, utilization=cfg.gpu_memory_utilization, weights=weights, reserve=reserve, **kv)
-        if loaded:  # the weights are resident: what is in use now is measured
-            plan = memory.plan_gpu(used=total - free, model_max_len=self.max_model_len, **gpu)
-        else:
-            plan = memory.plan_gpu_start(
-                free=free, quantization=cfg.quantization, model_max_len=spec.max_position_embeddings, **gpu
-            )
-        log.info("memory plan (%s): %s", "measured" if loaded else "predicted", plan.as_dict())
-        return plan
-
-    def _build_model(self) -> LlamaForCausalLM:
-        cls = model_class(self.spec)
-        return cls(self.spec, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
-
-    def _build_attention(self):
-        spec = self.spec
-        attn = (TritonAttention if self.kernel_backend == "triton" else TorchAttention)(
-            self.cfg.block_size, spec.attn_scale or spec.head_dim**-0.5
-        )
-        attn.windows, attn.softcap = spec.layer_windows, spec.attn_softcap  # per-layer windows; Gemma 2's cap
-        if self.kv_dtype == torch.float8_e4m3fn:
-            attn.set_kv_scales(*self._kv_scales())
-            self.timeline.mark("fp8 KV scales")
-        return attn
-
-    def _build_lora(self):
-        if not self.cfg.enable_lora:
-            return None
-        from engine.lora.manager import LoRAManager  # boto3 and friends only when LoRA is on
-
-        return LoRAManager(self.cfg, self.spec, self.dtype, self.device)
-
-    def _build_speculator(self) -> Speculator | None:
-        sc = self.cfg.speculative_config
-        if sc is None:
-            return None
-        draft = None
-        if sc.method == "draft_model":
-            from engine.spec_decode.draft import DraftProposer
-
-            draft = DraftProposer(self, self.draft_path, self.draft_spec)
-            self.timeline.mark("draft model", str(draft.path))
-        spec = Speculator(sc, self.max_model_len, draft)
-        self.scheduler.lookahead = spec.lookahead
-        log.info("speculative decoding: %s", sc.describe())
-        return spec
-
-    def _log_ready(self, seconds: float) -> None:
-        other_dtype = self.dtype if self.kv_dtype != self.dtype else torch.float8_e4m3fn
-        other = self.memory.tokens_with(memory.kv_bytes_per_token(self.spec, other_dtype.itemsize))
-        log.info(
-            "model %s (%s, %s) on %s in %.1fs; %s [KV %s]%s",
-            self.model_path,
-            self.spec.architecture,
-            str(self.dtype).removeprefix("torch."),
-            self.device,
-            seconds,
-            self.memory.describe(),
-            str(self.kv_dtype).removeprefix("torch."),
-            f"; with KV {'fp8' if self.kv_dtype == self.dtype else 'auto'} it would be {other} tokens, "
-            f"{other / self.max_model_len:.1f} sequences"
-            if self.cfg.num_kv_blocks is None
-            else "",
+        """CUDA graphs for decode steps: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
+        return (
+            not self.cfg.enforce_eager
+            and self.device.type == "cuda"
+            and self.kernel_backend == "triton"
+            and self.cfg.tensor_parallel_size == 1
         )
 
     @property
     def weights_source(self) -> str:
         """How the weights came in: "checkpoint", "fp8 checkpoint", "fp8 snapshot", "checkpoint, quantized online"."""
         return self.weights.source
-
-    def _kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp8 KV scales: from the checkpoint when every layer has them, else calibrated now."""
-        ck = self.model.checkpoint_kv_scales
-        if len(ck) == self.spec.num_layers and all(set(v) == {"k", "v"} for v in ck.values()):
-            log.info("fp8 KV scales from the checkpoint")
-            k = torch.tensor([ck[i]["k"] for i in range(self.spec.num_layers)], device=self.device)
-            v = torch.tensor([ck[i]["v"] for i in range(self.spec.num_layers)], device=self.device)
-            return k, v
-        ids = self.tok.encode(CALIBRATION_TEXT)[: self.max_model_len]
-        return calibrate_kv_scales(self.model, ids, self.device)
 
     @property
     def tokenizer(self):
@@ -381,7 +268,12 @@ class LLMEngine:
             return failed
         if spec is not None:
             spec.propose(scheduled)  # a draft model runs here, over every speculating sequence at once
-        sampled, logprobs = self.runner.execute(scheduled)
+        try:
+            sampled, logprobs = self.runner.execute(scheduled)
+        except RuntimeError as e:  # a collective failed or timed out: say which rank, stop them all
+            if self.tp_group is None:
+                raise
+            raise self.tp_group.fault(f"a collective failed: {e}") from e
         if self._structured is not None:
             self._structured.accept(sampled)
         self.scheduler.update(scheduled, sampled)
@@ -412,6 +304,8 @@ class LLMEngine:
             self.lora.shutdown()
         if self._structured is not None:
             self._structured.shutdown()
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler

@@ -26,6 +26,7 @@ class ModelRunner:
         lora=None,
         max_num_seqs: int = 128,
         max_model_len: int = 2048,
+        vocab_size: int | None = None,
     ):
         self.model = model
         self.kernel_backend = kernel_backend
@@ -34,7 +35,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.max_num_seqs = max_num_seqs
-        self.sampler = Sampler(model.spec.vocab_size, device)
+        self.sampler = Sampler(vocab_size or model.spec.vocab_size, device)
         self.lora = lora  # the engine's LoRAManager when LoRA is enabled
         # Triton attention reads block tables from a persistent device tensor; the torch backend plans on the host
         self.block_table = (
@@ -44,6 +45,7 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.structured = None  # the engine's StructuredOutputs, once a constrained request has come
+        self.tp = None  # rank 0's TPGroup under tensor parallelism: each forward and LM head is replayed there
 
     def enable_graphs(self, new_graph) -> DecodeGraphs:
         """Decode steps may replay CUDA graphs once their buckets are captured (engine/cuda_graphs.py)."""
@@ -138,11 +140,7 @@ class ModelRunner:
             return {}, {}
         # grammar masks are filled on the host while a GPU still runs the forward pass launched above
         mask = self.structured.fill(sample_reqs, drafts) if self.structured is not None else None
-        with kernels.backend(self.kernel_backend):
-            rows = (
-                hidden if len(sample_rows) == hidden.shape[0] else hidden[h2d(sample_rows, torch.int64, hidden.device)]
-            )
-            logits = self.model.compute_logits(rows)  # [S, vocab] fp32
+        logits = self.logits(hidden, sample_rows)  # [S, vocab] fp32
         if mask is not None:
             self.structured.apply(logits, mask)
         if out.spec_tokens:
@@ -169,10 +167,9 @@ class ModelRunner:
             first, last = max(start + 1, len(req.prompt_logprobs)), min(start + n, req.num_prompt_tokens - 1)
             if first > last:
                 continue
-            rows = h2d([qsl[i] + q - 1 - start for q in range(first, last + 1)], torch.int64, hidden.device)
+            rows = [qsl[i] + q - 1 - start for q in range(first, last + 1)]
             targets = req.prompt_token_ids[first : last + 1]
-            with kernels.backend(self.kernel_backend):
-                lp = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)  # [P, vocab] fp32
+            lp = torch.log_softmax(self.logits(hidden, rows), dim=-1)  # [P, vocab] fp32
             chosen = lp.gather(1, h2d([[t] for t in targets], torch.int64, lp.device))
             v, idx = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0])
             host = torch.cat([chosen, v, idx.to(lp.dtype)], 1).cpu().tolist()  # one copy to the host
@@ -181,7 +178,27 @@ class ModelRunner:
                 d.setdefault(t, row[0])
                 req.prompt_logprobs.append(d)
 
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The LM head over these rows of a step's hidden states: [len(rows), vocab] fp32 (under tensor
+        parallelism every rank runs its part, and rank 0 gets them all)."""
+        every = len(rows) == hidden.shape[0]  # the rows are all of them, in order
+        if self.tp is not None:
+            self.tp.send(("logits", None if every else rows))
+        return self.logits_local(hidden if every else hidden[h2d(rows, torch.int64, hidden.device)])
+
+    def logits_local(self, x: torch.Tensor) -> torch.Tensor:
+        with kernels.backend(self.kernel_backend):
+            return self.model.compute_logits(x)
+
+    def replay(self, step: tuple) -> torch.Tensor:
+        """Another tensor-parallel rank: the forward pass rank 0's `_eager` described (worker.py)."""
+        input_ids, positions, slots, qsl, seq_lens, tables, token_slot, uses_lora = step
+        bt = self.block_table.update(tables) if self.block_table is not None else None
+        return self._eager(input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora)
+
     def _eager(self, input_ids, positions, slots, qsl, seq_lens, tables, bt, token_slot, uses_lora) -> torch.Tensor:
+        if self.tp is not None:  # the other ranks run the same step, from its host-side description
+            self.tp.send(("forward", (input_ids, positions, slots, qsl, seq_lens, tables, token_slot, uses_lora)))
         dev = self.device
         ids_t, pos_t, slots_t = h2d_rows([input_ids, positions, slots], torch.int64, dev)  # one copy
         layout = StepLayout(

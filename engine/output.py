@@ -78,11 +78,13 @@ class OutputProcessor:
                     req.stop_reason == token and j == len(new) - 1 and not p.include_stop_str_in_output
                 )
                 stop_str = group.detoks[i].add_token(token, emit=not hidden)
-                if stop_str is not None and not req.finished:
+                # a stop string ends the sequence, unless a stop rule already ended it at this same token; one
+                # inside a run of accepted drafts wins over a rule that ended the run at a later token
+                if stop_str is not None and (not req.finished or j < len(new) - 1):
                     del req.output_token_ids[group.detok_tokens[i] + j + 1 :]
                     del req.logprobs[len(req.output_token_ids) :]
                     self.finish(req, "stop")
-                    req.stop_reason = stop_str
+                    req.finish_reason, req.stop_reason = "stop", stop_str
                     break
             group.detok_tokens[i] = len(req.output_token_ids)
         return [self._output(g) for g in touched]

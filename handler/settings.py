@@ -64,7 +64,6 @@ class Settings(BaseModel):
     ENABLE_PREFIX_CACHING: bool = True
     # LoRA (worker-vllm's names, plus S3 sources, which worker-vllm lacks)
     SPECULATIVE_CONFIG: str | None = None  # JSON: {"method": "ngram", ...} or {"model": ..., ...}
-    # worker-vllm variables this worker does not implement yet: read so that a start can say so (ignored())
     TENSOR_PARALLEL_SIZE: int = Field(default=1, ge=1)
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
@@ -160,11 +159,6 @@ class Settings(BaseModel):
         out = []
         if self.LORA_MODULES and not self.ENABLE_LORA:
             out.append("LORA_MODULES (ignored unless ENABLE_LORA=true)")
-        if self.TENSOR_PARALLEL_SIZE > 1:
-            out.append(
-                f"TENSOR_PARALLEL_SIZE={self.TENSOR_PARALLEL_SIZE} (tensor parallelism is not implemented yet: one "
-                "GPU serves; a model that does not fit it is refused at start with its numbers)"
-            )
         return out
 
     def engine_config(self) -> EngineConfig:
@@ -222,6 +216,7 @@ ENGINE_FIELDS = {
     "LORA_CACHE_BYTES": "lora_cache_bytes",
     "LORA_LOAD_TIMEOUT_S": "lora_load_timeout_s",
     "SPECULATIVE_CONFIG": "speculative_config",
+    "TENSOR_PARALLEL_SIZE": "tensor_parallel_size",
 }
 
 # worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).

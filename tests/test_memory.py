@@ -123,6 +123,8 @@ def _fake_engine(total: int, free: int, **cfg) -> SimpleNamespace:
         cfg=config,
         graphs_enabled=not config.enforce_eager,  # a simulated CUDA device runs the Triton kernels
         spec=spec,
+        rank_spec=spec,
+        draft_spec=None,
         dtype=torch.bfloat16,
         kv_dtype=torch.bfloat16,
         device=torch.device("cuda"),
@@ -153,7 +155,7 @@ def test_engine_plans_after_the_load_from_measured_memory(monkeypatch):
 def test_engine_refuses_before_loading_what_cannot_fit(monkeypatch):
     total = 24 * GB
     eng = _fake_engine(total, total)
-    eng.spec = ModelSpec.from_hf(LLAMA3_70B)
+    eng.spec = eng.rank_spec = ModelSpec.from_hf(LLAMA3_70B)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
     with pytest.raises(ConfigError, match="does not fit: its weights take 131.42 GiB"):
         LLMEngine._plan_memory(eng, loaded=False)

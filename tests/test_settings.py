@@ -100,9 +100,10 @@ def test_job_variables_and_worker_vllm_aliases():
     assert load_settings({"LORA_MODULES": '{"name": "a", "path": "/x"}'}).ignored() == [
         "LORA_MODULES (ignored unless ENABLE_LORA=true)"
     ]
-    # worker-vllm variables not implemented yet are said to be ignored, not silently dropped
-    unbuilt = load_settings({"TENSOR_PARALLEL_SIZE": "2"}).ignored()
-    assert len(unbuilt) == 1 and "TENSOR_PARALLEL_SIZE=2" in unbuilt[0]
+    # worker-vllm's speculative decoding and tensor parallelism reach the engine; bad values name the variable
+    assert load_settings({"TENSOR_PARALLEL_SIZE": "2"}).engine_config().tensor_parallel_size == 2
+    with pytest.raises(SettingsError, match="TENSOR_PARALLEL_SIZE"):
+        load_settings({"TENSOR_PARALLEL_SIZE": "0"})
     with pytest.raises(SettingsError, match=r"SPECULATIVE_CONFIG: speculative_config.num_speculative_tokens"):
         load_settings({"SPECULATIVE_CONFIG": '{"method": "ngram"}'}).engine_config()
     assert load_settings({"TENSOR_PARALLEL_SIZE": "1"}).ignored() == []

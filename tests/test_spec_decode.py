@@ -390,3 +390,45 @@ def test_draft_weights_and_kv_are_planned_with_the_target(models):
     assert e.block_manager.num_blocks == (4 << 20) // ((t + d) * 16)
     both = memory.weight_bytes(plain.spec, 4, None) + memory.weight_bytes(e.draft_spec, 4, None)
     assert e.memory.weight_bytes == both
+
+
+def test_device_block_table_sees_a_trimmed_and_regrown_table():
+    """The Triton path reads block tables from a persistent device tensor: a table cut back after rejected drafts
+    and grown again must be rewritten there, not left holding the freed block."""
+    from engine.block_manager import BlockManager
+    from engine.block_table import DeviceBlockTable
+
+    bm = BlockManager(10, 4)
+    req = Request("r", list(range(7)), SamplingParams())
+    assert bm.allocate_slots(req, 7, num_lookahead=4)  # 11 slots: 3 blocks, the last for drafts only
+    table = DeviceBlockTable(2, 8, torch.device("cpu"))
+    table.update([req.block_ids])
+    freed = req.block_ids[2]
+    bm.trim(req, 7)
+    req.num_computed_tokens = 7
+    other = Request("o", list(range(3)), SamplingParams())
+    assert bm.allocate_slots(other, 3) and other.block_ids == [freed]  # someone else takes the freed block
+    assert bm.allocate_slots(req, 1, num_lookahead=4)
+    assert table.update([req.block_ids])[0, :3].tolist() == req.block_ids and freed not in req.block_ids
+
+
+def test_stop_string_inside_a_run_that_a_later_rule_ended(models):
+    """The run of accepted drafts reaches max_tokens after a stop string: the stop string wins, as without
+    speculation (where the sequence never got that far)."""
+    prompt = [[11, 12, 13] * 8]
+    plain = tokens(run(llm(models), prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))[0]
+    tok = llm(models).engine.tok
+    # self-drafting accepts every draft: token 0 comes from the prefill, then runs of up to 5 (1..5, 6..10), each cut
+    # to max_tokens; a stop at 6 <= j <= 9 with max_tokens = j + 2 sits inside the run that max_tokens ends
+    j = next(j for j in range(6, 10) if (p := tok.decode(plain[: j + 1])[len(tok.decode(plain[:j])) :]).strip()
+             and p not in tok.decode(plain[:j]))  # fmt: skip
+    stop = tok.decode(plain[: j + 1])[len(tok.decode(plain[:j])) :]
+    self_draft = {"model": str(models["target"]), "num_speculative_tokens": 4}
+    for max_tokens in range(j + 2, j + 6):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, stop=[stop], ignore_eos=True)
+        ref = run(llm(models), prompt, sp)[0].outputs[0]
+        got = run(llm(models, self_draft), prompt, sp)[0].outputs[0]
+        assert ref.finish_reason == "stop" and ref.stop_reason == stop
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason
+        )  # fmt: skip

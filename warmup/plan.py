@@ -18,7 +18,7 @@ import json
 import re
 import sys
 
-from engine import ConfigError, EngineConfig, EngineError, ModelSpec, memory, weights
+from engine import ConfigError, EngineConfig, EngineError, ModelSpec, memory, tensor_parallel, weights
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -44,8 +44,15 @@ def make_plan(
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     enforce_eager: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> dict:
-    """The engine's plan for an empty device of `gpu_bytes`: {"fits", "error", and the numbers}."""
+    """The engine's plan for an empty device of `gpu_bytes`: {"fits", "error", and the numbers}. With tensor
+    parallelism, for one rank (each has its own device of `gpu_bytes`)."""
+    try:
+        tensor_parallel.check(spec, tensor_parallel_size)
+    except ConfigError as e:
+        return {"fits": False, "error": str(e), "tensor_parallel_size": tensor_parallel_size}
+    spec = tensor_parallel.local_spec(spec, tensor_parallel_size)
     defaults = EngineConfig()
     seqs = max_num_seqs or defaults.max_num_seqs
     tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
@@ -65,6 +72,7 @@ def make_plan(
         "max_concurrent_seqs": 0.0,
         "fits": False,
         "error": None,
+        "tensor_parallel_size": tensor_parallel_size,
     }
     try:
         p = memory.plan_gpu_start(
@@ -92,7 +100,11 @@ def make_plan(
 
 def render(spec, plan: dict, gpu_bytes: int, utilization: float, requests: int | None = None) -> str:
     gib = 2**30
-    lines = [
+    if "weight_bytes" not in plan:  # the model cannot be sharded this way
+        return f"does not fit: {plan['error']}"
+    tp = plan.get("tensor_parallel_size", 1)
+    lines = [f"tensor parallel: {tp} ranks, one GPU each; the numbers below are one rank's"] if tp > 1 else []
+    lines += [
         f"model: {spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads / {spec.num_kv_heads} kv "
         f"heads, head_dim {spec.head_dim}, {spec.num_params() / 1e9:.2f} B params",
         f"weights: {plan['weight_bytes'] / gib:.2f} GiB ({plan['weight_bytes'] / 1e9:.1f} GB)",
@@ -130,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None, help="also size this many full-length requests")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="plan one of this many ranks (GPUs)")
     ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false", help="count CUDA graphs' pool")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -151,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     print(json.dumps(plan) if args.json else render(spec, plan, gpu, args.gpu_memory_utilization, args.requests))
     return 0 if plan["fits"] else 1

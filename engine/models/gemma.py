@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.rotary import RotaryCache
@@ -84,7 +83,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids, positions, kv_caches, attn, meta, lora=None) -> torch.Tensor:
         """As LlamaForCausalLM.forward, with Gemma's scaled embeddings and norms around both blocks."""
         eps = self.spec.rms_norm_eps
-        h = F.embedding(input_ids, self.embed) * torch.tensor(self.spec.hidden_size**0.5, dtype=self.embed.dtype)
+        h = self.embed_tokens(input_ids) * torch.tensor(self.spec.hidden_size**0.5, dtype=self.embed.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = self.input_norm(h, residual, layer)

@@ -88,6 +88,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryCache(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
         # fp8 KV scales found in the checkpoint (self_attn.k_scale / v_scale): {layer: {"k": s, "v": s}}
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
+        # tensor parallelism (engine/parallel/): this rank's part of the checkpoint, and its collectives
+        self.shard = None
+        self.tp = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, attn, meta, lora=None
@@ -96,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         lora: None, or fn(layer, linear name, x, out) adding each token's adapter delta to out in place.
         Returns the final hidden states before the last norm: [T, hidden]."""
         eps = self.spec.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = self.input_norm(h, residual, layer)
@@ -104,6 +107,14 @@ class LlamaForCausalLM(nn.Module):
             x, residual = add_rms_norm(h, residual, layer.post_norm, eps)
             h = self.mlp(i, layer, x, lora)
         return h + residual
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]; vocab-parallel under tensor parallelism (each rank holds a slice of the rows)."""
+        return F.embedding(input_ids, self.embed) if self.tp is None else self.tp.embed(input_ids, self.embed)
+
+    def reduce(self, h: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear's partial sums -> the full output (tensor parallelism), else h itself."""
+        return h if self.tp is None else self.tp.all_reduce(h)
 
     def input_norm(self, h, residual, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's input norm with the residual add fused in (the first layer has no residual yet): (x, residual)."""
@@ -133,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         h = layer.linear("o_proj", o)
         if lora is not None:
             lora(i, "o_proj", o, h)
-        return h
+        return self.reduce(h)
 
     def mlp(self, i: int, layer, x, lora) -> torch.Tensor:
         """Layer i's gated MLP on normed x [T, hidden] -> [T, hidden]."""
@@ -144,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         h = layer.linear("down", act)
         if lora is not None:
             lora(i, "down", act, h)
-        return h
+        return self.reduce(h)
 
     def rotary_for(self, i: int) -> RotaryCache:
         return self.rotary
@@ -168,8 +179,10 @@ class LlamaForCausalLM(nn.Module):
         return need
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32
-        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32 (gathered to rank 0 under tensor
+        # parallelism: each rank holds vocab / tp rows of the head)
+        logits = F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     # ---- weights ---------------------------------------------------------------------------
     def snapshot_state(self) -> dict[str, torch.Tensor]:
@@ -217,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
         }
         plain = self.PLAIN_NAMES
         seen: set[str] = set()
+        if self.shard is not None:  # tensor parallelism: this rank's rows and columns of each tensor
+            weights = self.shard.weights(weights)
         for name, t in weights:
             if "rotary_emb" in name:
                 continue

@@ -38,6 +38,7 @@ class DraftProposer:
         self.path, self.spec = path, spec
         check_vocab(engine, spec, path)
         self.block_size = cfg.block_size
+        self.max_tokens = cfg.max_num_batched_tokens  # the most tokens one draft forward takes
         self.bm = engine.block_manager
         self.device = engine.device
         m = model_class(self.spec)(self.spec, engine.dtype, engine.device, engine.max_model_len, None)
@@ -75,16 +76,16 @@ class DraftProposer:
     def propose(self, reqs: list[Request], ks: list[int]) -> tuple[dict, dict]:
         """ks[i] (>= 1) drafts for reqs[i]. Returns {req: drafts} and {req: q rows [k, vocab]} for sampled drafts."""
         starts = [self._start(r) for r in reqs]
-        items = [(r, s, r.token_slice(s, r.num_tokens)) for r, s in zip(reqs, starts)]
-        self.num_catchup_tokens += sum(len(t) for _, _, t in items)
         drafts: dict[Request, list[int]] = {r: [] for r in reqs}
         probs: dict[Request, list[torch.Tensor]] = {r: [] for r in reqs if not r.params.greedy}
+        items = []
         for step in range(max(ks)):
-            hidden, qsl = self.runner.forward(items)
-            rows = torch.tensor([e - 1 for e in qsl[1:]], device=self.device)
-            with kernels.backend(self.runner.kernel_backend):
-                logits = self.runner.model.compute_logits(hidden[rows])  # [B, vocab] fp32
-            active = [r for r, _, _ in items]
+            if step == 0:  # the tokens the draft has not seen yet, in forwards of at most the step budget
+                active, logits = list(reqs), self._catch_up(reqs, starts)
+            else:
+                hidden, qsl = self.runner.forward(items)
+                active = [r for r, _, _ in items]
+                logits = self._last_logits(hidden, qsl)
             for r, t in zip(active, self._pick(logits, active, probs)):
                 drafts[r].append(t)
             if step == 0:
@@ -93,6 +94,33 @@ class DraftProposer:
                     self._mark_ready(r, s)
             items = [(r, r.num_tokens + step, [drafts[r][-1]]) for r, k in zip(reqs, ks) if k > step + 1]
         return drafts, {r: torch.stack(q) for r, q in probs.items()}
+
+    def _catch_up(self, reqs: list[Request], starts: list[int]) -> torch.Tensor:
+        """Run the draft over each sequence's unseen tokens (a whole prompt after a prefill), in forwards of at most
+        max_num_batched_tokens tokens (a long prompt in several chunks, in order): the logits of each sequence's
+        last token, [B, vocab]."""
+        pending = [(r, s, r.token_slice(s, r.num_tokens)) for r, s in zip(reqs, starts)]
+        self.num_catchup_tokens += sum(len(t) for _, _, t in pending)
+        last: dict[Request, torch.Tensor] = {}
+        while pending:
+            batch, room, rest = [], self.max_tokens, []
+            for r, s, toks in pending:
+                take = min(len(toks), room) if room > 0 else 0
+                if take:
+                    batch.append((r, s, toks[:take]))
+                    room -= take
+                if take < len(toks):
+                    rest.append((r, s + take, toks[take:]))
+            hidden, qsl = self.runner.forward(batch)
+            for (r, _, _), row in zip(batch, self._last_logits(hidden, qsl)):
+                last[r] = row
+            pending = rest
+        return torch.stack([last[r] for r in reqs])
+
+    def _last_logits(self, hidden: torch.Tensor, qsl: list[int]) -> torch.Tensor:
+        rows = torch.tensor([e - 1 for e in qsl[1:]], device=self.device)
+        with kernels.backend(self.runner.kernel_backend):
+            return self.runner.model.compute_logits(hidden[rows])  # [B, vocab] fp32
 
     def _pick(self, logits: torch.Tensor, reqs: list[Request], probs: dict) -> list[int]:
         tokens = logits.argmax(dim=-1)

@@ -43,7 +43,7 @@ def load_model(cfg: EngineConfig, model_path: Path, prequantized: bool, build: C
     loaded or whose hash is wrong is never used: the model is rebuilt from scratch and loaded from the checkpoint,
     and the snapshot is rewritten."""
     files = safetensors_files(model_path)
-    if prequantized or cfg.quantization != "fp8":
+    if prequantized or cfg.quantization != "fp8" or cfg.tensor_parallel_size > 1:  # (a snapshot is not per rank)
         model = build()
         model.load_weights(iter_weights(model_path, device))
         return model, LoadedWeights("fp8 checkpoint" if prequantized else "checkpoint", files)

@@ -1,0 +1,119 @@
+"""Which part of the model each tensor-parallel rank holds (Megatron's split, as vLLM shards the Llama family):
+
+- column-parallel, no communication: q, k, v (a rank's heads) and gate, up (a slice of the intermediate size);
+- row-parallel, all-reduced after: o_proj and down (the matching input columns);
+- vocab-parallel: the embedding (rows; a token's row lives on one rank, the others add zeros) and the LM head
+  (rows; each rank's logits are gathered to rank 0, the only one that samples);
+- KV heads: split across ranks, or, with fewer KV heads than ranks, each rank keeps the one its query heads use;
+- norms and q/k norms are whole on every rank; fp8 weight scales follow their rows (replicated for row-parallel
+  weights, whose scales are per output row).
+
+Shape arithmetic, no torch at import: the memory planner (`python -m warmup.plan --tensor-parallel-size N`) plans
+one rank from `local_spec`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from engine.errors import ConfigError
+from engine.models.spec import ModelSpec
+
+
+def check(spec: ModelSpec, tp: int, devices: int | None = None) -> None:
+    """Refuse a size that cannot shard this model, with the reason."""
+    if tp == 1:
+        return
+    why = []
+    if spec.num_experts:
+        why.append("mixture-of-experts models are not sharded yet (no expert parallelism)")
+    if spec.num_heads % tp:
+        why.append(f"{spec.num_heads} attention heads are not divisible by {tp}")
+    kv = spec.num_kv_heads
+    if kv % tp and tp % kv:
+        why.append(f"{kv} KV heads neither divide into {tp} ranks nor divide {tp} (to be replicated)")
+    if spec.intermediate_size % tp:
+        why.append(f"intermediate size {spec.intermediate_size} is not divisible by {tp}")
+    if devices is not None and tp > devices:
+        why.append(f"this machine has {devices} GPU{'s' if devices != 1 else ''}")
+    if why:
+        raise ConfigError(f"EngineConfig.tensor_parallel_size={tp}: cannot shard {spec.architecture}: {'; '.join(why)}")
+
+
+def local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The shapes one rank's model has: its heads, KV heads, intermediate slice and vocabulary rows."""
+    if tp == 1:
+        return spec
+    return dataclasses.replace(
+        spec,
+        num_heads=spec.num_heads // tp,
+        num_kv_heads=max(1, spec.num_kv_heads // tp),
+        intermediate_size=spec.intermediate_size // tp,
+        vocab_size=-(-spec.vocab_size // tp),  # padded: the last rank's extra rows are zeros, cut after the gather
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `tp`, for the (full) `spec`."""
+
+    spec: ModelSpec
+    rank: int
+    tp: int
+
+    @property
+    def vocab_rows(self) -> tuple[int, int]:
+        n = -(-self.spec.vocab_size // self.tp)
+        return self.rank * n, n
+
+    def kv_heads(self) -> tuple[int, int]:
+        """(first KV head, count) this rank keeps."""
+        s, tp = self.spec, self.tp
+        if s.num_kv_heads >= tp:
+            n = s.num_kv_heads // tp
+            return self.rank * n, n
+        heads_per_rank, group = s.num_heads // tp, s.num_heads // s.num_kv_heads
+        return (self.rank * heads_per_rank) // group, 1  # the KV head of this rank's query heads
+
+    def weights(self, stream: Iterator) -> Iterator:
+        """A checkpoint's (name, tensor) stream -> this rank's pieces, under the same names."""
+        for name, t in stream:
+            yield name, self.tensor(name, t)
+
+    def tensor(self, name: str, t):
+        import torch
+
+        s, D = self.spec, self.spec.head_dim
+        parts = name.split(".")
+        proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, n = self.vocab_rows
+            out = t.new_zeros((n, *t.shape[1:]))
+            rows = t[start : start + n]
+            out[: rows.shape[0]] = rows
+            return out
+        if kind in ("k_scale", "v_scale") or t.dim() == 0 or (t.numel() == 1 and kind == "weight_scale"):
+            return t  # per-tensor scales apply to every shard
+        hq = s.num_heads // self.tp
+        kv0, kvn = self.kv_heads()
+        inter = s.intermediate_size // self.tp
+        column = {  # output rows this rank keeps: (start, size)
+            "q_proj": (self.rank * hq * D, hq * D),
+            "k_proj": (kv0 * D, kvn * D),
+            "v_proj": (kv0 * D, kvn * D),
+            "gate_proj": (self.rank * inter, inter),
+            "up_proj": (self.rank * inter, inter),
+        }
+        if proj in column:
+            return t.narrow(0, *column[proj])
+        if proj == "qkv_proj":  # Phi-3's fused q, k, v: each part sharded, fused again
+            q, k, v = t.split([s.num_heads * D, s.num_kv_heads * D, s.num_kv_heads * D])
+            parts = [q.narrow(0, *column["q_proj"]), k.narrow(0, *column["k_proj"]), v.narrow(0, *column["v_proj"])]
+            return torch.cat(parts)
+        if proj == "gate_up_proj":
+            g, u = t.chunk(2)
+            return torch.cat([g.narrow(0, *column["gate_proj"]), u.narrow(0, *column["up_proj"])])
+        if proj in ("o_proj", "down_proj") and kind == "weight":  # input columns; scales are per output row
+            start, size = (self.rank * hq * D, hq * D) if proj == "o_proj" else (self.rank * inter, inter)
+            return t.narrow(1, start, size)
+        return t  # norms, q/k norms, row-parallel scales: whole on every rank

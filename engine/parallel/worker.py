@@ -1,0 +1,114 @@
+"""A tensor-parallel rank other than 0: its shard of the model and its own KV pool (the block tables are rank 0's,
+so they are the same on every rank), replaying rank 0's forward passes. Messages, in order:
+
+    ("setup", plan, calibration ids or None)  rank 0's MemoryPlan (per rank): allocate the KV pool, build attention
+    ("forward", step)   run the model over the step rank 0 runs (ModelRunner.replay)
+    ("logits", rows)    the LM head over those rows of the last hidden states; gathered to rank 0
+    ("stop",)
+
+It reports ("loaded",), then ("ready",), or ("error", text) on its pipe."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+log = logging.getLogger("engine")
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when rank 0 dies, however it dies (no orphaned ranks)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_main(rank: int, tp: int, init_method: str, cfg, max_positions: int, conn) -> None:
+    _die_with_parent()
+    try:
+        runner = _start(rank, tp, init_method, cfg, max_positions, conn)
+    except Exception as e:  # reported to rank 0, which fails its start with it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        traceback.print_exc()
+        sys.exit(1)
+    conn.send(("ready",))
+    _serve(runner, conn)
+
+
+def _start(rank, tp, init_method, cfg, max_positions, conn):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.device import model_dtype
+    from engine.kv_cache import allocate, calibrate_kv_scales
+    from engine.layers.attention import TorchAttention, TritonAttention
+    from engine.model_runner import ModelRunner
+    from engine.models import model_class
+    from engine.models.spec import ModelSpec
+    from engine.parallel.group import TPComm, backend_for
+    from engine.parallel.shard import Shard, local_spec
+    from engine.weights import iter_weights, read_json, resolve_model_path
+
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // tp))
+    dist.init_process_group(
+        backend_for(device), init_method=init_method, rank=rank, world_size=tp,
+        timeout=timedelta(seconds=cfg.distributed_timeout_s),
+    )  # fmt: skip
+    path = resolve_model_path(cfg)
+    hf = read_json(path / "config.json")
+    spec = ModelSpec.from_hf(hf, read_json(path / "generation_config.json"))
+    dtype = model_dtype(cfg.dtype, hf, device.type)
+    lspec = local_spec(spec, tp)
+    model = model_class(lspec)(lspec, dtype, device, max_positions, cfg.quantization)
+    model.shard, model.tp = Shard(spec, rank, tp), TPComm(rank, tp, spec.vocab_size, backend_for(device) == "gloo")
+    model.load_weights(iter_weights(path, device))
+    conn.send(("loaded",))
+    msg = conn.recv()
+    assert msg[0] == "setup", msg
+    _, plan, calibration = msg
+    kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else dtype
+    kv = allocate(lspec, plan, kv_dtype, device)
+    backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else ("triton" if cuda else "torch")
+    scale = lspec.attn_scale or lspec.head_dim**-0.5
+    attn = (TritonAttention if backend == "triton" else TorchAttention)(cfg.block_size, scale)
+    attn.windows, attn.softcap = lspec.layer_windows, lspec.attn_softcap
+    if kv_dtype == torch.float8_e4m3fn:
+        ck = model.checkpoint_kv_scales
+        if calibration is None:  # the checkpoint's scales, as rank 0 uses them
+            k = torch.tensor([ck[i]["k"] for i in range(lspec.num_layers)], device=device)
+            v = torch.tensor([ck[i]["v"] for i in range(lspec.num_layers)], device=device)
+        else:  # calibrated on this rank's heads, in step with rank 0's calibration forward
+            k, v = calibrate_kv_scales(model, calibration, device)
+        attn.set_kv_scales(k, v)
+    return ModelRunner(model, kv, attn, cfg.block_size, device, backend, None, cfg.max_num_seqs, plan.max_model_len)
+
+
+def _serve(runner, conn) -> None:
+    import torch
+
+    hidden = None
+    with torch.inference_mode():
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:  # rank 0 is gone
+                return
+            if msg[0] == "forward":
+                hidden = runner.replay(msg[1])
+            elif msg[0] == "logits":
+                rows = msg[1]
+                runner.logits_local(hidden if rows is None else hidden[torch.tensor(rows, device=hidden.device)])
+            elif msg[0] == "stop":
+                return

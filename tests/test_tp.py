@@ -1,0 +1,182 @@
+"""Tensor parallelism on CPU with gloo: TP=2 and TP=4 give TP=1's greedy tokens (fp32) and logprobs within
+tolerance, with chunked prefill, preemption and prefix caching; bad sizes are refused at start; a rank that dies
+or hangs fails the engine with an error naming it, and no process is left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+from engine import LLM, ConfigError, EngineFault, SamplingParams
+from engine.parallel import shard
+from tests.conftest import build_tiny_model
+
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [100, 101, 102, 103], list(range(20, 60)), [7] * 10]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+TOL = 2e-4  # fp32 logprobs: the reductions add partial sums in another order
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    wide = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, intermediate_size=256)
+    return {
+        "llama": build_tiny_model(root / "llama", "llama", **wide),
+        "qwen2": build_tiny_model(root / "qwen2", "qwen2", **wide),  # q/k/v biases, random
+        "qwen3": build_tiny_model(root / "qwen3", "qwen3", **wide, vocab_size=390),  # 390 rows: padded shards
+        "kv2": build_tiny_model(root / "kv2", "llama", **{**wide, "num_key_value_heads": 2}),  # 2 KV heads, 4 ranks
+    }
+
+
+@contextlib.contextmanager
+def engine(path, tp: int = 1, **kw):
+    kw = {"dtype": "float32", "log_stats_interval": 0, "num_kv_blocks": 64, **kw}
+    llm = LLM(str(path), tensor_parallel_size=tp, **kw)
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+        if tp > 1:
+            assert not any(p.is_alive() for p in llm.engine.tp_group.procs)
+
+
+def generate(llm, prompts=PROMPTS, params=GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def assert_same(ref, got) -> None:
+    for a, b in zip(ref, got):
+        ra, rb = a.outputs[0], b.outputs[0]
+        assert ra.token_ids == rb.token_ids
+        for la, lb in zip(ra.logprobs, rb.logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < TOL for t in la), (la, lb)
+
+
+@pytest.mark.parametrize("name,sizes", [("llama", (2, 4)), ("qwen2", (2,)), ("qwen3", (2, 4)), ("kv2", (4,))])
+def test_parity_with_one_rank(models, name, sizes):
+    with engine(models[name]) as one:
+        ref = generate(one)
+    for tp in sizes:
+        with engine(models[name], tp) as llm:
+            assert llm.engine.rank_spec.num_heads == 8 // tp
+            assert llm.engine.rank_spec.num_kv_heads == max(1, llm.engine.spec.num_kv_heads // tp)
+            assert_same(ref, generate(llm))
+
+
+def test_chunked_prefill_preemption_and_prefix_cache_under_tp2(models):
+    long = [list(range(3, 90)), [11, 12, 13] * 25, [8] * 60]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    kw = dict(max_num_batched_tokens=32, num_kv_blocks=16, block_size=8)
+    with engine(models["llama"], **kw) as one:
+        ref = generate(one, long, sp)
+    with engine(models["llama"], 2, **kw) as llm:
+        got = generate(llm, long, sp)
+        assert llm.engine.scheduler.num_preemptions > 0  # the small pool preempted someone
+        assert_same(ref, got)
+        first = generate(llm, long[:1], sp)[0]
+        again = generate(llm, long[:1], sp)[0]  # its prefix is cached now, on every rank
+        assert again.metrics.cached_prompt_tokens >= 80
+        assert_same(ref[:1], [first])
+        assert_same(ref[:1], [again])
+
+
+def test_sampling_and_seed_under_tp2(models):
+    sp = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=7, ignore_eos=True)
+    with engine(models["llama"]) as one:
+        ref = generate(one, PROMPTS[:2], sp)
+    with engine(models["llama"], 2) as llm:
+        got = generate(llm, PROMPTS[:2], sp)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
+@pytest.mark.slow
+def test_smollm2_three_ranks(smollm2_path):
+    """SmolLM2 has 9 heads and 3 KV heads: 3 ranks shard it (2 cannot, and say why)."""
+    prompt = "The capital of France is"
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    kw = dict(kv_cache_memory=32 << 20, num_kv_blocks=None)
+    with engine(smollm2_path, **kw) as one:
+        ref = one.generate(prompt, sp)
+    with engine(smollm2_path, 3, **kw) as llm:
+        assert_same(ref, llm.generate(prompt, sp))
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: .*9 attention heads are not divisible by 2"):
+        LLM(str(smollm2_path), tensor_parallel_size=2, dtype="float32")
+
+
+def test_bad_sizes_are_refused_with_the_reason(models):
+    spec = LLM.__module__ and None
+    with pytest.raises(ConfigError, match="8 attention heads are not divisible by 3"):
+        LLM(str(models["llama"]), tensor_parallel_size=3, dtype="float32")
+    from engine import ModelSpec
+
+    spec = ModelSpec.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 3, "max_position_embeddings": 64,
+        }
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="3 KV heads"):
+        shard.check(spec, 2)
+    with pytest.raises(ConfigError, match="this machine has 2 GPUs"):
+        shard.check(spec.__class__(**{**spec.__dict__, "num_key_value_heads": 8} if False else spec.__dict__), 4, 2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLM(str(models["llama"]), tensor_parallel_size=0)
+
+
+def test_a_rank_that_dies_fails_the_engine_and_leaves_nothing(models):
+    with engine(models["llama"], 2) as llm:
+        e = llm.engine
+        e.add_request("r", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=200, ignore_eos=True))
+        e.step()
+        e.step()
+        os.kill(e.tp_group.procs[0].pid, signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(EngineFault, match="tensor-parallel rank 1"):
+            for _ in range(5):
+                e.step()
+        assert time.monotonic() - t < 10
+        assert not any(p.is_alive() for p in e.tp_group.procs)
+
+
+def test_a_rank_that_hangs_fails_the_engine_after_the_timeout(models):
+    with engine(models["llama"], 2, distributed_timeout_s=3) as llm:
+        e = llm.engine
+        e.add_request("r", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=200, ignore_eos=True))
+        e.step()
+        pid = e.tp_group.procs[0].pid
+        os.kill(pid, signal.SIGSTOP)  # alive, but never answers
+        t = time.monotonic()
+        try:
+            with pytest.raises(EngineFault, match="collective failed"):
+                for _ in range(5):
+                    e.step()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert 2 < time.monotonic() - t < 30
+        assert not any(p.is_alive() for p in e.tp_group.procs)
+
+
+def test_planner_plans_one_rank():
+    from engine import ModelSpec
+    from warmup.plan import make_plan
+
+    llama70b = ModelSpec.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+            "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "max_position_embeddings": 8192,
+        }
+    )  # fmt: skip
+    h100 = 80 * 10**9  # as marketed: 67.7 GiB of fp8 weights are over 0.9 x 80 GB
+    one = make_plan(llama70b, h100, quantization="fp8")
+    two = make_plan(llama70b, h100, quantization="fp8", tensor_parallel_size=2)
+    assert not one["fits"] and two["fits"] and two["tensor_parallel_size"] == 2
+    assert two["weight_bytes"] < one["weight_bytes"] / 2 + (1 << 30)
+    assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2
+    bad = make_plan(llama70b, h100, tensor_parallel_size=3)
+    assert not bad["fits"] and "64 attention heads are not divisible by 3" in bad["error"]
