@@ -10,7 +10,6 @@ import torch
 
 from engine import memory
 from engine.device import model_dtype
-from engine.errors import ConfigError
 from engine.kv_cache import CALIBRATION_TEXT, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
 from engine.memory import MemoryPlan
@@ -36,11 +35,6 @@ class EngineBuilders:
         self.tp = cfg.tensor_parallel_size
         cuda = self.device.type == "cuda"
         shard.check(self.spec, self.tp, torch.cuda.device_count() if cuda else None)
-        if self.tp > 1 and cfg.enable_lora:
-            raise ConfigError(
-                "EngineConfig.enable_lora: LoRA adapters are not sharded across tensor-parallel ranks yet; "
-                "use tensor_parallel_size=1 with ENABLE_LORA"
-            )
         self.rank_spec = shard.local_spec(self.spec, self.tp)  # the shapes this rank holds (all of them at tp 1)
         self.dtype = model_dtype(cfg.dtype, hf_cfg, self.device.type)
         self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
@@ -127,7 +121,8 @@ class EngineBuilders:
             return None
         from engine.lora.manager import LoRAManager  # boto3 and friends only when LoRA is on
 
-        return LoRAManager(self.cfg, self.spec, self.dtype, self.device)
+        shards = [shard.Shard(self.spec, r, self.tp) for r in range(self.tp)] if self.tp > 1 else ()
+        return LoRAManager(self.cfg, self.spec, self.dtype, self.device, self.tp_group, shards)
 
     def _build_speculator(self) -> Speculator | None:
         sc = self.cfg.speculative_config

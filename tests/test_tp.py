@@ -180,3 +180,24 @@ def test_planner_plans_one_rank():
     assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2
     bad = make_plan(llama70b, h100, tensor_parallel_size=3)
     assert not bad["fits"] and "64 attention heads are not divisible by 3" in bad["error"]
+
+
+def test_lora_requests_under_tp2(models, tmp_path):
+    """Adapters are cut as vLLM cuts them (B rows for column-parallel, A columns for row-parallel): a batch mixing
+    two adapters and the base model gives TP=1's tokens."""
+    from engine import LoRARequest
+    from tests.lora_fixtures import make_peft_adapter
+
+    paths = {
+        n: make_peft_adapter(models["llama"], tmp_path / n, b_std=0.3, seed=s)[0] for n, s in (("a1", 1), ("a2", 2))
+    }
+    kw = dict(enable_lora=True, lora_modules=tuple((n, str(p)) for n, p in paths.items()), cache_root=str(tmp_path),
+              max_loras=2, max_lora_rank=8)  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2])]
+    loras = [LoRARequest("a1"), None, LoRARequest("a2"), None]
+    with engine(models["llama"], **kw) as one:
+        ref = one.generate(prompts, GREEDY, lora=loras)
+    out = [o.outputs[0].token_ids for o in ref]
+    assert out[0] != out[1] and out[2] != out[3]  # each adapter changes its prompt's output: the test can fail
+    with engine(models["llama"], 2, **kw) as llm:
+        assert_same(ref, llm.generate(prompts, GREEDY, lora=loras))

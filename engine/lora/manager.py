@@ -39,21 +39,79 @@ FUSED = {
 }
 
 
-class LoRAManager:
-    def __init__(self, cfg, spec, dtype: torch.dtype, device: torch.device):
-        self.cfg, self.spec, self.dtype, self.device = cfg, spec, dtype, device
-        S, R, L = cfg.max_loras, cfg.max_lora_rank, spec.num_layers
+class LoRASlots:
+    """The device side: per fused linear, lora_a [L, S, n*R, in] and lora_b [L, S, out, n*R] (see above), and the
+    step's delta function. Under tensor parallelism every rank has its own, with its shard's shapes."""
+
+    def __init__(self, max_loras: int, max_rank: int, spec, dtype: torch.dtype, device: torch.device):
+        self.max_loras, self.max_rank, self.spec, self.device = max_loras, max_rank, spec, device
         self.w_dtype = torch.float32 if device.type == "cpu" else dtype
+        S, R, L = max_loras, max_rank, spec.num_layers
         self.a, self.b = {}, {}
-        for lin, (d_in, d_out, n) in self._fused_shapes().items():
+        for lin, (d_in, d_out, n) in self.fused_shapes().items():
             self.a[lin] = torch.zeros(L, S, n * R, d_in, dtype=self.w_dtype, device=device)
             self.b[lin] = torch.zeros(L, S, d_out, n * R, dtype=self.w_dtype, device=device)
+
+    def fused_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """fused linear -> (in, out, number of projections)."""
+        shapes = module_shapes(self.spec)
+        return {lin: (shapes[ms[0]][0], sum(shapes[m][1] for m in ms), len(ms)) for lin, ms in FUSED.items()}
+
+    def load(self, slot: int, a: dict, b: dict) -> None:
+        for lin in FUSED:  # small (rank x width per layer); non_blocking from pinned memory on CUDA
+            self.a[lin][:, slot].copy_(a[lin], non_blocking=True)
+            self.b[lin][:, slot].copy_(b[lin], non_blocking=True)
+
+    def host_tensors(self, ad, shard=None) -> tuple[dict, dict]:
+        """An adapter (full shapes) -> this layout's padded host tensors: A [L, R, in], B [L, out, R] * scaling,
+        cut to `shard`'s part under tensor parallelism."""
+        R, L = self.max_rank, self.spec.num_layers
+        pin = self.device.type == "cuda"
+        a, b, where = {}, {}, {}
+        shapes = module_shapes(self.spec)
+        for lin, (d_in, d_out, n) in self.fused_shapes().items():
+            a[lin] = torch.zeros(L, n * R, d_in, dtype=self.w_dtype, pin_memory=pin)
+            b[lin] = torch.zeros(L, d_out, n * R, dtype=self.w_dtype, pin_memory=pin)
+            col = 0
+            for j, m in enumerate(FUSED[lin]):
+                where[m] = (lin, j * R, col)  # its rank block and output columns in the fused tensors
+                col += shapes[m][1]
+        for (layer, m), (wa, wb) in ad.weights.items():
+            if shard is not None:
+                wa, wb = shard.lora(m, wa, wb)
+            lin, r0, c0 = where[m]
+            a[lin][layer, r0 : r0 + ad.rank] = wa  # [r, in]
+            b[lin][layer, c0 : c0 + wb.shape[0], r0 : r0 + ad.rank] = wb * ad.scaling  # [out, r], scaled in fp32
+        return a, b
+
+    def delta(self, token_slot: torch.Tensor):
+        """This step's delta function for the model: fn(layer, linear, x [T, in], out [T, N]) adds each token's
+        adapter delta to our fused linear's output in place. token_slot: [T], -1 = no adapter."""
+        # once per step, for 4L calls
+        groups = slot_groups(token_slot, self.max_loras) if self.device.type != "cuda" else None
+
+        def apply(layer: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> None:
+            add_lora(out, x, self.a[linear][layer], self.b[linear][layer], token_slot, groups=groups)
+
+        return apply
+
+
+class LoRAManager:
+    def __init__(self, cfg, spec, dtype: torch.dtype, device: torch.device, tp=None, shards=()):
+        """`spec`: the full model's (adapters are checked against it). Under tensor parallelism `shards` are every
+        rank's Shard (rank 0's first) and `tp` the TPGroup: each load sends the other ranks their parts."""
+        from engine.parallel.shard import local_spec
+
+        self.cfg, self.spec, self.dtype, self.device = cfg, spec, dtype, device
+        self.tp, self.shards = tp, list(shards)
+        self.slots = LoRASlots(cfg.max_loras, cfg.max_lora_rank, local_spec(spec, max(1, len(self.shards))), dtype,
+                               device)  # fmt: skip
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, least recently used first
-        self.free_slots = list(range(S))
+        self.free_slots = list(range(cfg.max_loras))
         self.refs: dict[str, AdapterRef] = {}  # every adapter key seen (for /v1/models)
         self._jobs: dict[str, Future] = {}  # key -> host tensors being (or already) loaded
         self._started: dict[str, float] = {}
-        self.disk = AdapterDiskCache.from_config(cfg, max_adapter_bytes(spec, R))
+        self.disk = AdapterDiskCache.from_config(cfg, max_adapter_bytes(spec, cfg.max_lora_rank))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lora-load", initializer=_lower_priority)
         self.num_loads = 0
 
@@ -112,10 +170,10 @@ class LoRAManager:
                 return None
             slot = self.slot_of.pop(victim)
             log.info("LoRA slot %d: evicting %r (least recently used)", slot, self.refs[victim].name)
-        a, b = fut.result()
-        for lin in FUSED:  # small (rank x width per layer); non_blocking from pinned memory on CUDA
-            self.a[lin][:, slot].copy_(a[lin], non_blocking=True)
-            self.b[lin][:, slot].copy_(b[lin], non_blocking=True)
+        parts = fut.result()  # per rank: (a, b)
+        self.slots.load(slot, *parts[0])
+        for rank, part in enumerate(parts[1:], start=1):  # before the step that uses it: the pipe keeps the order
+            self.tp.send_to(rank, ("lora", slot, *part))
         del self._jobs[key]  # the disk cache keeps the files; a later reload reads them again
         self.slot_of[key] = slot
         self.num_loads += 1
@@ -164,42 +222,14 @@ class LoRAManager:
 
     # ---- the batched delta (model forward) ---------------------------------------------------
     def delta(self, token_slot: torch.Tensor):
-        """This step's delta function for the model: fn(layer, linear, x [T, in], out [T, N]) adds each token's
-        adapter delta to our fused linear's output in place. token_slot: [T], -1 = no adapter."""
-        # once per step, for 4L calls
-        groups = slot_groups(token_slot, self.cfg.max_loras) if self.device.type != "cuda" else None
-
-        def apply(layer: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> None:
-            add_lora(out, x, self.a[linear][layer], self.b[linear][layer], token_slot, groups=groups)
-
-        return apply
+        return self.slots.delta(token_slot)
 
     # ---- loader threads ----------------------------------------------------------------------
-    def _load(self, ref: AdapterRef) -> tuple[dict, dict]:
-        """Fetch (once) and load an adapter into padded host tensors: A [L, R, in], B [L, out, R] * scaling."""
-        R, L = self.cfg.max_lora_rank, self.spec.num_layers
+    def _load(self, ref: AdapterRef) -> list[tuple[dict, dict]]:
+        """Fetch (once) and load an adapter into padded host tensors, one (a, b) per tensor-parallel rank."""
         with self.disk.use(ref) as path:
-            ad = load_adapter(path, self.spec, R, ref.name)
-        pin = self.device.type == "cuda"
-        a, b, where = {}, {}, {}
-        shapes = module_shapes(self.spec)
-        for lin, (d_in, d_out, n) in self._fused_shapes().items():
-            a[lin] = torch.zeros(L, n * R, d_in, dtype=self.w_dtype, pin_memory=pin)
-            b[lin] = torch.zeros(L, d_out, n * R, dtype=self.w_dtype, pin_memory=pin)
-            col = 0
-            for j, m in enumerate(FUSED[lin]):
-                where[m] = (lin, j * R, col)  # its rank block and output columns in the fused tensors
-                col += shapes[m][1]
-        for (layer, m), (wa, wb) in ad.weights.items():
-            lin, r0, c0 = where[m]
-            a[lin][layer, r0 : r0 + ad.rank] = wa  # [r, in]
-            b[lin][layer, c0 : c0 + wb.shape[0], r0 : r0 + ad.rank] = wb * ad.scaling  # [out, r], scaled in fp32
-        return a, b
-
-    def _fused_shapes(self) -> dict[str, tuple[int, int, int]]:
-        """fused linear -> (in, out, number of projections)."""
-        shapes = module_shapes(self.spec)
-        return {lin: (shapes[ms[0]][0], sum(shapes[m][1] for m in ms), len(ms)) for lin, ms in FUSED.items()}
+            ad = load_adapter(path, self.spec, self.cfg.max_lora_rank, ref.name)
+        return [self.slots.host_tensors(ad, s) for s in self.shards] or [self.slots.host_tensors(ad)]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

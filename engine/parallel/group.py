@@ -105,6 +105,7 @@ class TPGroup:
         )
         self.store = store
         self.closed = False
+        self.send_seconds = 0.0  # time spent pickling and writing messages (bench/tp.py)
 
     # ---- start ---------------------------------------------------------------------------------------------
     def expect(self, what: str, timeout_s: float) -> None:
@@ -124,6 +125,7 @@ class TPGroup:
     # ---- steps ----------------------------------------------------------------------------------------------
     def send(self, msg: tuple) -> None:
         """The same message to every other rank; a rank that has exited fails the engine here."""
+        t = time.perf_counter()
         for rank, (p, c) in enumerate(zip(self.procs, self.conns), start=1):
             if not p.is_alive():
                 raise self.fault(f"exited (code {p.exitcode})", rank)
@@ -131,6 +133,14 @@ class TPGroup:
                 c.send(msg)
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 raise self.fault("closed its pipe", rank) from None
+        self.send_seconds += time.perf_counter() - t
+
+    def send_to(self, rank: int, msg: tuple) -> None:
+        """A message for one rank (its part of a LoRA adapter)."""
+        p, c = self.procs[rank - 1], self.conns[rank - 1]
+        if not p.is_alive():
+            raise self.fault(f"exited (code {p.exitcode})", rank)
+        c.send(msg)
 
     def fault(self, what: str, rank: int | None = None) -> EngineFault:
         """An EngineFault naming the rank (the first one found dead when `rank` is None); every rank is stopped."""

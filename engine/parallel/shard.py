@@ -94,16 +94,7 @@ class Shard:
             return out
         if kind in ("k_scale", "v_scale") or t.dim() == 0 or (t.numel() == 1 and kind == "weight_scale"):
             return t  # per-tensor scales apply to every shard
-        hq = s.num_heads // self.tp
-        kv0, kvn = self.kv_heads()
-        inter = s.intermediate_size // self.tp
-        column = {  # output rows this rank keeps: (start, size)
-            "q_proj": (self.rank * hq * D, hq * D),
-            "k_proj": (kv0 * D, kvn * D),
-            "v_proj": (kv0 * D, kvn * D),
-            "gate_proj": (self.rank * inter, inter),
-            "up_proj": (self.rank * inter, inter),
-        }
+        column = self.column_rows()
         if proj in column:
             return t.narrow(0, *column[proj])
         if proj == "qkv_proj":  # Phi-3's fused q, k, v: each part sharded, fused again
@@ -114,6 +105,32 @@ class Shard:
             g, u = t.chunk(2)
             return torch.cat([g.narrow(0, *column["gate_proj"]), u.narrow(0, *column["up_proj"])])
         if proj in ("o_proj", "down_proj") and kind == "weight":  # input columns; scales are per output row
-            start, size = (self.rank * hq * D, hq * D) if proj == "o_proj" else (self.rank * inter, inter)
-            return t.narrow(1, start, size)
+            return t.narrow(1, *self.row_columns()[proj])
         return t  # norms, q/k norms, row-parallel scales: whole on every rank
+
+    def column_rows(self) -> dict[str, tuple[int, int]]:
+        """Column-parallel projections: the output rows this rank keeps, (start, size)."""
+        s, D = self.spec, self.spec.head_dim
+        hq, inter = s.num_heads // self.tp, s.intermediate_size // self.tp
+        kv0, kvn = self.kv_heads()
+        return {
+            "q_proj": (self.rank * hq * D, hq * D),
+            "k_proj": (kv0 * D, kvn * D),
+            "v_proj": (kv0 * D, kvn * D),
+            "gate_proj": (self.rank * inter, inter),
+            "up_proj": (self.rank * inter, inter),
+        }
+
+    def row_columns(self) -> dict[str, tuple[int, int]]:
+        """Row-parallel projections: the input columns this rank keeps, (start, size)."""
+        s, D = self.spec, self.spec.head_dim
+        hq, inter = s.num_heads // self.tp, s.intermediate_size // self.tp
+        return {"o_proj": (self.rank * hq * D, hq * D), "down_proj": (self.rank * inter, inter)}
+
+    def lora(self, module: str, a, b):
+        """A LoRA module's (A [r, in], B [out, r]) for this rank, as vLLM shards them: B's rows for a
+        column-parallel projection, A's columns for a row-parallel one (its partial deltas are summed by the
+        layer's all-reduce, with the partial outputs)."""
+        if module in (rows := self.column_rows()):
+            return a, b.narrow(0, *rows[module])
+        return a.narrow(1, *self.row_columns()[module]), b

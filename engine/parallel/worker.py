@@ -4,6 +4,7 @@ so they are the same on every rank), replaying rank 0's forward passes. Messages
     ("setup", plan, calibration ids or None)  rank 0's MemoryPlan (per rank): allocate the KV pool, build attention
     ("forward", step)   run the model over the step rank 0 runs (ModelRunner.replay)
     ("logits", rows)    the LM head over those rows of the last hidden states; gathered to rank 0
+    ("lora", slot, a, b)  this rank's part of an adapter, into a LoRA slot (before the step that uses it)
     ("stop",)
 
 It reports ("loaded",), then ("ready",), or ("error", text) on its pipe."""
@@ -92,7 +93,12 @@ def _start(rank, tp, init_method, cfg, max_positions, conn):
         else:  # calibrated on this rank's heads, in step with rank 0's calibration forward
             k, v = calibrate_kv_scales(model, calibration, device)
         attn.set_kv_scales(k, v)
-    return ModelRunner(model, kv, attn, cfg.block_size, device, backend, None, cfg.max_num_seqs, plan.max_model_len)
+    lora = None
+    if cfg.enable_lora:
+        from engine.lora.manager import LoRASlots
+
+        lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, lspec, dtype, device)
+    return ModelRunner(model, kv, attn, cfg.block_size, device, backend, lora, cfg.max_num_seqs, plan.max_model_len)
 
 
 def _serve(runner, conn) -> None:
@@ -110,5 +116,7 @@ def _serve(runner, conn) -> None:
             elif msg[0] == "logits":
                 rows = msg[1]
                 runner.logits_local(hidden if rows is None else hidden[torch.tensor(rows, device=hidden.device)])
+            elif msg[0] == "lora":
+                runner.lora.load(msg[1], msg[2], msg[3])
             elif msg[0] == "stop":
                 return

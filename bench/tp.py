@@ -1,0 +1,128 @@
+"""Tensor parallelism's cost on CPU (gloo): decode steps at TP=1 and TP=2, same model, same run.
+
+On 2 CPU cores TP cannot be faster (the ranks split the cores TP=1 already uses); what this measures is what the
+collectives and the step descriptors cost per step, so the overhead is known before a multi-GPU worker pays it:
+
+- step ms: one decode step of `b` sequences (rank 0's wall time, after a warm-up);
+- collectives ms: rank 0's time inside all-reduce (two per layer, one for the embedding) and the logits gather,
+  waiting for the other rank included;
+- descriptor ms: pickling the step's host lists and writing them to the other ranks' pipes.
+
+The model is a random Llama with SmolLM2's tokenizer (8 heads so that 2 ranks divide it), `--layers` layers of
+`--hidden` width. Usage: python -m bench.tp [--steps 20]   (~2 min; writes docs/benchmarks.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench._common import default_model_path, machine_line, write_section
+from engine import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_llama(out: Path, hidden: int, layers: int) -> Path:
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(out))
+    return out
+
+
+def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
+    llm = LLM(str(path), tokenizer=str(default_model_path()), tensor_parallel_size=tp, log_stats_interval=0)
+    e = llm.engine
+    try:
+        for i in range(batch):
+            e.add_request(f"r{i}", {"prompt_token_ids": list(range(100 + i, 164 + i))},
+                          SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True))  # fmt: skip
+        for _ in range(5):  # prefill, then warm decodes
+            e.step()
+        comm = e.model.tp
+        c0, n0 = (comm.seconds, comm.calls) if comm else (0.0, 0)
+        s0 = e.tp_group.send_seconds if e.tp_group else 0.0
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            e.step()
+            times.append(time.perf_counter() - t)
+        coll = (comm.seconds - c0) / steps if comm else 0.0
+        calls = (comm.calls - n0) / steps if comm else 0
+        send = (e.tp_group.send_seconds - s0) / steps if e.tp_group else 0.0
+        return dict(tp=tp, batch=batch, step=statistics.median(times), coll=coll, calls=calls, send=send)
+    finally:
+        e.abort_all()
+        e.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--docs-dir", type=Path, default=REPO / "docs")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = random_llama(Path(tmp) / "m", args.hidden, args.layers)
+        for batch in (1, 8):
+            for tp in (1, 2):
+                rows.append(measure(path, tp, batch, args.steps))
+                print(rows[-1])
+    base = {r["batch"]: r["step"] for r in rows if r["tp"] == 1}
+    lines = [
+        f"Machine: {machine_line('cpu')}. A random Llama ({args.layers} layers, hidden {args.hidden}, 8 heads, "
+        f"bf16) with SmolLM2's vocabulary; gloo; median of {args.steps} decode steps after a warm-up.",
+        "",
+        "| batch | TP | step ms | vs TP=1 | collectives per step | in collectives ms | descriptor ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        *[
+            f"| {r['batch']} | {r['tp']} | {r['step'] * 1e3:.2f} | {r['step'] / base[r['batch']]:.2f}x | "
+            f"{r['calls']:.0f} | {r['coll'] * 1e3:.2f} | {r['send'] * 1e3:.3f} |"
+            for r in rows
+        ],
+        "",
+        "On 2 cores each rank gets one core, so TP=2 is not faster here; on GPUs the ranks add devices instead. "
+        "The collectives column is rank 0's wall time inside all-reduce and gather, which includes waiting for the "
+        "slower rank.",
+    ]
+    lines += ["", "![step time by part](tp.png)"]
+    body = "\n".join(lines)
+    print(body)
+    plot(rows, args.docs_dir / "tp.png")
+    write_section(args.docs_dir / "benchmarks.md", "tp", body)
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names = [f"b={r['batch']}, TP={r['tp']}" for r in rows]
+    comp = [1e3 * (r["step"] - r["coll"] - r["send"]) for r in rows]
+    coll = [1e3 * r["coll"] for r in rows]
+    send = [1e3 * r["send"] for r in rows]
+    ax.bar(names, comp, label="everything else")
+    ax.bar(names, coll, bottom=comp, label="collectives")
+    ax.bar(names, send, bottom=[a + b for a, b in zip(comp, coll)], label="descriptor")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("Tensor parallelism on CPU (gloo): where a step goes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
