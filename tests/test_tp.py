@@ -201,3 +201,34 @@ def test_lora_requests_under_tp2(models, tmp_path):
     assert out[0] != out[1] and out[2] != out[3]  # each adapter changes its prompt's output: the test can fail
     with engine(models["llama"], 2, **kw) as llm:
         assert_same(ref, llm.generate(prompts, GREEDY, lora=loras))
+
+
+def test_a_rank_killed_mid_generation_fails_the_stream_through_async_engine(models):
+    """What the handler sees: the in-flight request ends with an EngineFault naming the rank, a new request is
+    refused with it, and no rank is left running."""
+    import asyncio
+
+    from engine import AsyncEngine, EngineConfig
+
+    cfg = EngineConfig(model=str(models["llama"]), dtype="float32", num_kv_blocks=64, log_stats_interval=0,
+                       tensor_parallel_size=2)  # fmt: skip
+    eng = AsyncEngine(cfg)
+    procs = eng.engine.tp_group.procs
+
+    async def go():
+        n = 0
+        with pytest.raises(EngineFault, match="tensor-parallel rank 1"):
+            async for _ in eng.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=400,
+                                        ignore_eos=True), "r1"):  # fmt: skip
+                n += 1
+                if n == 3:
+                    os.kill(procs[0].pid, signal.SIGKILL)
+        with pytest.raises(EngineFault):
+            async for _ in eng.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=4), "r2"):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 60))
+        assert not any(p.is_alive() for p in procs)
+    finally:
+        eng.shutdown()
