@@ -15,6 +15,7 @@ The model is a random Llama with SmolLM2's tokenizer (8 heads so that 2 ranks di
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -40,7 +41,9 @@ def random_llama(out: Path, hidden: int, layers: int) -> Path:
 
 
 def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
-    llm = LLM(str(path), tokenizer=str(default_model_path()), tensor_parallel_size=tp, log_stats_interval=0)
+    # every run uses all cores: TP=1 its torch threads, TP=N one share per rank (the engine splits them)
+    threads = {"num_threads": os.cpu_count()} if tp == 1 else {}
+    llm = LLM(str(path), tokenizer=str(default_model_path()), tensor_parallel_size=tp, log_stats_interval=0, **threads)
     e = llm.engine
     try:
         for i in range(batch):
@@ -81,8 +84,10 @@ def main() -> None:
                 print(rows[-1])
     base = {r["batch"]: r["step"] for r in rows if r["tp"] == 1}
     lines = [
-        f"Machine: {machine_line('cpu')}. A random Llama ({args.layers} layers, hidden {args.hidden}, 8 heads, "
-        f"bf16) with SmolLM2's vocabulary; gloo; median of {args.steps} decode steps after a warm-up.",
+        f"Machine: {machine_line('cpu')} (at the end: TP=1 runs with {os.cpu_count()} threads, each of the TP=2 "
+        f"ranks with {max(1, (os.cpu_count() or 1) // 2)}). A random Llama ({args.layers} layers, hidden "
+        f"{args.hidden}, 8 heads, bf16) with SmolLM2's vocabulary; gloo; median of {args.steps} decode steps after "
+        "a warm-up.",
         "",
         "| batch | TP | step ms | vs TP=1 | collectives per step | in collectives ms | descriptor ms |",
         "|---:|---:|---:|---:|---:|---:|---:|",
