@@ -10,6 +10,7 @@ import torch
 
 from engine import memory
 from engine.device import model_dtype
+from engine.errors import ConfigError
 from engine.kv_cache import CALIBRATION_TEXT, calibrate_kv_scales
 from engine.layers.attention import TorchAttention, TritonAttention
 from engine.memory import MemoryPlan
@@ -35,6 +36,11 @@ class EngineBuilders:
         self.tp = cfg.tensor_parallel_size
         cuda = self.device.type == "cuda"
         shard.check(self.spec, self.tp, torch.cuda.device_count() if cuda else None)
+        if self.tp > 1 and cuda and self.device.index not in (None, 0):
+            raise ConfigError(
+                f"EngineConfig.device={cfg.device!r}: with tensor_parallel_size={self.tp} rank r runs on cuda:r; "
+                "use device cuda (or cuda:0), and CUDA_VISIBLE_DEVICES to choose the GPUs"
+            )
         self.rank_spec = shard.local_spec(self.spec, self.tp)  # the shapes this rank holds (all of them at tp 1)
         self.dtype = model_dtype(cfg.dtype, hf_cfg, self.device.type)
         self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
@@ -82,6 +88,7 @@ class EngineBuilders:
         reserve = memory.activation_reserve(
             spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora, graph_pool_bytes=graphs
         )
+        reserve += memory.tp_reserve(spec, self.spec.vocab_size, self.tp, cfg.max_num_seqs)
         if loaded:  # measured: the draft is not resident yet (predicted, its bytes are in `weights`)
             reserve += draft_reserve
         if loaded:  # blocks freed while loading stay in torch's cache and would count as used

@@ -64,62 +64,70 @@ class LLMEngine(EngineBuilders):
         if self.tp > 1:  # the other ranks start and load their shards while this one loads its own
             self.tp_group = TPGroup(cfg, self.device, self.max_model_len)
             tl.mark("tensor-parallel ranks", f"{self.tp} ranks, {backend_for(self.device)}")
-        self.model, self.weights = load_model(
-            cfg, self.model_path, self.spec.prequantized, self._build_model, self.device
-        )
-        if self.tp_group is not None:
-            self.tp_group.expect("loaded", timeout_s=3600)
-        tl.mark(self.weights.phase, self.weights.note())
-        if self.device.type == "cuda":
-            self.memory = self._plan_memory(loaded=True)  # from the memory measured now, weights resident
-            self.max_model_len = self.memory.max_model_len
-        kv = allocate(self.rank_spec, self.memory, self.kv_dtype, self.device)
-        if self.tp_group is not None:  # the same pool on every rank (its own heads), and the same scales rule
-            self.tp_group.send(("setup", self.memory, self._calibration_ids()))
-        tl.mark("KV allocation", f"{self.memory.num_blocks} blocks, {self.memory.kv_bytes / 2**20:.0f} MiB")
-        self.lora = self._build_lora()
-        self.runner = ModelRunner(
-            self.model,
-            kv,
-            self._build_attention(),
-            cfg.block_size,
-            self.device,
-            self.kernel_backend,
-            self.lora,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=self.max_model_len,
-            vocab_size=self.spec.vocab_size,
-        )
-        if self.tp_group is not None:
-            self.runner.tp = self.tp_group
-            self.tp_group.expect("ready", timeout_s=600)
-        if self.graphs_enabled:  # captured later, in the idle gaps after ready
-            self.runner.enable_graphs(cuda_graph_factory())
-        # On CUDA the Triton variants a step can need are compiled in the idle gaps after ready, not mid-request
-        self.idle = IdleWork(self.runner, warm_kernels=self.device.type == "cuda" and self.tp == 1)
-        self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            cfg.max_num_seqs,
-            cfg.max_num_batched_tokens,
-            self.max_model_len,
-            cfg.long_prefill_token_threshold,
-            can_start=self.lora.can_start if self.lora is not None else None,
-        )
-        self.speculator = self._build_speculator()
-        self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
-        self._structured: StructuredOutputs | None = None
-        self._structured_lock = threading.Lock()
-        self.num_generated_tokens = 0
-        # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
-        # kernel warmup before ready (it runs in the idle gaps after, into TRITON_CACHE_DIR on the volume).
-        tl.skip(
-            "kernel warmup",
-            f"after ready, in idle gaps: {len(self.idle.warm_shapes)} padding-only steps compile the Triton variants"
-            if self.kernel_backend == "triton"
-            else "torch kernels on CPU: nothing to compile",
-        )
-        self._log_ready(time.perf_counter() - t0)
+        try:
+            self.model, self.weights = load_model(
+                cfg, self.model_path, self.spec.prequantized, self._build_model, self.device
+            )
+            if self.tp_group is not None:
+                self.tp_group.expect("loaded", timeout_s=3600)
+            tl.mark(self.weights.phase, self.weights.note())
+            if self.device.type == "cuda":
+                self.memory = self._plan_memory(loaded=True)  # from the memory measured now, weights resident
+                self.max_model_len = self.memory.max_model_len
+            kv = allocate(self.rank_spec, self.memory, self.kv_dtype, self.device)
+            if self.tp_group is not None:  # the same pool on every rank (its own heads), and the same scales rule
+                self.tp_group.send(("setup", self.memory, self._calibration_ids()))
+            tl.mark("KV allocation", f"{self.memory.num_blocks} blocks, {self.memory.kv_bytes / 2**20:.0f} MiB")
+            self.lora = self._build_lora()
+            self.runner = ModelRunner(
+                self.model,
+                kv,
+                self._build_attention(),
+                cfg.block_size,
+                self.device,
+                self.kernel_backend,
+                self.lora,
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=self.max_model_len,
+                vocab_size=self.spec.vocab_size,
+            )
+            if self.tp_group is not None:
+                self.runner.tp = self.tp_group
+                self.tp_group.expect("ready", timeout_s=600)
+            if self.graphs_enabled:  # captured later, in the idle gaps after ready
+                self.runner.enable_graphs(cuda_graph_factory())
+            # On CUDA the Triton variants a step can need are compiled in the idle gaps after ready, not mid-request
+            self.idle = IdleWork(self.runner, warm_kernels=self.device.type == "cuda" and self.tp == 1)
+            self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
+            self.scheduler = Scheduler(
+                self.block_manager,
+                cfg.max_num_seqs,
+                cfg.max_num_batched_tokens,
+                self.max_model_len,
+                cfg.long_prefill_token_threshold,
+                can_start=self.lora.can_start if self.lora is not None else None,
+            )
+            self.speculator = self._build_speculator()
+            self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
+            self._structured: StructuredOutputs | None = None
+            self._structured_lock = threading.Lock()
+            self.num_generated_tokens = 0
+            # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
+            # kernel warmup before ready (it runs in the idle gaps after, into TRITON_CACHE_DIR on the volume).
+            tl.skip(
+                "kernel warmup",
+                f"after ready, in idle gaps: {len(self.idle.warm_shapes)} padding-only steps compile the Triton "
+                "variants"
+                if self.kernel_backend == "triton"
+                else "torch kernels on CPU: nothing to compile",
+            )
+            self._log_ready(time.perf_counter() - t0)
+        except BaseException as e:
+            if self.tp_group is not None:  # no rank outlives a failed start
+                fault = self.tp_group.fault(f"the start failed: {e!r}")
+                if isinstance(e, RuntimeError):  # a collective: the fault names the rank that died
+                    raise fault from e
+            raise
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -270,10 +278,14 @@ class LLMEngine(EngineBuilders):
             spec.propose(scheduled)  # a draft model runs here, over every speculating sequence at once
         try:
             sampled, logprobs = self.runner.execute(scheduled)
-        except RuntimeError as e:  # a collective failed or timed out: say which rank, stop them all
+        except BaseException as e:  # under TP the ranks may now be out of step: stop them all, say which died
             if self.tp_group is None:
                 raise
-            raise self.tp_group.fault(f"a collective failed: {e}") from e
+            why = f"a collective failed: {e}" if isinstance(e, RuntimeError) else f"a step was interrupted: {e!r}"
+            fault = self.tp_group.fault(why)
+            if isinstance(e, Exception):
+                raise fault from e
+            raise
         if self._structured is not None:
             self._structured.accept(sampled)
         self.scheduler.update(scheduled, sampled)

@@ -19,6 +19,8 @@ from engine.errors import ConfigError
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 << 20  # predicted before the load (CUDA context, cuBLAS workspace); measured after it
+# NCCL's communicator buffers, allocated at the first collective (after the pool is sized): held back per rank
+TP_COMM_BYTES = 1 << 30
 
 
 def kv_bytes_per_token(spec, kv_dtype_bytes: int) -> int:
@@ -76,6 +78,16 @@ def _step_bytes(spec, tokens: int, rows: int, dtype_bytes: int) -> int:
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     per_layer = (4 * h + qkv + 3 * i) * tokens * dtype_bytes + tokens * (max(h, i) + 4)
     return per_layer + 32 * rows * spec.num_heads * (spec.head_dim + 2) * 4
+
+
+def tp_reserve(spec, full_vocab: int, tp: int, max_num_seqs: int) -> int:
+    """What tensor parallelism adds to one rank's reserve: rank 0's logits are the full vocabulary's (gathered, then
+    sampled), not its shard's (as activation_reserve counts logits: three copies, doubled), plus the gather's
+    buffers, and NCCL's buffers come after the pool is sized."""
+    if tp == 1:
+        return 0
+    logits = 2 * 3 * max_num_seqs * (full_vocab - spec.vocab_size) * 4 + max_num_seqs * full_vocab * 4
+    return TP_COMM_BYTES + logits
 
 
 def activation_reserve(

@@ -125,6 +125,7 @@ def _fake_engine(total: int, free: int, **cfg) -> SimpleNamespace:
         spec=spec,
         rank_spec=spec,
         draft_spec=None,
+        tp=1,
         dtype=torch.bfloat16,
         kv_dtype=torch.bfloat16,
         device=torch.device("cuda"),

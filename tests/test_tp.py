@@ -232,3 +232,26 @@ def test_a_rank_killed_mid_generation_fails_the_stream_through_async_engine(mode
         assert not any(p.is_alive() for p in procs)
     finally:
         eng.shutdown()
+
+
+def test_a_rank_that_dies_while_starting_fails_the_start_cleanly(models, monkeypatch):
+    """The start fails naming the rank, nothing is left running, and the next engine in this process starts."""
+    import torch.distributed as dist
+
+    from engine.parallel.group import TPGroup
+
+    real, seen = TPGroup.expect, []
+
+    def dying(self, what, timeout_s):
+        if what == "loaded":  # rank 1 dies while it loads its shard
+            seen.extend(self.procs)
+            os.kill(self.procs[0].pid, signal.SIGKILL)
+        return real(self, what, timeout_s)
+
+    monkeypatch.setattr(TPGroup, "expect", dying)
+    with pytest.raises(EngineFault, match="tensor-parallel rank 1: exited while starting"):
+        LLM(str(models["llama"]), tensor_parallel_size=2, dtype="float32", num_kv_blocks=16)
+    assert seen and not any(p.is_alive() for p in seen) and not dist.is_initialized()
+    monkeypatch.setattr(TPGroup, "expect", real)
+    with engine(models["llama"], 2) as llm:
+        assert len(generate(llm, PROMPTS[:1])[0].outputs[0].token_ids) == GREEDY.max_tokens

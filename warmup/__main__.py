@@ -198,7 +198,7 @@ def _check_tokenizer(cfg, path: Path) -> None:
 
 def _snapshot(cfg, path: Path, spec) -> Path | None:
     """Where the engine keeps this model's fp8 snapshot, or None when it uses none."""
-    if cfg.quantization != "fp8" or spec.prequantized:
+    if cfg.quantization != "fp8" or spec.prequantized or cfg.tensor_parallel_size > 1:  # (none per rank)
         return None
     from engine import weights
 

@@ -52,7 +52,7 @@ def make_plan(
         tensor_parallel.check(spec, tensor_parallel_size)
     except ConfigError as e:
         return {"fits": False, "error": str(e), "tensor_parallel_size": tensor_parallel_size}
-    spec = tensor_parallel.local_spec(spec, tensor_parallel_size)
+    full_vocab, spec = spec.vocab_size, tensor_parallel.local_spec(spec, tensor_parallel_size)
     defaults = EngineConfig()
     seqs = max_num_seqs or defaults.max_num_seqs
     tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
@@ -61,6 +61,7 @@ def make_plan(
     per_token = memory.kv_bytes_per_token(spec, 1 if kv_cache_dtype.startswith("fp8") else el)
     graphs = 0 if enforce_eager else memory.graph_pool_bytes(spec, seqs, el)
     reserve = memory.activation_reserve(spec, tokens, seqs, el, graph_pool_bytes=graphs)
+    reserve += memory.tp_reserve(spec, full_vocab, tensor_parallel_size, seqs)
     out = {
         "weight_bytes": w,
         "kv_bytes_per_token": per_token,

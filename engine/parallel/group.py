@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import tempfile
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -100,11 +102,53 @@ class TPGroup:
             self.procs.append(p)
             self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _kill, list(self.procs))
-        dist.init_process_group(
-            backend_for(device), init_method=init, rank=0, world_size=tp, timeout=timedelta(seconds=self.timeout_s)
-        )
         self.store = store
         self.closed = False
+        # one writer thread per rank: a rank that stops reading (hung) blocks its writer, not the step loop, which
+        # then fails in the step's first collective after the timeout
+        self._outboxes = [queue.SimpleQueue() for _ in self.conns]
+        self._writers = [
+            threading.Thread(target=_write, args=(q, c), name=f"tp-send-{r}", daemon=True)
+            for r, (q, c) in enumerate(zip(self._outboxes, self.conns), start=1)
+        ]
+        for t in self._writers:
+            t.start()
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+        self._init_group(backend_for(device), init, tp)
+
+    def _watch(self) -> None:
+        """Log a rank's death the moment it happens. On CPU the next collective fails with it; on GPUs an NCCL
+        collective does not raise, and NCCL's watchdog ends this process after distributed_timeout_s: the log
+        line says why."""
+        while not self.closed:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive() and not self.closed:
+                    log.error("tensor-parallel rank %d exited with code %s; the engine fails", rank, p.exitcode)
+                    return
+            time.sleep(1.0)
+
+    def _init_group(self, backend: str, init: str, tp: int) -> None:
+        """Join the process group, watching the ranks: one that dies before it joins fails the start now, not
+        after the timeout."""
+        err: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(
+                    backend, init_method=init, rank=0, world_size=tp, timeout=timedelta(seconds=self.timeout_s)
+                )
+            except BaseException as e:  # raised below, on the caller's thread
+                err.append(e)
+
+        t = threading.Thread(target=join, name="tp-init", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive():
+                    raise self.fault(f"exited while starting (code {p.exitcode})", rank)
+        if err:
+            raise self.fault(f"could not join the process group: {err[0]}")
         self.send_seconds = 0.0  # time spent pickling and writing messages (bench/tp.py)
 
     # ---- start ---------------------------------------------------------------------------------------------
@@ -117,7 +161,11 @@ class TPGroup:
                     raise self.fault(f"exited while starting (code {p.exitcode})", rank)
                 if time.monotonic() > deadline:
                     raise self.fault(f"did not report {what} within {timeout_s:.0f} s", rank)
-            msg = c.recv()
+            try:
+                msg = c.recv()
+            except (EOFError, OSError):  # it died: its end of the pipe closed
+                p.join(timeout=5)
+                raise self.fault(f"exited while starting (code {p.exitcode})", rank) from None
             if msg[0] == "error":
                 raise self.fault(f"failed while starting: {msg[1]}", rank)
             assert msg[0] == what, msg
@@ -126,21 +174,18 @@ class TPGroup:
     def send(self, msg: tuple) -> None:
         """The same message to every other rank; a rank that has exited fails the engine here."""
         t = time.perf_counter()
-        for rank, (p, c) in enumerate(zip(self.procs, self.conns), start=1):
-            if not p.is_alive():
-                raise self.fault(f"exited (code {p.exitcode})", rank)
-            try:
-                c.send(msg)
-            except (BrokenPipeError, ConnectionResetError, EOFError):
-                raise self.fault("closed its pipe", rank) from None
+        for rank in range(1, len(self.procs) + 1):
+            self.send_to(rank, msg)
         self.send_seconds += time.perf_counter() - t
 
     def send_to(self, rank: int, msg: tuple) -> None:
-        """A message for one rank (its part of a LoRA adapter)."""
-        p, c = self.procs[rank - 1], self.conns[rank - 1]
+        """A message for one rank (a step, or its part of a LoRA adapter), queued for its writer thread."""
+        p = self.procs[rank - 1]
+        if self.closed:
+            raise EngineFault("tensor parallelism: the ranks were stopped after an earlier fault")
         if not p.is_alive():
             raise self.fault(f"exited (code {p.exitcode})", rank)
-        c.send(msg)
+        self._outboxes[rank - 1].put(msg)
 
     def fault(self, what: str, rank: int | None = None) -> EngineFault:
         """An EngineFault naming the rank (the first one found dead when `rank` is None); every rank is stopped."""
@@ -157,11 +202,8 @@ class TPGroup:
         if self.closed:
             return
         self.closed = True
-        for c in self.conns:
-            try:
-                c.send(("stop",))
-            except (OSError, EOFError):
-                pass
+        for q in self._outboxes:
+            q.put(("stop",))
         for p in self.procs:
             p.join(timeout=5)
         _kill(self.procs)
@@ -174,6 +216,18 @@ class TPGroup:
             os.unlink(self.store)
         except OSError:
             pass
+
+
+def _write(outbox: queue.SimpleQueue, conn) -> None:
+    """A rank's writer: messages in order; ends after "stop" or when the rank's pipe breaks (it died)."""
+    while True:
+        msg = outbox.get()
+        try:
+            conn.send(msg)
+        except (OSError, EOFError):
+            return
+        if msg[0] == "stop":
+            return
 
 
 def _kill(procs) -> None:
