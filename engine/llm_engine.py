@@ -35,8 +35,10 @@ class LLMEngine(EngineBuilders):
         self.timeline = tl = timeline or Timeline()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        elif cfg.tensor_parallel_size > 1 and cfg.device in ("cpu", "auto") and not torch.cuda.is_available():
-            torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))  # ranks share the cores
+        self._threads_before = None
+        if not cfg.num_threads and cfg.tensor_parallel_size > 1 and not torch.cuda.is_available():
+            self._threads_before = torch.get_num_threads()  # given back at shutdown
+            torch.set_num_threads(max(1, self._threads_before // cfg.tensor_parallel_size))  # ranks share the cores
         self.device = torch.device(
             cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
@@ -318,6 +320,8 @@ class LLMEngine(EngineBuilders):
             self._structured.shutdown()
         if self.tp_group is not None:
             self.tp_group.shutdown()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
