@@ -8,7 +8,7 @@ collectives and the step descriptors cost per step, so the overhead is known bef
   waiting for the other rank included;
 - descriptor ms: pickling the step's host lists and writing them to the other ranks' pipes.
 
-The model is a random Llama with SmolLM2's tokenizer (8 heads so that 2 ranks divide it), `--layers` layers of
+The model is a random Llama from bench/synthetic_model.py (8 heads so that 2 ranks divide it), `--layers` layers of
 `--hidden` width. Usage: python -m bench.tp [--steps 20]   (~2 min; writes docs/benchmarks.md)
 """
 
@@ -21,29 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import default_model_path, machine_line, write_section
+from bench._common import machine_line, write_section
+from bench.synthetic_model import write_model
 from engine import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def random_llama(out: Path, hidden: int, layers: int) -> Path:
-    import torch
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(out))
-    return out
-
-
 def measure(path: Path, tp: int, batch: int, steps: int) -> dict:
     # every run uses all cores: TP=1 its torch threads, TP=N one share per rank (the engine splits them)
     threads = {"num_threads": os.cpu_count()} if tp == 1 else {}
-    llm = LLM(str(path), tokenizer=str(default_model_path()), tensor_parallel_size=tp, log_stats_interval=0, **threads)
+    llm = LLM(str(path), tensor_parallel_size=tp, log_stats_interval=0, **threads)
     e = llm.engine
     try:
         for i in range(batch):
@@ -77,7 +65,17 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = random_llama(Path(tmp) / "m", args.hidden, args.layers)
+        path = Path(tmp) / "m"
+        shape = dict(
+            hidden_size=args.hidden,
+            intermediate_size=3 * args.hidden,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=49152,
+            num_hidden_layers=args.layers,
+            tie_word_embeddings=True,
+        )
+        write_model(path, shape, "cpu")  # fmt: skip
         for batch in (1, 8):
             for tp in (1, 2):
                 rows.append(measure(path, tp, batch, args.steps))
@@ -86,7 +84,7 @@ def main() -> None:
     lines = [
         f"Machine: {machine_line('cpu')} (at the end: TP=1 runs with {os.cpu_count()} threads, each of the TP=2 "
         f"ranks with {max(1, (os.cpu_count() or 1) // 2)}). A random Llama ({args.layers} layers, hidden "
-        f"{args.hidden}, 8 heads, bf16) with SmolLM2's vocabulary; gloo; median of {args.steps} decode steps after "
+        f"{args.hidden}, 8 heads, bf16) with a 49152-token vocabulary; gloo; median of {args.steps} decode steps after "
         "a warm-up.",
         "",
         "| batch | TP | step ms | vs TP=1 | collectives per step | in collectives ms | descriptor ms |",

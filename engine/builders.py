@@ -11,13 +11,12 @@ import torch
 from engine import memory
 from engine.device import model_dtype
 from engine.errors import ConfigError
-from engine.kv_cache import CALIBRATION_TEXT, calibrate_kv_scales
-from engine.layers.attention import TorchAttention, TritonAttention
+from engine.kv_cache import CALIBRATION_TEXT, kv_scales
+from engine.layers.attention import build_attention
 from engine.memory import MemoryPlan
-from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM, ModelSpec
 from engine.parallel import shard
-from engine.parallel.group import TPComm, backend_for
+from engine.parallel.group import rank_model
 from engine.spec_decode.speculator import Speculator
 from engine.tokenizer import Tokenizer
 from engine.weights import read_json, resolve_model_path, safetensors_files
@@ -105,21 +104,12 @@ class EngineBuilders:
         return plan
 
     def _build_model(self) -> LlamaForCausalLM:
-        cls = model_class(self.rank_spec)
-        model = cls(self.rank_spec, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
-        if self.tp > 1:  # rank 0's shard and collectives
-            model.shard = shard.Shard(self.spec, 0, self.tp)
-            model.tp = TPComm(0, self.tp, self.spec.vocab_size, backend_for(self.device) == "gloo")
-        return model
+        return rank_model(self.spec, 0, self.tp, self.dtype, self.device, self.max_model_len, self.cfg.quantization)
 
     def _build_attention(self):
-        spec = self.spec
-        attn = (TritonAttention if self.kernel_backend == "triton" else TorchAttention)(
-            self.cfg.block_size, spec.attn_scale or spec.head_dim**-0.5
-        )
-        attn.windows, attn.softcap = spec.layer_windows, spec.attn_softcap  # per-layer windows; Gemma 2's cap
+        attn = build_attention(self.spec, self.cfg.block_size, self.kernel_backend)
         if self.kv_dtype == torch.float8_e4m3fn:
-            attn.set_kv_scales(*self._kv_scales())
+            attn.set_kv_scales(*kv_scales(self.model, self._calibration_ids(), self.device))
             self.timeline.mark("fp8 KV scales")
         return attn
 
@@ -172,15 +162,3 @@ class EngineBuilders:
         ):
             return None
         return self.tok.encode(CALIBRATION_TEXT)[: self.max_model_len]
-
-    def _kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp8 KV scales: from the checkpoint when every layer has them, else calibrated now (under tensor
-        parallelism every rank calibrates its own heads in the same forward pass)."""
-        ck = self.model.checkpoint_kv_scales
-        ids = self._calibration_ids()
-        if ids is None:
-            log.info("fp8 KV scales from the checkpoint")
-            k = torch.tensor([ck[i]["k"] for i in range(self.spec.num_layers)], device=self.device)
-            v = torch.tensor([ck[i]["v"] for i in range(self.spec.num_layers)], device=self.device)
-            return k, v
-        return calibrate_kv_scales(self.model, ids, self.device)

@@ -110,6 +110,18 @@ class CalibrationAttention:
 
 
 @torch.inference_mode()
+def kv_scales(model, calibration_ids: list[int] | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer fp8 K and V scales: the checkpoint's (calibration_ids None), else calibrated on those tokens (under
+    tensor parallelism every rank calibrates its own heads in the same forward pass)."""
+    if calibration_ids is not None:
+        return calibrate_kv_scales(model, calibration_ids, device)
+    log.info("fp8 KV scales from the checkpoint")
+    ck, n = model.checkpoint_kv_scales, model.spec.num_layers
+    k = torch.tensor([ck[i]["k"] for i in range(n)], device=device)
+    v = torch.tensor([ck[i]["v"] for i in range(n)], device=device)
+    return k, v
+
+
 def calibrate_kv_scales(model, token_ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-layer fp8 scales = max |x| / 448 over one forward of the calibration text, so nothing in it
     saturates. Logs the scales and what a blind 1.0 would have clipped."""

@@ -264,6 +264,16 @@ class TorchAttention(_KVScales):
         return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
 
+def build_attention(spec, block_size: int, backend: str):
+    """The attention backend for a model of `spec` (torch, or the Triton kernels), with its per-layer windows and
+    Gemma 2's soft-cap: the engine's, a tensor-parallel rank's and the speculative draft's."""
+    attn = (TritonAttention if backend == "triton" else TorchAttention)(
+        block_size, spec.attn_scale or spec.head_dim**-0.5
+    )
+    attn.windows, attn.softcap = spec.layer_windows, spec.attn_softcap
+    return attn
+
+
 def _chunk_mask(ctx: int, n: int, window: int | None, device) -> torch.Tensor:
     """[n, ctx] bool for a chunk of the last n of ctx positions: bottom-right causal (query j at position
     ctx - n + j sees positions <= its own), and within `window` positions of it when set."""

@@ -70,6 +70,20 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def rank_model(spec, rank: int, tp: int, dtype, device: torch.device, max_positions: int, quantization):
+    """Rank `rank`'s model, not loaded yet: the shapes of its shard, and (tp > 1) the shard its checkpoint stream is
+    cut to and its collectives. At tp 1, the whole model."""
+    from engine.models import model_class
+    from engine.parallel.shard import Shard, local_spec
+
+    lspec = local_spec(spec, tp)
+    model = model_class(lspec)(lspec, dtype, device, max_positions, quantization)
+    if tp > 1:
+        model.shard = Shard(spec, rank, tp)
+        model.tp = TPComm(rank, tp, spec.vocab_size, backend_for(device) == "gloo")
+    return model
+
+
 class TPGroup:
     """Rank 0's handle on the other ranks. Made before rank 0 loads its own shard; `setup` then `wait_ready`."""
 

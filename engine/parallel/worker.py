@@ -49,13 +49,11 @@ def _start(rank, tp, init_method, cfg, max_positions, conn):
     import torch.distributed as dist
 
     from engine.device import model_dtype
-    from engine.kv_cache import allocate, calibrate_kv_scales
-    from engine.layers.attention import TorchAttention, TritonAttention
+    from engine.kv_cache import allocate, kv_scales
+    from engine.layers.attention import build_attention
     from engine.model_runner import ModelRunner
-    from engine.models import model_class
     from engine.models.spec import ModelSpec
-    from engine.parallel.group import TPComm, backend_for
-    from engine.parallel.shard import Shard, local_spec
+    from engine.parallel.group import backend_for, rank_model
     from engine.weights import iter_weights, read_json, resolve_model_path
 
     cuda = cfg.device != "cpu" and torch.cuda.is_available()
@@ -71,9 +69,8 @@ def _start(rank, tp, init_method, cfg, max_positions, conn):
     hf = read_json(path / "config.json")
     spec = ModelSpec.from_hf(hf, read_json(path / "generation_config.json"))
     dtype = model_dtype(cfg.dtype, hf, device.type)
-    lspec = local_spec(spec, tp)
-    model = model_class(lspec)(lspec, dtype, device, max_positions, cfg.quantization)
-    model.shard, model.tp = Shard(spec, rank, tp), TPComm(rank, tp, spec.vocab_size, backend_for(device) == "gloo")
+    model = rank_model(spec, rank, tp, dtype, device, max_positions, cfg.quantization)
+    lspec = model.spec
     model.load_weights(iter_weights(path, device))
     conn.send(("loaded",))
     msg = conn.recv()
@@ -82,17 +79,9 @@ def _start(rank, tp, init_method, cfg, max_positions, conn):
     kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else dtype
     kv = allocate(lspec, plan, kv_dtype, device)
     backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else ("triton" if cuda else "torch")
-    scale = lspec.attn_scale or lspec.head_dim**-0.5
-    attn = (TritonAttention if backend == "triton" else TorchAttention)(cfg.block_size, scale)
-    attn.windows, attn.softcap = lspec.layer_windows, lspec.attn_softcap
-    if kv_dtype == torch.float8_e4m3fn:
-        ck = model.checkpoint_kv_scales
-        if calibration is None:  # the checkpoint's scales, as rank 0 uses them
-            k = torch.tensor([ck[i]["k"] for i in range(lspec.num_layers)], device=device)
-            v = torch.tensor([ck[i]["v"] for i in range(lspec.num_layers)], device=device)
-        else:  # calibrated on this rank's heads, in step with rank 0's calibration forward
-            k, v = calibrate_kv_scales(model, calibration, device)
-        attn.set_kv_scales(k, v)
+    attn = build_attention(lspec, cfg.block_size, backend)
+    if kv_dtype == torch.float8_e4m3fn:  # rank 0's rule; a calibration runs in step with rank 0's
+        attn.set_kv_scales(*kv_scales(model, calibration, device))
     lora = None
     if cfg.enable_lora:
         from engine.lora.manager import LoRASlots

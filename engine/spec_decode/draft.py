@@ -20,7 +20,8 @@ import torch
 
 import kernels
 from engine.errors import ConfigError
-from engine.layers.attention import TorchAttention, TritonAttention
+from engine.kv_cache import allocate
+from engine.layers.attention import build_attention
 from engine.model_runner import ModelRunner
 from engine.models import model_class
 from engine.models.spec import ModelSpec
@@ -44,12 +45,8 @@ class DraftProposer:
         m = model_class(self.spec)(self.spec, engine.dtype, engine.device, engine.max_model_len, None)
         m.load_weights(iter_weights(self.path, engine.device))
         s = self.spec
-        shape = (s.num_layers, 2, s.num_kv_heads, engine.memory.num_blocks, cfg.block_size, s.head_dim)
-        kv = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
-        attn = (TritonAttention if engine.kernel_backend == "triton" else TorchAttention)(
-            cfg.block_size, s.attn_scale or s.head_dim**-0.5
-        )
-        attn.windows, attn.softcap = s.layer_windows, s.attn_softcap
+        kv = allocate(s, engine.memory, engine.dtype, engine.device)  # the target's block count and size
+        attn = build_attention(s, cfg.block_size, engine.kernel_backend)
         self.runner = ModelRunner(
             m, kv, attn, cfg.block_size, engine.device, engine.kernel_backend, None,
             max_num_seqs=cfg.max_num_seqs, max_model_len=engine.max_model_len,
