@@ -45,11 +45,22 @@ def _cpu_hugepage_zeros(shape, dtype) -> torch.Tensor:
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        pass  # not Linux/glibc: ordinary pages, same results
+    except (OSError, AttributeError) as e:  # not Linux/glibc: ordinary pages, same results
+        _warn_prefault_once(f"no madvise here ({e})")
     else:
         populate_in_background(libc, buf, raw.data_ptr() + offset, nbytes)
     return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+_prefault_warned = False
+
+
+def _warn_prefault_once(why: str) -> None:
+    """The reason is the same for every pool of the process (the draft's too), so it is said once."""
+    global _prefault_warned
+    if not _prefault_warned:
+        _prefault_warned = True
+        log.warning("KV pool pre-fault unavailable (%s): pages fault in on first use, inside steps", why)
 
 
 def populate_in_background(libc, buf, addr: int, nbytes: int) -> threading.Thread:
@@ -63,7 +74,7 @@ def populate_in_background(libc, buf, addr: int, nbytes: int) -> threading.Threa
         import ctypes
 
         if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 23) != 0:  # MADV_POPULATE_WRITE
-            log.debug("KV pool pre-fault unavailable (errno %d): pages fault in on first use", ctypes.get_errno())
+            _warn_prefault_once(f"errno {ctypes.get_errno()}")  # a kernel before 5.14
 
     th = threading.Thread(target=run, args=(buf,), name="kv-pool-prefault", daemon=True)
     th.start()

@@ -278,9 +278,11 @@ def _limit_malloc_arenas(n: int) -> None:
     import ctypes
 
     try:
-        ctypes.CDLL(None).mallopt(-8, n)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass  # not glibc
+        ok = ctypes.CDLL(None).mallopt(-8, n) == 1  # M_ARENA_MAX; mallopt returns 1 on success
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        ok = False
+    if not ok:  # called once, at start
+        log.warning("mallopt(M_ARENA_MAX, %d) failed: RSS may creep up as threads take turns allocating", n)
 
 
 def inherited_env() -> dict[str, str]:

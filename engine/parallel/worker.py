@@ -22,12 +22,15 @@ log = logging.getLogger("engine")
 
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when rank 0 dies, however it dies (no orphaned ranks)."""
-    try:
-        import ctypes
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    try:
+        failed = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0  # PR_SET_PDEATHSIG
+        why = f"errno {ctypes.get_errno()}" if failed else ""
+    except (OSError, AttributeError) as e:  # not Linux / no libc symbol
+        failed, why = True, str(e)
+    if failed:  # each rank is its own process: one line per rank, once
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (%s): this rank is not killed if rank 0 dies", why)
 
 
 def worker_main(rank: int, tp: int, init_method: str, cfg, max_positions: int, conn) -> None:
