@@ -1,12 +1,16 @@
 """Public API of the inference engine. handler/ and warmup/ import only from here (tests/test_structure.py).
 
 `weights` is the model-files API (find a model, its safetensors, the fp8 snapshot) that `python -m warmup` uses;
-`memory` is the memory planner (pure arithmetic) that the engine and `python -m warmup.plan` share;
+`memory` is the memory planner (pure arithmetic) and `plan_memory` the engine's plan from its whole configuration,
+both shared with `python -m warmup.plan` (with `memory_needs`, `draft_model` and `model_dtype`, which the start
+uses to read the same inputs);
 `tensor_parallel` says what one rank of a tensor-parallel engine holds (the planner plans one rank)."""
 
 from engine import memory, weights
 from engine.async_engine import AsyncEngine
+from engine.builders import draft_model, memory_needs, plan_memory
 from engine.config import EngineConfig, default_cache_root, writable_dir
+from engine.device import model_dtype
 from engine.errors import (
     ConfigError,
     EngineError,
@@ -52,7 +56,11 @@ __all__ = [
     "UnsupportedModelError",
     "compare_with_transformers",
     "default_cache_root",
+    "draft_model",
     "memory",
+    "memory_needs",
+    "model_dtype",
+    "plan_memory",
     "tensor_parallel",
     "weights",
     "writable_dir",

@@ -1,15 +1,18 @@
 """The cold start's builders, in the order LLMEngine.__init__ calls them: resolve the model (config files only),
 plan memory (engine/memory.py, per tensor-parallel rank), build the model, attention (fp8 KV scales), LoRA and
-speculative decoding, and the ready line. A mixin: LLMEngine holds the state."""
+speculative decoding, and the ready line. A mixin: LLMEngine holds the state. `plan_memory` (and `draft_model`,
+which reads the draft's config) are the functions `python -m warmup.plan` calls too, with simulated numbers."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from engine import memory
-from engine.device import model_dtype
+from engine.config import EngineConfig
+from engine.device import check_fp8_support, model_dtype
 from engine.errors import ConfigError
 from engine.kv_cache import CALIBRATION_TEXT, kv_scales
 from engine.layers.attention import build_attention
@@ -43,64 +46,38 @@ class EngineBuilders:
         self.rank_spec = shard.local_spec(self.spec, self.tp)  # the shapes this rank holds (all of them at tp 1)
         self.dtype = model_dtype(cfg.dtype, hf_cfg, self.device.type)
         self.tok = Tokenizer(cfg.tokenizer or self.model_path)  # Rust; transformers only if asked for
-        self.draft_path = self.draft_spec = None
-        sc = cfg.speculative_config
-        if sc is not None and sc.method == "draft_model":  # its bytes are planned with the target's
-            self.draft_path = resolve_model_path(cfg.replace(model=sc.model, speculative_config=None))
-            self.draft_spec = ModelSpec.from_hf(read_json(self.draft_path / "config.json"), {})
+        self.draft_path, self.draft_spec = draft_model(cfg)  # its bytes are planned with the target's
         eos = set(self.spec.eos_token_ids)
         if self.tok.eos_token_id is not None:
             eos.add(self.tok.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
     def _plan_memory(self, loaded: bool) -> MemoryPlan:
-        """The KV pool and context length (engine/memory.py). CPU: from KV_CACHE_MEMORY. CUDA: before the load,
-        refuse weights that cannot fit and predict the rest; after it, plan from the measured memory."""
-        cfg, spec = self.cfg, self.rank_spec  # per rank: its shard of the weights, its KV heads
-        weights = memory.weight_bytes(spec, self.dtype.itemsize, cfg.quantization)
-        kv_per_token = memory.kv_bytes_per_token(spec, self.kv_dtype.itemsize)
-        draft_reserve = 0
-        if self.draft_spec is not None:  # the draft's weights, and its KV for every token of the shared block ids
-            draft_w = memory.weight_bytes(self.draft_spec, self.dtype.itemsize, None)
-            weights += draft_w
-            kv_per_token += memory.kv_bytes_per_token(self.draft_spec, self.dtype.itemsize)
-            # it loads after the pool is sized: its weights and a step's activations are held back from the pool
-            draft_reserve = draft_w + memory.activation_reserve(
-                self.draft_spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize
-            )
-        kv = dict(
-            kv_bytes_per_token=kv_per_token,
-            block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len,
-            num_blocks=cfg.num_kv_blocks,
+        """The KV pool and context length (plan_memory). CPU: from KV_CACHE_MEMORY. CUDA: before the load, refuse
+        what cannot fit and predict the rest; after it, plan from the memory measured now."""
+        gpu, default = None, EngineConfig()
+        if not loaded:  # a budget set for the other kind of device: say so once, at start
+            if self.device.type != "cuda" and self.cfg.gpu_memory_utilization != default.gpu_memory_utilization:
+                log.warning("GPU_MEMORY_UTILIZATION is ignored on %s: the KV pool is KV_CACHE_MEMORY", self.device)
+            if self.device.type == "cuda" and self.cfg.kv_cache_memory != default.kv_cache_memory:
+                log.warning("KV_CACHE_MEMORY is ignored on CUDA: the pool is sized by GPU_MEMORY_UTILIZATION")
+        if self.device.type == "cuda":
+            if loaded:  # blocks freed while loading stay in torch's cache and would count as used
+                torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            props = torch.cuda.get_device_properties(self.device)
+            gpu = memory.GPU(total, free, (props.major, props.minor), props.name)
+        plan = plan_memory(
+            self.cfg,
+            self.spec,
+            gpu,
+            self.dtype,
+            draft_spec=self.draft_spec,
+            kernel_backend=self.kernel_backend,
+            loaded_len=self.max_model_len if loaded else None,
         )
-        if self.device.type != "cuda":
-            return memory.plan(
-                kv_budget=cfg.kv_cache_memory,
-                budget=cfg.kv_cache_memory,
-                weights=weights,
-                model_max_len=spec.max_position_embeddings,
-                **kv,
-            )
-        lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
-        graphs = memory.graph_pool_bytes(spec, cfg.max_num_seqs, self.dtype.itemsize) if self.graphs_enabled else 0
-        reserve = memory.activation_reserve(
-            spec, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.dtype.itemsize, lora=lora, graph_pool_bytes=graphs
-        )
-        reserve += memory.tp_reserve(spec, self.spec.vocab_size, self.tp, cfg.max_num_seqs)
-        if loaded:  # measured: the draft is not resident yet (predicted, its bytes are in `weights`)
-            reserve += draft_reserve
-        if loaded:  # blocks freed while loading stay in torch's cache and would count as used
-            torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        gpu = dict(total=total, utilization=cfg.gpu_memory_utilization, weights=weights, reserve=reserve, **kv)
-        if loaded:  # the weights are resident: what is in use now is measured
-            plan = memory.plan_gpu(used=total - free, model_max_len=self.max_model_len, **gpu)
-        else:
-            plan = memory.plan_gpu_start(
-                free=free, quantization=cfg.quantization, model_max_len=spec.max_position_embeddings, **gpu
-            )
-        log.info("memory plan (%s): %s", "measured" if loaded else "predicted", plan.as_dict())
+        if gpu is not None:
+            log.info("memory plan (%s): %s", "measured" if loaded else "predicted", plan.as_dict())
         return plan
 
     def _build_model(self) -> LlamaForCausalLM:
@@ -162,3 +139,64 @@ class EngineBuilders:
         ):
             return None
         return self.tok.encode(CALIBRATION_TEXT)[: self.max_model_len]
+
+
+def draft_model(cfg: EngineConfig) -> tuple[Path | None, ModelSpec | None]:
+    """The draft model's folder and spec (its config.json alone), or (None, None) without one."""
+    sc = cfg.speculative_config
+    if sc is None or sc.method != "draft_model":
+        return None, None
+    path = resolve_model_path(cfg.replace(model=sc.model, speculative_config=None))
+    return path, ModelSpec.from_hf(read_json(path / "config.json"), {})
+
+
+def memory_needs(
+    cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device_type: str, *, draft_spec=None, kernel_backend=None
+) -> memory.Needs:
+    """One rank's weights, KV bytes per token and reserve (memory.engine_needs), with the CUDA graph pool counted
+    by the rule LLMEngine.graphs_enabled follows. kernel_backend: the engine's (None: cfg.kernel_backend)."""
+    graphs = memory.cuda_graphs(cfg, device_type, kernel_backend or cfg.kernel_backend)
+    return memory.engine_needs(cfg, spec, dtype.itemsize, graphs=graphs, draft_spec=draft_spec)
+
+
+def plan_memory(
+    cfg: EngineConfig,
+    spec: ModelSpec,
+    gpu: memory.GPU | None,
+    dtype: torch.dtype,
+    *,
+    draft_spec: ModelSpec | None = None,
+    kernel_backend: str | None = None,
+    loaded_len: int | None = None,
+) -> MemoryPlan:
+    """The memory plan of one rank for the engine's whole configuration: the engine's start calls it (twice on
+    CUDA) and so does `python -m warmup.plan`. `spec`: the full model (sharded by cfg.tensor_parallel_size);
+    `gpu` None: CPU, the pool is KV_CACHE_MEMORY. Before the load (loaded_len None): refuse fp8 below capability
+    8.9 and weights that cannot fit, then predict the pool with the weights (the draft's too) and the CUDA context
+    counted as in use. After it (loaded_len: the context the model was built for): gpu.free is measured with the
+    target's weights resident, and the draft's, loaded after the pool, are held back from it."""
+    device_type = "cpu" if gpu is None else "cuda"
+    needs = memory_needs(cfg, spec, dtype, device_type, draft_spec=draft_spec, kernel_backend=kernel_backend)
+    kv = dict(
+        kv_bytes_per_token=needs.kv_bytes_per_token,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        num_blocks=cfg.num_kv_blocks,
+        weights=needs.weight_bytes,
+    )
+    if gpu is None:
+        budget = cfg.kv_cache_memory
+        return memory.plan(kv_budget=budget, budget=budget, model_max_len=spec.max_position_embeddings, **kv)
+    kv |= dict(total=gpu.total, utilization=cfg.gpu_memory_utilization)
+    if loaded_len is not None:
+        reserve = needs.reserve_bytes + needs.draft_weight_bytes
+        return memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len, **kv)
+    if gpu.capability is not None:
+        check_fp8_support(cfg, spec.prequantized, gpu.name, gpu.capability)
+    return memory.plan_gpu_start(
+        free=gpu.free,
+        reserve=needs.reserve_bytes,
+        quantization=cfg.quantization,
+        model_max_len=spec.max_position_embeddings,
+        **kv,
+    )

@@ -49,8 +49,10 @@ class CudaGraph:
 
 
 class ReplayGraph:
-    """The stand-in for CPU tests and benches: capture runs fn once and keeps it, replay runs it again. It reads only
-    the static buffers, as a real graph does, so wrong copies or padding give wrong tokens here too."""
+    """The plain stand-in for CPU benches (`bench/decode_step.py --tiny`): capture runs fn once and keeps it, replay
+    runs it again, so wrong copies into the static buffers or wrong padding give wrong tokens here too. It checks
+    nothing else: a host sync, or a replay that reads other buffers than the capture did, passes here (the tests
+    use tests/graph_standin.py's SyncCheckedGraph, which refuses both)."""
 
     def capture(self, fn):
         self.fn = fn

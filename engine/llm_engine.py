@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from engine import memory
 from engine.block_manager import BlockManager
 from engine.builders import EngineBuilders
 from engine.config import EngineConfig
@@ -98,6 +99,8 @@ class LLMEngine(EngineBuilders):
                 self.tp_group.expect("ready", timeout_s=600)
             if self.graphs_enabled:  # captured later, in the idle gaps after ready
                 self.runner.enable_graphs(cuda_graph_factory())
+            elif not cfg.enforce_eager:  # asked for and not possible here: say so once, at start
+                log.warning("ENFORCE_EAGER=false is ignored: %s; decode steps run eagerly", self.graphs_unusable)
             # On CUDA the Triton variants a step can need are compiled in the idle gaps after ready, not mid-request
             self.idle = IdleWork(self.runner, warm_kernels=self.device.type == "cuda" and self.tp == 1)
             self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
@@ -144,12 +147,12 @@ class LLMEngine(EngineBuilders):
     @property
     def graphs_enabled(self) -> bool:
         """CUDA graphs for decode steps: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
-        return (
-            not self.cfg.enforce_eager
-            and self.device.type == "cuda"
-            and self.kernel_backend == "triton"
-            and self.cfg.tensor_parallel_size == 1
-        )
+        return memory.cuda_graphs(self.cfg, self.device.type, self.kernel_backend)  # the planner's rule too
+
+    @property
+    def graphs_unusable(self) -> str | None:
+        """Why CUDA graphs cannot run on this engine (None: they can)."""
+        return memory.graphs_unusable(self.cfg, self.device.type, self.kernel_backend)
 
     @property
     def weights_source(self) -> str:

@@ -1,6 +1,8 @@
 """The memory planner: how many bytes the weights, the KV pool and a step's activations take, and how large the KV
-pool may be. Pure arithmetic on plain numbers (no torch, no device calls): the engine passes the device's numbers
-in, and `python -m warmup.plan` passes simulated ones, so both get the same answer.
+pool may be. Pure arithmetic on plain numbers (no torch, no device calls). engine.builders.plan_memory applies it
+to the engine's whole configuration (engine_needs: LoRA slots, a draft model, tensor parallelism, fp8, the CUDA
+graph pool where cuda_graphs says graphs run); the engine's start calls it with the device's numbers and
+`python -m warmup.plan` with simulated ones, so both get the same answer.
 
 GPU_MEMORY_UTILIZATION has vLLM's meaning: the fraction of the device's total memory this worker may use for
 everything (weights, KV, activations, sampler buffers, LoRA slots, the CUDA graph pool, workspace). The pool is
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from engine.errors import ConfigError
+from engine.parallel import shard
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 << 20  # predicted before the load (CUDA context, cuBLAS workspace); measured after it
@@ -112,6 +115,69 @@ def activation_reserve(
     logits = 3 * max_num_seqs * spec.vocab_size * 4
     lora_b = lora_bytes(spec, lora[0], lora[1], dtype_bytes) + t * 4 * lora[1] * 4 if lora else 0
     return 2 * (_step_bytes(spec, t, max_num_seqs, dtype_bytes) + logits) + lora_b + graph_pool_bytes
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One device's numbers as the planner takes them: torch.cuda's at the engine's start, simulated ones in
+    `python -m warmup.plan`."""
+
+    total: int  # bytes
+    free: int  # bytes free now (before the load: other processes' use; after it: the weights' too)
+    capability: tuple[int, int] | None = None  # None: not known, fp8 support is not checked
+    name: str = "GPU"
+
+
+def graphs_unusable(cfg, device_type: str, kernel_backend: str) -> str | None:
+    """Why CUDA graphs cannot run with this configuration on this device (None: they can). kernel_backend "auto"
+    is Triton on CUDA, as the engine resolves it."""
+    if kernel_backend == "auto":
+        kernel_backend = "triton" if device_type == "cuda" else "torch"
+    if device_type != "cuda":
+        return f"CUDA graphs need a CUDA device, and this engine runs on {device_type}"
+    if kernel_backend != "triton":
+        return "the graphs capture the Triton kernels, and KERNEL_BACKEND=torch runs the torch references"
+    if cfg.tensor_parallel_size > 1:
+        return "graphs are captured on one GPU only, and TENSOR_PARALLEL_SIZE > 1"
+    return None
+
+
+def cuda_graphs(cfg, device_type: str, kernel_backend: str) -> bool:
+    """Whether decode steps run from CUDA graphs (LLMEngine.graphs_enabled), and so whether their pool is planned:
+    ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
+    return not cfg.enforce_eager and graphs_unusable(cfg, device_type, kernel_backend) is None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the engine's configuration asks of one rank's device besides the KV pool (bytes)."""
+
+    weight_bytes: int  # the rank's shard of the target, plus the draft model (whole, on rank 0)
+    draft_weight_bytes: int  # loaded after the pool is sized: held back from it once the target's are measured
+    kv_bytes_per_token: int  # the rank's KV heads, plus the draft's KV (model dtype) under the same block ids
+    reserve_bytes: int  # activations, LoRA slots, the CUDA graph pool, TP's logits and NCCL, the draft's step
+    graph_pool_bytes: int
+
+
+def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None) -> Needs:
+    """One rank's needs for EngineConfig `cfg`, the full model `spec` (sharded here by cfg.tensor_parallel_size;
+    refused with the reason when it cannot be), the model dtype's bytes, whether CUDA graphs run (cuda_graphs) and
+    the draft model's spec, if any."""
+    tp, seqs, tokens = cfg.tensor_parallel_size, cfg.max_num_seqs, cfg.max_num_batched_tokens
+    shard.check(spec, tp)
+    local = shard.local_spec(spec, tp)
+    weights = weight_bytes(local, dtype_bytes, cfg.quantization)
+    per_token = kv_bytes_per_token(local, 1 if cfg.kv_cache_dtype.startswith("fp8") else dtype_bytes)
+    graph_pool = graph_pool_bytes(local, seqs, dtype_bytes) if graphs else 0
+    lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
+    reserve = activation_reserve(local, tokens, seqs, dtype_bytes, lora=lora, graph_pool_bytes=graph_pool)
+    reserve += tp_reserve(local, spec.vocab_size, tp, seqs)
+    draft_w = 0
+    if draft_spec is not None:  # its KV for every token of the target's blocks, and a step of its own
+        draft_w = weight_bytes(draft_spec, dtype_bytes, None)
+        per_token += kv_bytes_per_token(draft_spec, dtype_bytes)
+        reserve += activation_reserve(draft_spec, tokens, seqs, dtype_bytes)
+    return Needs(weights + draft_w, draft_w, per_token, reserve, graph_pool)
 
 
 @dataclass(frozen=True)

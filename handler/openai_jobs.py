@@ -13,7 +13,7 @@ from handler import tool_calls
 from handler.guided import FIELDS as GUIDED_FIELDS
 from handler.guided import structured_params
 from handler.pacing import BatchSizer
-from handler.schemas import ChatCompletionRequest, CompletionRequest, JobError, parse, sampling_params
+from handler.schemas import ChatCompletionRequest, CompletionRequest, JobError, parse, sampling_params, warn_ignored
 
 if TYPE_CHECKING:
     from handler.worker import Worker
@@ -39,16 +39,21 @@ _SAMPLING_FIELDS = (
 )
 
 
-async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = None) -> AsyncIterator[Any]:
+async def openai_job(
+    w: Worker, inp: dict, rid: str, lora: LoRARequest | None = None, sizer: BatchSizer | None = None
+) -> AsyncIterator[Any]:
+    """sizer: a native job's own stream batch sizes (use_openai_format); default: the worker's settings."""
     route = inp.get("openai_route")
     body = inp.get("openai_input") or {}
     if route == MODELS:  # the base model, then the adapters configured or used so far
         yield oa.models_list([w.served_name] + w.engine.lora_names())
         return
-    tool_mode = tool_name = tool_grammar = None
+    tool_mode = tool_name = tool_grammar = max_calls = prompt_top = None
     if route == CHAT:
         req = parse(ChatCompletionRequest, body, "openai_input")
-        tool_mode, tool_name, tool_grammar = tool_calls.plan(req.tools, req.tool_choice, w.settings)
+        parallel = req.parallel_tool_calls is not False
+        tool_mode, tool_name, tool_grammar = tool_calls.plan(req.tools, req.tool_choice, w.settings, parallel=parallel)
+        max_calls, prompt_top = None if parallel else 1, req.prompt_logprobs
         template = w.settings.CUSTOM_CHAT_TEMPLATE or w.engine.tok.chat_template
         messages = tool_calls.history(
             [m.model_dump(exclude_none=True) for m in req.messages], w.settings.TOOL_CALL_PARSER, str(template or "")
@@ -62,6 +67,8 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
         req = parse(CompletionRequest, body, "openai_input")
         prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else req.prompt
         shapes, max_tokens, top_n = oa.CompletionShapes(w.served_name), req.max_tokens, req.logprobs
+        # echo with logprobs: the prompt's own logprobs too (lm-eval-harness's loglikelihood requests)
+        prompt_top = top_n if req.echo else None
     else:
         raise JobError(
             f"openai_route {route!r} is not one of {CHAT}, {COMPLETIONS}, {MODELS}",
@@ -69,6 +76,7 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
             type="not_found_error",
             code=404,
         )
+    warn_ignored(req, "openai_input")
     lora = _adapter(w, req.model) or lora
     structured = structured_params({f: getattr(req, f) for f in GUIDED_FIELDS}, "openai_input")
     if tool_grammar is not None:
@@ -81,8 +89,7 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
             "logprobs": top_n,
             "max_tokens": max_tokens or 1,
             "structured_outputs": structured,
-            # echo with logprobs: the prompt's own logprobs too (lm-eval-harness's loglikelihood requests)
-            "prompt_logprobs": top_n if route == COMPLETIONS and req.echo and top_n is not None else None,
+            "prompt_logprobs": prompt_top,
         },
         "openai_input",
     )
@@ -97,15 +104,16 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
     chat = route == CHAT
     cold: list = []
     gen = w.generate(prompt, params, rid, lora, cold)
-    tools = (tool_mode, tool_name) if tool_mode else None
+    tools = (tool_mode, tool_name, max_calls) if tool_mode else None
     if req.stream:
-        async for chunk in _stream(w, gen, shapes, req, chat, top_n, echo, tools):
+        async for chunk in _stream(w, gen, shapes, req, chat, top_n, echo, tools, sizer, prompt):
             yield chunk
         return
-    n_in, n_out, choices, cached = 0, 0, [], 0
+    n_in, n_out, choices, cached, prompt_lps = 0, 0, [], 0, None
     async for out in gen:
         n_in = len(out.prompt_token_ids)
         if out.finished:
+            prompt_lps = out.prompt_logprobs
             cached = out.metrics.cached_prompt_tokens
             for c in out.outputs:
                 n_out += len(c.token_ids)
@@ -121,6 +129,8 @@ async def openai_job(w: Worker, inp: dict, rid: str, lora: LoRARequest | None = 
                     choice["finish_reason"] = "tool_calls" if choice["tool_calls"] else c.finish_reason
                 choices.append(choice)
     full = shapes.full(choices, oa.usage(n_in, n_out, cached))
+    if chat and req.prompt_logprobs is not None:  # vLLM's chat extra, at the top level; {token id: logprob}
+        full["prompt_logprobs"] = prompt_lps
     if cold:
         full["metrics"] = {"cold_start": cold[0]}  # an extension field; OpenAI clients ignore it
     yield full
@@ -161,12 +171,20 @@ def _logprobs(w: Worker, chat: bool, token_ids: list[int], lps: list[dict], top_
     return (oa.chat_logprobs if chat else oa.completion_logprobs)(w.engine.tok, token_ids, lps, top_n)
 
 
-async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n, echo=False, tools=None) -> AsyncIterator[str]:
+async def _stream(
+    w: Worker, gen, shapes, req, chat: bool, top_n, echo=False, tools=None, sizer=None, prompt=None
+) -> AsyncIterator[str]:
     s = w.settings
-    sizer = BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
-    events, n_in, n_out, cached, echoed, parsers = [], 0, 0, 0, set(), {}
+    sizer = sizer or BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
+    events, n_out, cached, echoed, parsers = [], 0, 0, set(), {}
+    n_in = len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else 0
+    each_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def event(obj: dict) -> str:  # continuous_usage_stats: vLLM's running usage on every chunk
+        return oa.sse(obj | {"usage": oa.usage(n_in, n_out, cached)} if each_usage else obj)
+
     if chat:
-        events += [oa.sse(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
+        events += [event(shapes.chunk(i, {"role": "assistant", "content": ""})) for i in range(req.n)]
     async for group in w.paced(gen, sizer):
         for out in group:
             n_in = len(out.prompt_token_ids)
@@ -192,12 +210,12 @@ async def _stream(w: Worker, gen, shapes, req, chat: bool, top_n, echo=False, to
                     st = parsers.setdefault(c.index, tool_calls.ToolCallStream(*tools))
                     text, calls = st.feed(text)
                     text += st.pending_content() if finish else ""
-                    events += [oa.sse(shapes.chunk(c.index, {"tool_calls": [d]})) for d in calls]
+                    events += [event(shapes.chunk(c.index, {"tool_calls": [d]})) for d in calls]
                     finish = "tool_calls" if finish and st.calls else finish
                 if text or lp is not None:
-                    events.append(oa.sse(shapes.chunk(c.index, {"content": text}, None, lp)))
+                    events.append(event(shapes.chunk(c.index, {"content": text}, None, lp)))
                 if finish:
-                    events.append(oa.sse(shapes.chunk(c.index, {}, finish)))
+                    events.append(event(shapes.chunk(c.index, {}, finish)))
         if events and not group[-1].finished:
             yield "".join(events)
             events = []

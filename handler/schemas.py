@@ -4,6 +4,7 @@ Unknown keys are rejected; every validation error becomes one JobError naming th
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -11,6 +12,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine import InvalidRequestError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 100  # worker-vllm's default when a native job omits max_tokens; stated in the output
+
+log = logging.getLogger("handler")
+
+# Fields accepted (clients send them) that change nothing here, and why. A request that sets one gets a warning in
+# the log, once per field; tests/test_no_silent_fields.py holds every other field to a visible effect or a refusal.
+IGNORED_FIELDS = {
+    "user": "OpenAI's end-user id for abuse monitoring: this worker monitors nothing",
+    "store": "OpenAI stores completions for later retrieval: this worker stores nothing",
+    "metadata": "tags for stored completions (see store)",
+    "service_tier": "OpenAI's processing tiers: this worker has one",
+    "request_id": "worker-vllm accepts it and names the request by an id of its own; so does this worker (the job id)",
+}
+_warned: set[str] = set()
+
+
+def warn_ignored(req: BaseModel, where: str) -> None:
+    """Log, once per field for the process, that a request set a field in IGNORED_FIELDS."""
+    for f in sorted(req.model_fields_set & IGNORED_FIELDS.keys() - _warned):
+        if getattr(req, f) not in (None, False):
+            _warned.add(f)
+            log.warning("%s.%s is accepted and ignored: %s", where, f, IGNORED_FIELDS[f])
 
 
 class JobError(Exception):
@@ -136,8 +158,8 @@ class NativeJob(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage_stats: bool = False  # vLLM's: the running usage on every chunk (here without include_usage too)
 
 
 class _OpenAIBase(_Guided):
@@ -186,13 +208,22 @@ class ChatCompletionRequest(_OpenAIBase):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # handler/tool_calls.py
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (null, true: any number)
+    # vLLM's extra: top-N logprobs of every prompt token, at the response's top level, as a native job gives them
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v, info):
         if v is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, v, info):
+        if v is not None and info.data.get("stream"):  # as vLLM: only a whole response carries them
+            raise ValueError("prompt_logprobs is not available with stream: true")
         return v
 
 

@@ -35,7 +35,7 @@ class Settings(BaseModel):
     HF_HUB_CACHE: str | None = None
     HF_HUB_OFFLINE: bool = False  # python -m warmup downloads a missing model unless this is set
     HF_TOKEN: SecretStr | None = None  # gated models, for python -m warmup (never logged)
-    TRITON_CACHE_DIR: str | None = None  # read by triton itself; here only so warmup can report it
+    TRITON_CACHE_DIR: str | None = None  # triton reads the env itself; set_library_defaults moves an unwritable one
     RUNPOD_POD_ID: str | None = None
     LOCAL_EMULATOR: bool = False  # set by python -m handler.local for its worker: Runpod's protocol, not Runpod
     RUNPOD_ENDPOINT_ID: str | None = None
@@ -159,6 +159,13 @@ class Settings(BaseModel):
         out = []
         if self.LORA_MODULES and not self.ENABLE_LORA:
             out.append("LORA_MODULES (ignored unless ENABLE_LORA=true)")
+        # CUDA graphs need one GPU and the Triton kernels; the engine logs the device case (no CUDA) at start
+        if not self.ENFORCE_EAGER and self.TENSOR_PARALLEL_SIZE > 1:
+            out.append("ENFORCE_EAGER=false (ignored with TENSOR_PARALLEL_SIZE > 1: CUDA graphs run on one GPU only)")
+        if not self.ENFORCE_EAGER and self.KERNEL_BACKEND == "torch":
+            out.append(
+                "ENFORCE_EAGER=false (ignored with KERNEL_BACKEND=torch: CUDA graphs capture the Triton kernels)"
+            )
         return out
 
     def engine_config(self) -> EngineConfig:

@@ -6,6 +6,8 @@
   "parameters"} objects, `;`-separated, after an optional <|python_tag|>). "required" and a named function are
   enforced by a grammar: an array of {name, arguments} whose arguments follow their tool's schema, or (named) the
   arguments object itself, so even a 135M model returns a valid call.
+- `parallel_tool_calls: false` allows at most one call: "required" asks the grammar for exactly one, "auto"
+  keeps the first call the output makes (as vLLM does) and drops what follows it.
 - `ToolCallStream` turns the output text into OpenAI's message parts as it grows: content deltas, then per call a
   first delta with index, id, type and function.name, and argument fragments after it. The whole-response path
   feeds the full text through the same stream, so streamed deltas reassemble into the same calls.
@@ -25,9 +27,9 @@ PARSERS = ("hermes", "llama3_json")
 _ARGS = ("arguments", "parameters")
 
 
-def plan(tools: list[dict] | None, tool_choice: Any, settings, where: str = "openai_input"):
+def plan(tools: list[dict] | None, tool_choice: Any, settings, where: str = "openai_input", parallel: bool = True):
     """(mode, named function, grammar) for a request: mode None (no parsing), "auto:<parser>", "required" or
-    "named". Raises JobError naming the field for what cannot be served."""
+    "named". parallel=False: at most one call. Raises JobError naming the field for what cannot be served."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise JobError(f"{where}.tool_choice: {tool_choice!r} needs tools", param=f"{where}.tool_choice")
@@ -64,6 +66,8 @@ def plan(tools: list[dict] | None, tool_choice: Any, settings, where: str = "ope
             for name, schema in funcs.items()
         ]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
         return "required", None, StructuredOutputsParams(json=schema, field=field)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if name not in funcs:
@@ -155,10 +159,12 @@ def scan_object(text: str) -> tuple[str | None, int | None, int | None, int | No
 
 
 class ToolCallStream:
-    """Feed the output text as it grows; get OpenAI delta parts back. mode: "named", "required" or "auto:<parser>"."""
+    """Feed the output text as it grows; get OpenAI delta parts back. mode: "named", "required" or "auto:<parser>";
+    max_calls: after that many complete calls the rest of the output is dropped (parallel_tool_calls false)."""
 
-    def __init__(self, mode: str, name: str | None = None):
-        self.mode, self.name = mode, name
+    def __init__(self, mode: str, name: str | None = None, max_calls: int | None = None):
+        self.mode, self.name, self.max_calls = mode, name, max_calls
+        self.closed = False  # max_calls reached: nothing more is parsed
         self.text = ""
         self.content_sent = 0  # text before this is content (known not to start a call)
         self.content_out = 0  # ... of which this much has been returned
@@ -203,12 +209,17 @@ class ToolCallStream:
             if end is None:
                 break
             self.cursor = start + end
+            if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                self.closed = True
+                break
         content = self.text[self.content_out : self.content_sent]
         self.content_out = self.content_sent
         return content, out
 
     def _next_object(self):
         """Where the next call object starts (None: not yet known; False: the output is content, not calls)."""
+        if self.closed:
+            return None
         rest = self.text[self.cursor :]
         if self.mode == "required":
             j = rest.find("{")

@@ -121,7 +121,7 @@ def _fake_engine(total: int, free: int, **cfg) -> SimpleNamespace:
     config = EngineConfig(**cfg)
     return SimpleNamespace(
         cfg=config,
-        graphs_enabled=not config.enforce_eager,  # a simulated CUDA device runs the Triton kernels
+        kernel_backend="triton",  # as the engine resolves "auto" on CUDA
         spec=spec,
         rank_spec=spec,
         draft_spec=None,
@@ -133,7 +133,14 @@ def _fake_engine(total: int, free: int, **cfg) -> SimpleNamespace:
     )
 
 
-def test_engine_plans_after_the_load_from_measured_memory(monkeypatch):
+@pytest.fixture
+def h100_props(monkeypatch):
+    """The simulated device's name and capability (the plan refuses fp8 below 8.9, as the start does)."""
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=80 * GB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+
+
+def test_engine_plans_after_the_load_from_measured_memory(monkeypatch, h100_props):
     total, other = 80 * GB, 3 * GB  # another process holds 3 GB
     eng = _fake_engine(total, total - other)
     calls = []
@@ -153,7 +160,7 @@ def test_engine_plans_after_the_load_from_measured_memory(monkeypatch):
     LLMEngine._log_ready(eng, 1.0)
 
 
-def test_engine_refuses_before_loading_what_cannot_fit(monkeypatch):
+def test_engine_refuses_before_loading_what_cannot_fit(monkeypatch, h100_props):
     total = 24 * GB
     eng = _fake_engine(total, total)
     eng.spec = eng.rank_spec = ModelSpec.from_hf(LLAMA3_70B)
@@ -205,7 +212,7 @@ def test_auto_dtype_reads_both_config_keys():
     assert model_dtype("float32", {"dtype": "float16"}, "cuda") == torch.float32
 
 
-def test_engine_sets_the_graph_pool_aside(monkeypatch):
+def test_engine_sets_the_graph_pool_aside(monkeypatch, h100_props):
     total = 80 * GB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
     eager = LLMEngine._plan_memory(_fake_engine(total, total), loaded=False)

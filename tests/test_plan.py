@@ -1,11 +1,18 @@
-"""warmup.plan reproduces the seed's worked example from a config alone."""
+"""warmup.plan reproduces the seed's worked example from a config alone, and gives the engine's own answer: one
+simulated GPU, the engine's start and `python -m warmup.plan --json` for each configuration, the same KV tokens."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from engine import ConfigError, EngineConfig, LLMEngine, memory
+from engine import llm_engine as llm_engine_module
 from engine.models.llama import ModelSpec
-from tests.test_memory import LLAMA3_70B
+from tests.test_memory import LLAMA3_70B, LLAMA31_8B
 from warmup.plan import main, make_plan, parse_bytes
 
 
@@ -80,3 +87,162 @@ def test_cuda_graphs_pool_is_planned(tmp_path, capsys):
     assert grow == graphs["graph_pool_bytes"]
     lost = (eager["kv_tokens"] - graphs["kv_tokens"]) * eager["kv_bytes_per_token"]
     assert 0 <= grow - lost < 16 * eager["kv_bytes_per_token"]  # down to one 16-token block
+
+
+# ---- one simulated GPU, the engine's start and warmup.plan -------------------------------------------------------
+GPU = memory.GPU(total=80 * 2**30, free=78 * 2**30, capability=(9, 0), name="NVIDIA H100 80GB HBM3")  # 2 GiB in use
+DEVICE_FLAGS = ["--gpu-mem", "80GiB", "--gpu-free", "78GiB", "--capability", "9.0"]
+LLAMA32_1B = LLAMA31_8B | {  # the draft: the target's vocabulary, a sixth of its size
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+DRAFT = '{"model": "<draft>", "num_speculative_tokens": 4}'
+LORA = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "64"]
+# name -> (warmup.plan's flags, the engine's EngineConfig fields): the same configuration, spelled both ways
+CASES = {
+    "plain": ([], {}),
+    "lora": (LORA, dict(enable_lora=True, max_loras=4, max_lora_rank=64)),
+    "ngram": (["--speculative-config", NGRAM], dict(speculative_config=NGRAM)),
+    "draft": (["--speculative-config", DRAFT], dict(speculative_config=DRAFT)),
+    "graphs": (["--no-enforce-eager"], dict(enforce_eager=False)),
+    "tp2": (["--tensor-parallel-size", "2"], dict(tensor_parallel_size=2)),
+    "tp2 no-enforce-eager": (["--tensor-parallel-size", "2", "--no-enforce-eager"],
+                             dict(tensor_parallel_size=2, enforce_eager=False)),
+    "fp8 kv": (["--kv-cache-dtype", "fp8"], dict(kv_cache_dtype="fp8")),
+    "lora + graphs + fp8 kv": ([*LORA, "--no-enforce-eager", "--kv-cache-dtype", "fp8"],
+                               dict(enable_lora=True, max_loras=4, max_lora_rank=64, enforce_eager=False,
+                                    kv_cache_dtype="fp8")),
+    "draft + tp2 + fp8 weights": (["--speculative-config", DRAFT, "--tensor-parallel-size", "2", "--quantization",
+                                   "fp8"], dict(speculative_config=DRAFT, tensor_parallel_size=2, quantization="fp8")),
+    "lora + ngram + tp2, 32k context, 64 seqs": (
+        [*LORA, "--speculative-config", NGRAM, "--tensor-parallel-size", "2", "--max-model-len", "32768",
+         "--max-num-seqs", "64"],
+        dict(enable_lora=True, max_loras=4, max_lora_rank=64, speculative_config=NGRAM, tensor_parallel_size=2,
+             max_model_len=32768, max_num_seqs=64)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Llama-3.1-8B and a Llama-3.2-1B-shaped draft as config-only checkpoints (the start reads no weights before
+    the load, which is simulated), the target with a tokenizer, as the engine's start needs one."""
+    from tests.conftest import _tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("plan")
+    for name, cfg in (("target", LLAMA31_8B), ("draft", LLAMA32_1B)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg))
+        (root / name / "model.safetensors").write_bytes(b"")  # not read: the load is simulated
+    _tiny_tokenizer(root / "target")
+    return root
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No engine variable from the environment: warmup.plan reads it (as the worker does), the engine here does not."""
+    from handler.settings import ENGINE_FIELDS
+
+    for name in [*ENGINE_FIELDS, "BASE_PATH", "RUNPOD_POD_ID", "RUNPOD_ENDPOINT_ID"]:
+        monkeypatch.delenv(name, raising=False)
+
+
+class _Stop(Exception):
+    """Where the simulated start stops: the KV pool's allocation, the first real device allocation."""
+
+
+def engine_start_plans(monkeypatch, cfg: EngineConfig, gpu: memory.GPU):
+    """LLMEngine(cfg) on `gpu`, simulated on this CPU: the real start up to the KV pool's allocation, with torch.cuda's
+    answers faked (free and total memory, name and capability, device count), the weights' load replaced by its
+    footprint (free memory drops by the rank's weight bytes and the CUDA context) and the other TP ranks by a stub.
+    Returns the plans the start made: predicted (before the load) and measured (after it)."""
+    free, seen = [gpu.free], {}
+    props = SimpleNamespace(name=gpu.name, major=gpu.capability[0], minor=gpu.capability[1], total_memory=gpu.total)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], gpu.total))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def load_model(cfg, path, prequantized, build_model, device):
+        eng = build_model.__self__
+        seen["predicted"] = eng.memory
+        free[0] -= memory.weight_bytes(eng.rank_spec, eng.dtype.itemsize, cfg.quantization) + memory.CUDA_CONTEXT_BYTES
+        return None, SimpleNamespace(phase="weights (simulated)", note=lambda: "")
+
+    def allocate(spec, plan, kv_dtype, device):
+        seen["measured"] = plan
+        raise _Stop
+
+    ranks = SimpleNamespace(expect=lambda *a, **k: None, send=lambda *a: None, fault=lambda why: RuntimeError(why))
+    monkeypatch.setattr(llm_engine_module, "load_model", load_model)
+    monkeypatch.setattr(llm_engine_module, "allocate", allocate)
+    monkeypatch.setattr(llm_engine_module, "TPGroup", lambda *a, **k: ranks)
+    with pytest.raises(_Stop):
+        LLMEngine(cfg.replace(device="cuda", log_stats_interval=0))
+    return seen["predicted"], seen["measured"]
+
+
+def warmup_plan_json(capsys, argv: list[str]) -> dict:
+    main([*argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def _spelled(case: str, checkpoints) -> tuple[list[str], dict]:
+    flags, fields = CASES[case]
+    draft = str(checkpoints / "draft")
+    flags = [f.replace("<draft>", draft) for f in flags]
+    fields = {k: v.replace("<draft>", draft) if isinstance(v, str) else v for k, v in fields.items()}
+    return ["--model", str(checkpoints / "target"), *DEVICE_FLAGS, *flags], fields
+
+
+def test_warmup_plan_gives_the_engines_kv_tokens(checkpoints, clean_env, monkeypatch, capsys):
+    """For each configuration: the engine's start (driven on CPU with one simulated H100's numbers, see
+    engine_start_plans) and `python -m warmup.plan --json` (in-process, with the same device as flags) plan the same
+    KV pool, and the start's plan after the (simulated) load agrees with its prediction. Each feature is seen to
+    move the pool (LoRA slots, a draft's weights and KV, the graph pool where graphs run, fp8 KV), so a planner
+    that ignored one would differ from the engine here."""
+    kv = {}
+    for case in CASES:
+        argv, fields = _spelled(case, checkpoints)
+        plan = warmup_plan_json(capsys, argv)
+        predicted, measured = engine_start_plans(monkeypatch, EngineConfig(model=argv[1], **fields), GPU)
+        got = (plan["kv_tokens"], predicted.kv_tokens, measured.kv_tokens)
+        assert plan["fits"] and got == (predicted.kv_tokens,) * 3, (case, got)
+        assert plan["max_model_len"] == predicted.max_model_len == measured.max_model_len, case
+        assert plan["weight_bytes"] == predicted.weight_bytes, case
+        assert plan["activation_reserve_bytes"] == predicted.activation_reserve_bytes, case
+        kv[case] = plan["kv_tokens"]
+    assert kv["lora"] < kv["plain"] and kv["draft"] < kv["plain"] and kv["graphs"] < kv["plain"]
+    assert kv["ngram"] == kv["plain"]  # prompt lookup holds no device memory
+    assert kv["tp2 no-enforce-eager"] == kv["tp2"]  # no graphs under TP: no pool set aside
+    assert kv["fp8 kv"] > 1.9 * kv["plain"]
+
+
+def test_fp8_on_an_a100_is_refused_by_both(checkpoints, clean_env, monkeypatch, capsys):
+    """The capability is one of the device's numbers: fp8 KV below sm89 is refused by the start and by the plan."""
+    a100 = memory.GPU(80 * 2**30, 80 * 2**30, (8, 0), "NVIDIA A100-SXM4-80GB")
+    argv = ["--model", str(checkpoints / "target"), "--gpu-mem", "80GiB", "--capability", "8.0"]
+    plan = warmup_plan_json(capsys, [*argv, "--kv-cache-dtype", "fp8"])
+    with pytest.raises(ConfigError) as refused:
+        engine_start_plans(monkeypatch, EngineConfig(model=argv[1], kv_cache_dtype="fp8"), a100)
+    assert not plan["fits"] and "capability 8.9" in plan["error"] and "capability 8.9" in str(refused.value)
+
+
+def test_flags_and_variables_mean_the_same(checkpoints, clean_env, monkeypatch, capsys):
+    """warmup.plan reads the environment through handler.settings as the worker does; a flag stands in for its
+    variable."""
+    argv, _ = _spelled("lora + graphs + fp8 kv", checkpoints)
+    by_flags = warmup_plan_json(capsys, argv)
+    env = {"ENABLE_LORA": "true", "MAX_LORAS": "4", "MAX_LORA_RANK": "64", "ENFORCE_EAGER": "false"}
+    for name, value in (env | {"KV_CACHE_DTYPE": "fp8"}).items():
+        monkeypatch.setenv(name, value)
+    assert warmup_plan_json(capsys, argv[:2] + DEVICE_FLAGS) == by_flags
+    assert (
+        warmup_plan_json(capsys, [*argv[:2], *DEVICE_FLAGS, "--max-lora-rank", "8"])["kv_tokens"]
+        > by_flags["kv_tokens"]
+    )

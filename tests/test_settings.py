@@ -129,6 +129,17 @@ def test_job_variables_and_worker_vllm_aliases():
         load_settings({"QUANTIZATION": "awq"}).engine_config()
 
 
+def test_enforce_eager_false_where_graphs_cannot_run_is_listed_as_ignored():
+    """CUDA graphs need one GPU and the Triton kernels: where the settings alone say they cannot run,
+    ENFORCE_EAGER=false is listed (and logged at start); the engine logs the no-CUDA case itself."""
+    assert load_settings({"ENFORCE_EAGER": "false"}).ignored() == []  # graphs possible on a GPU
+    assert load_settings({"TENSOR_PARALLEL_SIZE": "2", "KERNEL_BACKEND": "torch"}).ignored() == []  # eager anyway
+    tp = load_settings({"ENFORCE_EAGER": "false", "TENSOR_PARALLEL_SIZE": "2"}).ignored()
+    assert len(tp) == 1 and tp[0].startswith("ENFORCE_EAGER=false") and "TENSOR_PARALLEL_SIZE" in tp[0]
+    torch_ = load_settings({"ENFORCE_EAGER": "false", "KERNEL_BACKEND": "torch"}).ignored()
+    assert len(torch_) == 1 and torch_[0].startswith("ENFORCE_EAGER=false") and "KERNEL_BACKEND=torch" in torch_[0]
+
+
 @pytest.mark.parametrize(
     "env,name",
     [

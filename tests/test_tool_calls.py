@@ -108,3 +108,25 @@ def test_history_for_a_template_without_tool_calls():
     }
     aware = history(msgs, "hermes", "{% for c in message.tool_calls %}{% endfor %}")
     assert aware[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    """parallel_tool_calls false: the required grammar asks for exactly one call, and the parser keeps the first
+    call of an output that makes more (vLLM's rule for auto), streamed or whole."""
+    assert "maxItems" not in plan([TOOL], "required", OFF)[2].json
+    assert plan([TOOL], "required", OFF, parallel=False)[2].json["maxItems"] == 1
+    two = {
+        "required": '[{"name":"f","arguments":{"a":1}},{"name":"g","arguments":{}}]',
+        "auto:llama3_json": '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+        "auto:hermes": 'x<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g"}',
+    }
+    for mode, text in two.items():
+        whole = ToolCallStream(mode, None, max_calls=1)
+        whole.feed(text)
+        whole.pending_content()
+        assert [c["function"]["name"] for c in whole.message()[1]] == ["f"], mode
+        st, names = ToolCallStream(mode, None, max_calls=1), []
+        for ch in text:
+            names += [d["function"]["name"] for d in st.feed(ch)[1] if "id" in d]
+        assert names == ["f"], mode
+        assert len(ToolCallStream(mode).feed(text)[1]) > 2  # without the limit: both calls
