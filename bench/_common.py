@@ -159,6 +159,14 @@ def machine_line(device: str) -> str:
     )
 
 
+def producer(command: str, device: str) -> str:
+    """The line a bench writes at the top of its docs section: the command that printed it, the date and the
+    machine (tests/test_docs_figures.py requires both beside every figure)."""
+    import time
+
+    return f"`{command}` on {time.strftime('%Y-%m-%d')}: {machine_line(device)}."
+
+
 def write_section(md: Path, key: str, body: str, title: str = "# Benchmarks") -> None:
     """Replace the text between `<!-- key:start -->` and `<!-- key:end -->` in `md`, appending the marked
     section if absent and creating the file (with `title`) if missing. Other sections are left alone."""

@@ -162,7 +162,7 @@ def render(info: dict, reads: list, check, starts: dict) -> str:
     lines = [
         "## Cold start on GPU: 8B-shaped model from local disk",
         "",
-        f"{info['machine']}. {info['what']}: {gb:.1f} GB bf16 in {info['shards']} shards, random weights, "
+        f"{info['machine']} {info['what']}: {gb:.1f} GB bf16 in {info['shards']} shards, random weights, "
         f'written in {info["write_s"]:.0f} s to `{info["dir"]}`. "cold": page cache dropped (fsync + '
         "POSIX_FADV_DONTNEED per file) right before. Method: the docstring of `bench/coldstart_gpu.py`.",
         "",
@@ -255,7 +255,7 @@ def main() -> None:
 
     import torch
 
-    from bench._common import cat_seconds, write_section
+    from bench._common import cat_seconds, producer, write_section
 
     if not args.tiny:
         assert torch.cuda.is_available(), "bench/coldstart_gpu.py needs a CUDA device (or --tiny)"
@@ -283,7 +283,9 @@ def main() -> None:
         shards = write_model(model_dir, shape, device, shard_bytes=(4 << 20) if args.tiny else (2 << 30))
         nbytes = sum(f.stat().st_size for f in shards)
         info = {
-            "machine": (torch.cuda.get_device_name() if not args.tiny else "CPU") + f", torch {torch.__version__}",
+            "machine": producer(
+                "python -m bench.coldstart_gpu" + " --tiny" * args.tiny, "cpu" if args.tiny else "cuda"
+            ),
             "what": what,
             "bytes": nbytes,
             "shards": len(shards),

@@ -5,7 +5,7 @@ Each step is ModelRunner.execute as the engine runs it (host batch building, the
 greedy sampling), every sequence holding CTX tokens of context. Per (weights, batch): the eager step and the graph
 replay of the same bucket must give the same tokens; the table reports ms per step and the weight-bytes /
 copy-bandwidth floor's share of it (floor / step; KV reads are not in the floor). Graphs are captured here only for
-the buckets measured. Writes the gpu-decode section of docs/gpu.md and a JSON result for bench/gpu_report.py.
+the buckets measured. Writes the gpu-decode section of docs/gpu.md (and, with `--json PATH`, the rows as JSON).
 `--tiny`: a 2-layer toy model on CPU, the Triton kernels under the interpreter and the ReplayGraph stand-in: the
 same code path, for CI (no docs written)."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import gpu_summary, timed, write_section
+from bench._common import gpu_summary, producer, timed, write_section
 from bench.synthetic_model import LLAMA3_8B, TINY, hf_config
 
 CTX, BS = 1024, 16  # context per sequence; KV block size
@@ -164,7 +164,8 @@ def main() -> None:
 
         copy = copy_bandwidth()
         rows = measure(tiny=False)
-        md = "\n".join(["## Decode steps: eager vs CUDA graphs", "", *lines(rows, copy, "Llama-3-8B shape")])
+        head = ["## Decode steps: eager vs CUDA graphs", "", producer("python -m bench.decode_step", "cuda"), ""]
+        md = "\n".join([*head, *lines(rows, copy, "Llama-3-8B shape")])
         write_section(DOC, "gpu-decode", md, title="# GPU check")
         print(md)
     if args.json:

@@ -24,8 +24,8 @@ left() {  # min($1, seconds to the deadline), at least 1 (`timeout 0` would mean
   local l=$((DEADLINE - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo "$l"; }
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 # Compiled kernels are kept in the repo's .triton-cache (ignored by git; the device keeps it between calls), so a
-# rerun skips the ~200 cold compiles. Each test file runs under its own timeout inside a 210 s share, and prints
-# its own result line, so one slow or failing file does not hide the others.
+# rerun skips the cold compiles. Each kernel test file runs under its own timeout inside a 120 s share (below),
+# and prints its own result line, so one slow or failing file does not hide the others.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 RES=.gpu-results; rm -rf "$RES"; mkdir -p "$RES"; SUM=$RES/summary.txt; : >"$SUM"
 # part NAME CAP CMD...: run CMD under min(CAP, the time left); its log in $RES/NAME.log; a timeout, or a failure

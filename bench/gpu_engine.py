@@ -6,7 +6,8 @@
   a run takes along, and the device reaches no registry), so there it is a random checkpoint of SmolLM2's shape
   (30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152) written first, with weights large enough that greedy
   choices are not near-ties.
-- `compiles`: how many Triton compiles a 4k-token generation triggers after the idle-gap warm steps (target 0).
+- `compiles`: how many Triton compiles a 4k-token generation triggers after the idle-gap warm steps (target 0);
+  --tiny counts the kernel variants (Triton's cache keys) the interpreter launches after them instead.
 - `start`: an engine start at GPU_MEMORY_UTILIZATION=0.9 with a Llama-3-8B-shaped random checkpoint written to
   local disk (all 32 layers unless --layers): no OOM, the KV pool equals the planner's plan, 64 concurrent requests
   complete, torch.cuda.max_memory_reserved() stays within the budget. Then the same checkpoint with
@@ -19,6 +20,7 @@ prints last. `--tiny`: the same code on CPU with a 2-layer toy model (CI runs it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench._common import gpu_summary as summarize
-from bench._common import hf_greedy, logprobs_mismatch, write_section
+from bench._common import hf_greedy, logprobs_mismatch, producer, write_section
 from bench.synthetic_model import LLAMA3_8B, SMOLLM2, TINY, write_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +42,7 @@ DOC = REPO / "docs" / "gpu.md"
 def report(key: str, md: list[str], tiny: bool) -> None:
     """Print a part's section; outside --tiny runs also write it into docs/gpu.md."""
     if not tiny:
+        md = [md[0], "", producer(f"python -m bench.gpu_engine {key.removeprefix('gpu-')}", "cuda"), *md[1:]]
         write_section(DOC, key, "\n".join(md), title="# GPU check")
     print("\n".join(md))
 
@@ -208,41 +211,101 @@ def start(tiny: bool, workdir: Path, layers: int) -> list[str]:
     return out
 
 
+class _Specializations:
+    """Under the interpreter (--tiny), Triton's own compile-cache key of every kernel launch: the binder a CUDA
+    JITFunction runs (argument dtypes, 16-byte alignment and divisibility, constexprs) for an sm90 target, plus the
+    launch options. A key first seen at some point is a kernel a GPU would compile there."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+
+        self.backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binders: dict = {}
+        self.keys: set[tuple[str, str]] = set()
+        self.launches = 0
+
+    def key(self, kernel, args, kwargs) -> tuple[str, str]:
+        import inspect
+
+        from triton.runtime.jit import KernelParam, compute_cache_key, create_function_from_signature
+
+        if kernel not in self.binders:
+            sig, opts = inspect.signature(kernel.fn), kernel.kwargs
+            dns, dna = opts.get("do_not_specialize") or (), opts.get("do_not_specialize_on_alignment") or ()
+            params = [
+                KernelParam(i, p, i in dns or p.name in dns, i in dna or p.name in dna)
+                for i, p in enumerate(sig.parameters.values())
+            ]
+            self.binders[kernel] = create_function_from_signature(sig, params, self.backend)
+        _, spec, options = self.binders[kernel](*args, **kwargs)
+        return kernel.fn.__qualname__, compute_cache_key({}, spec, self.backend.parse_options(options))
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.orig = orig = InterpretedFunction.run
+
+        def run(kernel, *args, grid, warmup, **kwargs):
+            self.keys.add(self.key(kernel, args, kwargs))
+            self.launches += 1
+            return orig(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self.orig
+
+
 def compiles(tiny: bool, workdir: Path, tokens: int = 4096) -> list[str]:
-    """How many Triton compiles one long generation triggers once the idle-gap warm steps have run: cache entries
-    (one folder per compiled kernel in TRITON_CACHE_DIR) before and after a 4k-token greedy generation."""
+    """How many Triton compiles one long generation triggers once the idle-gap warm steps have run. On a GPU: cache
+    entries (one folder per compiled kernel in TRITON_CACHE_DIR) before and after a 4k-token greedy generation.
+    --tiny (CPU, interpreter, nothing compiles): the kernel variants (_Specializations' keys) the generation
+    launches that the warm steps did not."""
     import os
 
     from engine import LLM, SamplingParams
 
+    if tiny and os.environ.get("TRITON_INTERPRET") != "1":
+        return [summarize(False, "compiles --tiny needs TRITON_INTERPRET=1 (its kernels run in the interpreter)", tiny)]
     device, tokens = ("cpu", 24) if tiny else ("cuda", tokens)
     path = workdir / "compiles-model"
     write_model(path, TINY if tiny else SMOLLM2, device, std=0.08)
     llm = LLM(str(path), device=device, kernel_backend="triton", log_stats_interval=0, max_model_len=tokens + 64)
     runner = llm.engine.runner
-    t = time.perf_counter()
-    for shape in runner.warm_shapes():  # what the worker's step loop does in its idle gaps after ready
-        runner.warm(*shape)
-    warm_s = time.perf_counter() - t
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    count = lambda: len(list(cache.iterdir())) if cache.is_dir() else 0  # noqa: E731
-    before = count()
-    t = time.perf_counter()
-    out = llm.generate(
-        {"prompt_token_ids": prompts(1, 1000, seed=2)[0]}, SamplingParams(max_tokens=tokens, ignore_eos=True)
-    )
-    gen_s = time.perf_counter() - t
+    variants = _Specializations() if tiny else contextlib.nullcontext()
+    with variants:
+        t = time.perf_counter()
+        for shape in runner.warm_shapes():  # what the worker's step loop does in its idle gaps after ready
+            runner.warm(*shape)
+        warm_s = time.perf_counter() - t
+        cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+        if tiny:
+            count = lambda: len(variants.keys)  # noqa: E731
+        else:
+            count = lambda: len(list(cache.iterdir())) if cache.is_dir() else 0  # noqa: E731
+        before, launches = count(), variants.launches if tiny else 0
+        t = time.perf_counter()
+        out = llm.generate(
+            {"prompt_token_ids": prompts(1, 1000, seed=2)[0]}, SamplingParams(max_tokens=tokens, ignore_eos=True)
+        )
+        gen_s = time.perf_counter() - t
     new = count() - before
     n = len(out[0].outputs[0].token_ids)
-    line = summarize(
-        new == 0 or tiny,
-        f"compiles during a {n}-token generation after the warm steps: {new} (warm steps {warm_s:.1f} s; "
-        f"{1e3 * gen_s / n:.2f} ms per token, eager)",
-        tiny,
-    )
-    report(
-        "gpu-compiles", ["## Compiles while serving", "", line.split(" ", 1)[1] + f". Kernel cache: `{cache}`."], tiny
-    )
+    if tiny:  # a check that saw no launches would pass by default
+        what = (
+            f"new kernel variants (Triton's sm90 cache keys of the interpreted launches) during a {n}-token "
+            f"generation after the warm steps: {new} ({before} variants in {launches} warm launches)"
+        )
+        line = summarize(new == 0 and launches > 0, what, tiny)
+    else:
+        what = f"compiles during a {n}-token generation after the warm steps: {new}"
+        line = summarize(new == 0, f"{what} (warm steps {warm_s:.1f} s; {1e3 * gen_s / n:.2f} ms per token, eager)")
+    where = "" if tiny else f". Kernel cache: `{cache}`."
+    report("gpu-compiles", ["## Compiles while serving", "", line.split(" ", 1)[1] + where], tiny)
     return [line]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import write_section
+from bench._common import producer, write_section
 
 H, KVH, D, B, BS = 32, 8, 128, 64, 16  # Llama-3-8B attention geometry, batch 64, block 16
 HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
@@ -159,7 +159,7 @@ def main() -> None:
     lines = [
         "## Kernel bandwidth on GPU",
         "",
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}. "
+        f"{producer('python -m bench.kernel_bench', 'cuda')} "
         f"Device-to-device copy: **{copy / 1e9:,.0f} GB/s** (read + write). Median of triton.testing.do_bench.",
         "",
         "| kernel | µs | GB/s | % of copy | target |",

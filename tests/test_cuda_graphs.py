@@ -1,7 +1,9 @@
 """CUDA graphs for decode steps (engine/cuda_graphs.py), on CPU: the buckets, which steps may replay a graph, the
 padding, the persistent block table, and when capture happens. The real torch.cuda.CUDAGraph runs in
-bench/gpu_check.sh; here a stand-in "graph" replays by calling the captured function again, which reads only the
-static input buffers, so a step whose inputs were not copied in (or were padded wrongly) gives wrong tokens."""
+bench/gpu_check.sh; here the stand-in (tests/graph_standin.py) runs the captured function again at each replay,
+reading the static input buffers, so a step whose inputs were not copied in (or were padded wrongly) gives wrong
+tokens. It raises on the host syncs a real capture refuses (.item(), .tolist(), nonzero, boolean masks, ...) and
+when a replay runs other ops, shapes, scalars or outside buffers than its capture."""
 
 from __future__ import annotations
 
@@ -11,15 +13,16 @@ import time
 import pytest
 import torch
 
-from engine import AsyncEngine, EngineConfig, SamplingParams, cuda_graphs
+from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.block_table import DeviceBlockTable
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import LLM
 from engine.memory import graph_buckets
+from tests.graph_standin import GraphReplayMismatch, HostSyncError, SyncCheckedGraph
 
 
-class ReplayGraph(cuda_graphs.ReplayGraph):
-    """The engine's CPU stand-in for CudaGraph, counting what it captures."""
+class ReplayGraph(SyncCheckedGraph):
+    """The sync-checking CPU stand-in for CudaGraph, counting what it captures."""
 
     captured: list = []
 
@@ -57,8 +60,8 @@ def test_padding_rows_write_and_read_nothing():
     (cache_write skips it) and context 0 (attention reads nothing) in the pad row."""
     seen = {}
 
-    def forward(ids, pos, slots, bt, seq_lens, qsl):
-        seen.update(ids=ids.tolist(), pos=pos.tolist(), slots=slots.tolist(), lens=seq_lens.tolist(), qsl=qsl.tolist())
+    def forward(ids, pos, slots, bt, seq_lens, qsl):  # clones: reading them on the host here would be a sync
+        seen.update(ids=ids.clone(), pos=pos.clone(), slots=slots.clone(), lens=seq_lens.clone(), qsl=qsl.clone())
         return ids.float()[:, None]
 
     table = DeviceBlockTable(8, 4, torch.device("cpu"))
@@ -68,13 +71,30 @@ def test_padding_rows_write_and_read_nothing():
     table.update([[3], [5, 6], [7]])
     out = g.run(4, [11, 12, 13], [4, 20, 2], [52, 98, 114], [5, 21, 3])
     assert out.tolist() == [[11.0], [12.0], [13.0]]  # only the real rows come back
-    assert seen == dict(
+    assert {k: v.tolist() for k, v in seen.items()} == dict(
         ids=[11, 12, 13, 0],
         pos=[4, 20, 2, 0],
         slots=[52, 98, 114, -1],
         lens=[5, 21, 3, 0],
         qsl=[0, 1, 2, 3, 4],
     )
+
+
+def test_the_stand_in_refuses_host_syncs_and_replays_that_differ():
+    """What the stand-in checks (tests/graph_standin.py): a host sync raises at capture, as a real capture fails;
+    a replay that would run other ops or scalars than the capture (a Python value read at call time) raises."""
+    x = torch.arange(4.0)
+    for sync in (lambda: x * x.sum().item(), lambda: torch.tensor(x.tolist()), lambda: x[x > 1], lambda: x.nonzero()):
+        with pytest.raises(HostSyncError):
+            SyncCheckedGraph().capture(sync)
+    SyncCheckedGraph.errors.clear()  # the list other tests print when a capture in the engine fails
+    scale = [2.0]
+    g = SyncCheckedGraph()
+    out = g.capture(lambda: x * scale[0])
+    assert g.replay() is out and out.tolist() == [0.0, 2.0, 4.0, 6.0]  # the captured output, refilled
+    scale[0] = 3.0  # a real graph keeps multiplying by 2.0
+    with pytest.raises(GraphReplayMismatch, match="aten.mul"):
+        g.replay()
 
 
 def test_block_table_writes_only_what_changed():
@@ -119,7 +139,7 @@ def test_graph_steps_give_the_eager_tokens(tiny_llama):
     graphed = LLM(str(tiny_llama), **ENGINE)
     graphs = graphed.engine.runner.enable_graphs(ReplayGraph)
     out = graphed.generate(prompts, params)
-    assert graphs.captured == [1, 2, 4]  # LLM.generate captured what 3 sequences need, first
+    assert graphs.captured == [1, 2, 4], ReplayGraph.errors  # LLM.generate captured what 3 sequences need, first
     assert graphs.replays >= 8  # every decode step replayed (only the prefill step ran eagerly)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
 

@@ -1,7 +1,8 @@
 """Structured output and tool calling end to end: the real worker behind the local emulator on SmolLM2, driven by the
 official `openai` client (and a native job over HTTP). Schemas validate with jsonschema, streams equal whole
 responses, bad schemas get a 400 naming the field, tool calls follow their tool's schema and reassemble from
-stream deltas, a follow-up turn with the tool's result runs, and /v1/completions echo returns prompt logprobs."""
+stream deltas, a follow-up turn with the tool's result runs, a hermes call the model writes itself is parsed under
+tool_choice "auto", and /v1/completions echo returns prompt logprobs."""
 
 from __future__ import annotations
 
@@ -184,13 +185,52 @@ def test_tool_calls(oai, choice):
 
 
 def test_auto_tool_choice_and_its_errors(oai):
-    auto = oai.chat.completions.create(model="smol", messages=Q, tools=[WEATHER], max_tokens=40, temperature=0)
-    c = auto.choices[0]
-    assert (c.message.content or c.message.tool_calls) and c.finish_reason in ("stop", "length", "tool_calls")
+    """Auto on an answer without a call (SmolLM2 greedy talks about Paris for all 40 tokens): the whole text is
+    content, exactly what tool_choice "none" (no parsing) returns, with no tool_calls and finish_reason "length"."""
+    kw = dict(model="smol", messages=Q, tools=[WEATHER], max_tokens=40, temperature=0)
+    c = oai.chat.completions.create(**kw).choices[0]
+    plain = oai.chat.completions.create(tool_choice="none", **kw).choices[0]
+    assert c.message.content == plain.message.content and "<tool_call>" not in c.message.content
+    assert not c.message.tool_calls and (c.finish_reason, plain.finish_reason) == ("length", "length")
     with pytest.raises(openai.BadRequestError, match="openai_input.tool_choice"):
         oai.chat.completions.create(
             model="smol", messages=Q, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}
         )
+
+
+def _weather_call(city: str) -> dict:
+    args = json.dumps({"city": city, "unit": "celsius"})
+    return {"id": f"call_{city}", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+
+
+# two turns in which the assistant answered with a get_weather call, then a question about another city: SmolLM2's
+# chat template knows no tools, so the earlier calls reach it as hermes text (tool_calls.history), and greedy
+# SmolLM2 (fp32) answers in that format itself, with the new city
+FEW_SHOT = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [_weather_call("Paris")]},
+    {"role": "user", "content": "What is the weather in London?"},
+    {"role": "assistant", "content": None, "tool_calls": [_weather_call("London")]},
+    {"role": "user", "content": "What is the weather in Rome?"},
+]
+
+
+def test_auto_tool_call_parsed_from_the_models_own_output(oai):
+    """tool_choice "auto" (ENABLE_AUTO_TOOL_CHOICE, TOOL_CALL_PARSER=hermes; no grammar): the model writes
+    <tool_call>{...}</tool_call> itself, as tool_choice "none" shows, and the response carries that call parsed,
+    whole and streamed."""
+    kw = dict(model="smol", messages=FEW_SHOT, tools=[WEATHER, TIME], temperature=0, max_tokens=60)
+    raw = oai.chat.completions.create(tool_choice="none", **kw).choices[0]  # the model's text, unparsed
+    assert raw.message.content.startswith("<tool_call>") and not raw.message.tool_calls
+    full = oai.chat.completions.create(tool_choice="auto", **kw).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    [call] = full.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Rome", "unit": "celsius"}
+    assert call.function.arguments in raw.message.content  # the arguments are the model's own text
+    streamed, finish = _reassemble(oai.chat.completions.create(tool_choice="auto", stream=True, **kw))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", call.function.arguments)]
 
 
 def test_native_job_guided_json_and_completions_echo(emu, oai):
