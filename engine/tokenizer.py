@@ -181,9 +181,23 @@ class Tokenizer:
         return chat_template
 
 
+# Conversations `compare_with_transformers` renders through both renderers: a plain turn, and a multi-turn chat
+# with a system prompt and non-ASCII text, each with and without the generation prompt.
+PROBE_CHATS = (
+    [{"role": "user", "content": "hi"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Grüße, 世界 😀"},
+        {"role": "assistant", "content": "Hallo."},
+        {"role": "user", "content": "Again?"},
+    ],
+)
+
+
 def compare_with_transformers(tok: Tokenizer) -> list[str]:
     """Where the fast paths differ from transformers' tokenizer for this tokenizer's folder (empty: nowhere): a
-    probe text's ids, the chat templates and the special tokens. Loads transformers; for preparation and tests."""
+    probe text's ids, the chat templates found, the special tokens, and the text each renderer makes of
+    PROBE_CHATS. Loads transformers; for preparation (`python -m warmup`) and tests."""
     if tok.backend is None:
         return []  # transformers does everything already
     hf, out = tok.hf, []
@@ -193,4 +207,19 @@ def compare_with_transformers(tok: Tokenizer) -> list[str]:
         out.append("transformers finds other chat templates than tokenizer_config.json / *.jinja give")
     if hf.special_tokens_map != tok.special_tokens:
         out.append(f"special tokens differ: transformers {hf.special_tokens_map}, ours {tok.special_tokens}")
+    if hf.chat_template is not None:
+        for i, msgs in enumerate(PROBE_CHATS):
+            for gen in (True, False):
+                theirs = _render(hf.apply_chat_template, msgs, tokenize=False, add_generation_prompt=gen)
+                ours = _render(tok.apply_chat_template, msgs, add_generation_prompt=gen)
+                if ours != theirs:
+                    out.append(f"probe chat {i} (add_generation_prompt={gen}): ours renders {ours!r}, "
+                               f"transformers {theirs!r}")  # fmt: skip
     return out
+
+
+def _render(fn, *a, **kw) -> str:
+    try:
+        return fn(*a, **kw)
+    except Exception as e:  # a template may refuse a probe (e.g. no system role): both must refuse it alike
+        return f"<error {type(e).__name__}>"

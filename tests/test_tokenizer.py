@@ -1,5 +1,6 @@
-"""engine/tokenizer.py: the Rust tokenizer used from the start must encode exactly as transformers does, and
-the engine switches to transformers if they ever disagree."""
+"""engine/tokenizer.py: the Rust tokenizer and the jinja2 chat renderer used from the start must encode and render
+exactly as transformers does; `python -m warmup` reports where they disagree (compare_with_transformers). The
+engine itself does not switch to transformers."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def test_compare_with_transformers_names_a_disagreement(tiny_llama):
     tok.special_tokens = {**tok.special_tokens, "bos_token": "<wrong>"}
     diffs = compare_with_transformers(tok)
     assert len(diffs) == 2 and "probe text" in diffs[0] and "special tokens" in diffs[1], diffs
+
+
+def test_compare_with_transformers_renders_the_probe_chats(smollm2_path):
+    """The template check renders: a renderer that drops one character is caught on every probe chat."""
+    tok = Tokenizer(smollm2_path)
+    assert compare_with_transformers(tok) == []
+    right = tok.apply_chat_template
+    tok.apply_chat_template = lambda msgs, **kw: right(msgs, **kw)[:-1]
+    diffs = compare_with_transformers(tok)
+    assert len(diffs) == 4 and all("renders" in d for d in diffs), diffs
 
 
 # ---- chat templates: transformers' renderer without transformers' tokenizer -------------------------------
