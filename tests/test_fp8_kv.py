@@ -1,5 +1,5 @@
 """FP8 (e4m3) KV cache: twice the tokens for the same bytes, calibrated per-layer scales, and outputs that stay
-close to the 16-bit cache on the real SmolLM2 weights."""
+close to the unquantized cache on the real SmolLM2 weights."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def _gap(a: list[dict], b: list[dict]) -> float:
     return sum(diffs) / len(diffs)
 
 
+# Output quality is compared in fp32, fp8 against the unquantized model: the gap is then the quantization's alone
+# and the same on any CPU. In bf16 each CPU's GEMM path adds its own rounding to both sides: over four arithmetics
+# of one Zen 5 (AVX-512 with and without bf16, AVX2, none) the calibrated gap ranged 0.11-0.14 and the saturated
+# one 0.62-1.17, so a ratio between the two held on one machine and not the next (commit f33e6ee).
+QUALITY_BOUND = 0.25  # mean |delta logprob| over the first token's top-5, in nats
+
+
 def test_fp8_kv_capacity_scales_and_quality(smollm2_path):
     kw = dict(model=str(smollm2_path), dtype="bfloat16", kv_cache_memory=64 << 20, log_stats_interval=0)
     base = LLM(**kw)
@@ -40,22 +47,27 @@ def test_fp8_kv_capacity_scales_and_quality(smollm2_path):
     attn = fp8.engine.runner.attn
     assert attn.k_scales.shape == (30,) and bool((attn.k_scales > 0).all()) and bool((attn.v_scales > 0).all())
     assert not bool(torch.isclose(attn.k_scales, torch.ones(30)).any())
-
-    ref, got = _first_step(base), _first_step(fp8)
-    assert [max(d, key=d.get) for d in got] == [max(d, key=d.get) for d in ref]  # same greedy first token
-    gap = _gap(got, ref)
-    # Measured here: 0.14 nats mean |delta logprob| over the top-5 (bf16 weights vs fp32 weights: 0.05).
-    # The perplexity / KL targets of the [fp8] issue are measured by a benchmark, not asserted here.
-    assert gap < 0.25, gap
-    # the check can fail: scales 100x too small saturate almost every K/V value (measured 4x to 5x the calibrated
-    # gap, depending on the CPU's bf16 GEMM path)
-    attn.set_kv_scales(attn.k_scales / 100, attn.v_scales / 100)
-    assert _gap(_first_step(fp8), ref) > 3 * gap
-
     # a full generation runs and frees everything
     outs = fp8.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
     assert fp8.engine.block_manager.num_free_blocks == fp8.engine.block_manager.num_blocks
+    del base, fp8
+
+    kw["dtype"] = "float32"  # quality: see QUALITY_BOUND
+    ref = _first_step(LLM(**kw))
+    fp8 = LLM(kv_cache_dtype="fp8", **kw)
+    got = _first_step(fp8)
+    assert [max(d, key=d.get) for d in got] == [max(d, key=d.get) for d in ref]  # same greedy first token
+    gap = _gap(got, ref)
+    # Measured 0.16 nats on each of those four arithmetics (within 0.003).
+    # The perplexity / KL targets of the [fp8] issue are measured by a benchmark, not asserted here.
+    assert gap < QUALITY_BOUND, gap
+    # the check can fail: scales 100x too small saturate almost every K/V value, and the same bound rejects the
+    # output (measured 0.57 on each arithmetic)
+    attn = fp8.engine.runner.attn
+    attn.set_kv_scales(attn.k_scales / 100, attn.v_scales / 100)
+    saturated = _gap(_first_step(fp8), ref)
+    assert saturated > QUALITY_BOUND, (saturated, gap)
 
 
 def test_fp8_kv_scales_from_checkpoint(tiny_llama, tmp_path):

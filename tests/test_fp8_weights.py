@@ -7,6 +7,8 @@ import torch
 from engine import LLM, SamplingParams
 from tests.test_fp8_kv import PROMPTS, _first_step, _gap
 
+W8A8_BOUND = 0.5  # mean |delta logprob| over the first token's top-5, in nats, fp32 against fp32
+
 
 def _linear_bytes(llm) -> int:
     return sum(
@@ -38,17 +40,23 @@ def test_fp8_weights_half_the_bytes_and_close_outputs(smollm2_path, tmp_path):
             assert torch.equal(getattr(fp8.engine.model.layers[i], n).view(torch.uint8), wq.view(torch.uint8)), n
             assert torch.equal(fp8.engine.model.layers[i].fp8_scales[n], scale), n
 
-    ref, got = _first_step(base), _first_step(fp8)
-    gap = _gap(got, ref)
-    assert [max(d, key=d.get) for d in got] == [max(d, key=d.get) for d in ref], (got, ref)
-    # Measured here: 0.34 nats mean |delta logprob| over the top-5 vs bf16; weight-only fp8 would give 0.14, so
-    # the per-token activation quant (W8A8, vLLM's FP8-dynamic scheme) dominates on this 135M model. Whether that
-    # meets the [fp8] perplexity target is a benchmark's job, not this test's.
-    assert gap < 0.5, gap
-    # the check can fail: a corrupted scale on one layer moves the outputs far more
-    fp8.engine.model.layers[3].fp8_scales["down"] *= 8
-    assert _gap(_first_step(fp8), ref) > 2 * gap
-
     both = LLM(quantization="fp8", kv_cache_dtype="fp8", **kw)
     outs = both.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    del base, fp8, both
+
+    kw["dtype"] = "float32"  # quality in fp32, the same on any CPU: see tests/test_fp8_kv.py's QUALITY_BOUND
+    ref = _first_step(LLM(**kw))
+    fp8 = LLM(quantization="fp8", **kw)
+    got = _first_step(fp8)
+    gap = _gap(got, ref)
+    assert [max(d, key=d.get) for d in got] == [max(d, key=d.get) for d in ref], (got, ref)
+    # Measured 0.26 nats mean |delta logprob| over the top-5 (the same on AVX-512 with and without bf16, AVX2 and
+    # no vectors; in bf16 it moved 0.29-0.36 with the CPU's GEMM path). The per-token activation quant (W8A8,
+    # vLLM's FP8-dynamic scheme) dominates on this 135M model. Whether that meets the [fp8] perplexity target is a
+    # benchmark's job, not this test's.
+    assert gap < W8A8_BOUND, gap
+    # the check can fail: a corrupted scale on one layer moves the outputs past the same bound (measured 1.17)
+    fp8.engine.model.layers[3].fp8_scales["down"] *= 8
+    corrupted = _gap(_first_step(fp8), ref)
+    assert corrupted > W8A8_BOUND, (corrupted, gap)
