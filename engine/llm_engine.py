@@ -69,7 +69,7 @@ class LLMEngine(EngineBuilders):
             tl.mark("tensor-parallel ranks", f"{self.tp} ranks, {backend_for(self.device)}")
         try:
             self.model, self.weights = load_model(
-                cfg, self.model_path, self.spec.prequantized, self._build_model, self.device
+                cfg, self.model_path, self.spec.prequantized, self._build_model, self.device, self.dtype
             )
             if self.tp_group is not None:
                 self.tp_group.expect("loaded", timeout_s=3600)

@@ -179,3 +179,18 @@ def test_unsupported_quantization_config_is_refused(tiny_llama, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="awq"):
         LLM(model=str(dst))
+
+
+def test_a_snapshot_is_kept_per_model_dtype(tiny_models, tmp_path):
+    """The snapshot stores embeddings, norms and lm_head in the model dtype: an fp32 engine does not load what a
+    bf16 engine wrote (it quantizes its own, under another key), and each then loads its own."""
+    path = tiny_models["llama"]
+
+    def start(dtype):
+        llm = LLM(model=str(path), dtype=dtype, quantization="fp8", cache_root=str(tmp_path), log_stats_interval=0)
+        return llm.engine.weights_source
+
+    assert start("bfloat16") == "checkpoint, quantized online"
+    assert start("float32") == "checkpoint, quantized online"
+    assert len(list((tmp_path / "fp8-snapshots").iterdir())) == 2
+    assert start("float32") == start("bfloat16") == "fp8 snapshot"

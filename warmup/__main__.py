@@ -200,9 +200,13 @@ def _snapshot(cfg, path: Path, spec) -> Path | None:
     """Where the engine keeps this model's fp8 snapshot, or None when it uses none."""
     if cfg.quantization != "fp8" or spec.prequantized or cfg.tensor_parallel_size > 1:  # (none per rank)
         return None
-    from engine import weights
+    import torch
 
-    return weights.snapshot_for(cfg, path)  # the engine's own key
+    from engine import model_dtype, weights
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where this warmup's engine, and the worker, run
+    dtype = model_dtype(cfg.dtype, weights.read_json(path / "config.json"), device)
+    return weights.snapshot_for(cfg, path, str(dtype).removeprefix("torch."))  # the engine's own key
 
 
 def _run_one_request(engine) -> None:

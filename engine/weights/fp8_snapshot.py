@@ -30,15 +30,18 @@ SCHEME = "fp8-e4m3-w8a8-per-channel-v1"
 WEIGHTS, _MANIFEST = "model.safetensors", "manifest.json"
 
 
-def snapshot_for(cfg, model_path: Path) -> Path:
-    """This engine config's snapshot folder for the checkpoint at model_path (the engine and warmup both use it)."""
-    return snapshot_dir(
-        Path(cfg.cache_root), cfg.model or "default", cfg.revision, model_path, safetensors_files(model_path)
-    )
+def snapshot_for(cfg, model_path: Path, dtype: str) -> Path:
+    """This engine config's snapshot folder for the checkpoint at model_path and the model dtype (the engine and
+    warmup both use it). The dtype is in the key: the 16-bit tensors (embeddings, norms, lm_head) are stored in it,
+    so an fp32 engine must not load what a bf16 one wrote."""
+    files = safetensors_files(model_path)
+    return snapshot_dir(Path(cfg.cache_root), cfg.model or "default", cfg.revision, model_path, files, dtype)
 
 
-def snapshot_dir(cache_root: Path, model_id: str, revision: str, model_path: Path, files: list[Path]) -> Path:
-    h = hashlib.sha256(f"{model_id}\n{revision}\n{SCHEME}\n".encode())
+def snapshot_dir(
+    cache_root: Path, model_id: str, revision: str, model_path: Path, files: list[Path], dtype: str
+) -> Path:
+    h = hashlib.sha256(f"{model_id}\n{revision}\n{SCHEME}\n{dtype}\n".encode())
     for f in files:
         real = f.resolve()
         st = real.stat()

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineConfig
 from engine.weights import fp8_snapshot
 from engine.weights.locate import safetensors_files
@@ -38,16 +40,18 @@ class LoadedWeights:
         return f"{sum(f.stat().st_size for f in self.files) / 2**20:.0f} MiB read"
 
 
-def load_model(cfg: EngineConfig, model_path: Path, prequantized: bool, build: Callable[[], object], device):
-    """Build the model with `build()` and fill it. Returns (model, LoadedWeights). A snapshot that cannot be
-    loaded or whose hash is wrong is never used: the model is rebuilt from scratch and loaded from the checkpoint,
-    and the snapshot is rewritten."""
+def load_model(
+    cfg: EngineConfig, model_path: Path, prequantized: bool, build: Callable[[], object], device, dtype: torch.dtype
+):
+    """Build the model (in `dtype`, which keys its fp8 snapshot) with `build()` and fill it. Returns (model,
+    LoadedWeights). A snapshot that cannot be loaded or whose hash is wrong is never used: the model is rebuilt from
+    scratch and loaded from the checkpoint, and the snapshot is rewritten."""
     files = safetensors_files(model_path)
     if prequantized or cfg.quantization != "fp8" or cfg.tensor_parallel_size > 1:  # (a snapshot is not per rank)
         model = build()
         model.load_weights(iter_weights(model_path, device))
         return model, LoadedWeights("fp8 checkpoint" if prequantized else "checkpoint", files)
-    snap = fp8_snapshot.snapshot_for(cfg, model_path)
+    snap = fp8_snapshot.snapshot_for(cfg, model_path, str(dtype).removeprefix("torch."))
     if (model := _from_snapshot(snap, build, device)) is not None:
         return model, LoadedWeights("fp8 snapshot", [snap / fp8_snapshot.WEIGHTS], snap)
     rejected = snap.exists()
