@@ -168,7 +168,7 @@ def engine_start_plans(monkeypatch, cfg: EngineConfig, gpu: memory.GPU):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], gpu.total))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
-    def load_model(cfg, path, prequantized, build_model, device):
+    def load_model(cfg, path, prequantized, build_model, device, dtype):
         eng = build_model.__self__
         seen["predicted"] = eng.memory
         free[0] -= memory.weight_bytes(eng.rank_spec, eng.dtype.itemsize, cfg.quantization) + memory.CUDA_CONTEXT_BYTES
