@@ -10,7 +10,7 @@ interpreter starting, `python -m` finding the package, the first chunk's print).
   first start ever    empty BASE_PATH: includes converting the default model (GGUF -> bf16 safetensors)
   bf16                second start: the converted model is on the volume
   bf16, chat job      the same, with a `messages` job: the chat template is rendered on the path to the first
-                      token (transformers' renderer; transformers' tokenizer is not loaded before the first step)
+                      token (engine/chat_template.py's jinja2 renderer; transformers is not imported)
   fp8, first start    QUANTIZATION=fp8 with no snapshot: quantizes online while loading, writes the snapshot
   fp8 from snapshot   QUANTIZATION=fp8, second start: loads the fp8 snapshot the previous case wrote. (On CPU there
                       is no Triton kernel cache to warm: the torch kernels need no compilation.)
@@ -317,11 +317,9 @@ def render(res, cat, sizes, sha, rounds, conv_rounds, cmd, machine, load: str) -
         "",
         "Notes:",
         f"- Target: ≤ 0.5x HF. HF's figure is {hf:.2f} s (import torch + transformers, from_pretrained, "
-        "generate to the first new token), for the plain prompt. A chat job there would add its "
-        "apply_chat_template call, ~5 ms once the tokenizer is loaded.",
-        "- The chat job's first token includes `import transformers` for its chat renderer (~0.45 s, "
-        "most of it transformers scanning its own model files at import); transformers' tokenizer itself "
-        "loads only after the first step. fp8's first token is slower on CPU because fp8 matmuls are "
+        "generate to the first new token), for the plain prompt (HF's chat template call is not timed).",
+        "- The chat job's first token includes rendering its chat template (engine/chat_template.py, jinja2; "
+        "transformers is not imported). fp8's first token is slower on CPU because fp8 matmuls are "
         "emulated there (weights converted to fp32 in every layer, every step); on a GPU they are "
         "`torch._scaled_mm`.",
         '- "weight read" is the loader (engine/weights/reader.py: reader threads, mmap views faulted in '
@@ -333,9 +331,8 @@ def render(res, cat, sizes, sha, rounds, conv_rounds, cmd, machine, load: str) -
         "volume both would be slower and the reads, not the copies, would dominate.",
         "- The machine is a shared 2-core VM. The weight phase is the most sensitive to other processes: "
         "each of the ~270 copies into the parameters is an OpenMP region over torch's 2 threads, and when "
-        "another process holds a core every region waits for a descheduled worker (measured: SmolLM2's "
-        "load_weights takes 1.8 s with 2 threads vs 0.18 s with 1 under such load, 0.1 s on an idle "
-        "machine). Compare runs only at a similar CPU pressure.",
+        "another process holds a core every region waits for a descheduled worker. Compare runs only at a "
+        "similar CPU pressure (printed above).",
         "",
         "![Cold start timeline per case](coldstart.png)",
     ]

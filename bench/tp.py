@@ -82,7 +82,10 @@ def main() -> None:
                 print(rows[-1])
     base = {r["batch"]: r["step"] for r in rows if r["tp"] == 1}
     lines = [
-        f"Machine: {machine_line('cpu')} (at the end: TP=1 runs with {os.cpu_count()} threads, each of the TP=2 "
+        "## Tensor parallelism on CPU (gloo)",
+        "",
+        f"`python -m bench.tp --steps {args.steps}` on {time.strftime('%Y-%m-%d')}: {machine_line('cpu')} "
+        f"(at the end: TP=1 runs with {os.cpu_count()} threads, each of the TP=2 "
         f"ranks with {max(1, (os.cpu_count() or 1) // 2)}). A random Llama ({args.layers} layers, hidden "
         f"{args.hidden}, 8 heads, bf16) with a 49152-token vocabulary; gloo; median of {args.steps} decode steps after "
         "a warm-up.",
