@@ -24,7 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.llama import ModelSpec
 from engine.parallel import shard as tensor_parallel
 from engine.timeline import Timeline
-from engine.tokenizer import Tokenizer, compare_with_transformers
+from engine.tokenizer import Tokenizer, compare_with_transformers, template_iterates_content
 from engine.types import (
     CompletionOutput,
     LoRARequest,
@@ -61,6 +61,7 @@ __all__ = [
     "memory_needs",
     "model_dtype",
     "plan_memory",
+    "template_iterates_content",
     "tensor_parallel",
     "weights",
     "writable_dir",

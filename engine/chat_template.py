@@ -153,3 +153,36 @@ def render(
         at = text.rindex(_CONTINUE_TAG.strip())
         text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
     return text
+
+
+@lru_cache(maxsize=32)
+def iterates_content(template: str) -> bool:
+    """Whether the template loops over a message's content (vLLM's _detect_content_format: "openai" if so, then it
+    gets the parts as a list; "string" otherwise). Looks for `{% for x in <...>.content %}` or
+    `<...>['content']`, directly, through filters, or through a variable set from it."""
+    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+    env.add_extension(_Generation)
+    try:
+        ast = env.parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False  # the render will report it
+
+    def content_of(node) -> bool:
+        while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+            node = node.node
+        if isinstance(node, jinja2.nodes.Getitem):
+            return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+        return isinstance(node, jinja2.nodes.Getattr) and node.attr == "content"
+
+    aliases = {
+        a.target.name
+        for a in ast.find_all(jinja2.nodes.Assign)
+        if isinstance(a.target, jinja2.nodes.Name) and content_of(a.node)
+    }
+    for loop in ast.find_all(jinja2.nodes.For):
+        it = loop.iter
+        while isinstance(it, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+            it = it.node
+        if content_of(it) or (isinstance(it, jinja2.nodes.Name) and it.name in aliases):
+            return True
+    return False

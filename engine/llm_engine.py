@@ -214,6 +214,12 @@ class LLMEngine(EngineBuilders):
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})",
                 field="stop_token_ids",
             )
+        bad = [t for t in params.logit_bias or () if t >= self.spec.vocab_size]
+        if bad:  # vLLM's input processor refuses these too (_validate_logit_bias)
+            raise InvalidRequestError(
+                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})",
+                field=f"logit_bias.{bad[0]}",
+            )
 
     def add_request(
         self,

@@ -1,5 +1,7 @@
-"""Batched sampling with per-request params, in vLLM's order:
-raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperature, min_p, top_k, top_p, draw."""
+"""Batched sampling with per-request params, in vLLM's order (vllm/v1/sample/sampler.py: the non-argmax-invariant
+logits processors MinTokens then LogitBias, then penalties):
+raw logprobs -> min_tokens mask -> logit_bias -> penalties -> greedy argmax | temperature, min_p, top_k, top_p, draw.
+Logprobs come from the raw logits (vLLM's default raw_logprobs mode): a bias changes what is sampled, not them."""
 
 from __future__ import annotations
 
@@ -17,12 +19,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
         """logits: [S, vocab] fp32, one row per request. Returns the sampled ids and top-N logprobs."""
         logprobs = self._raw_logprobs(logits, reqs)
-        if all(r.params.greedy and not r.params.needs_penalties and r.params.min_tokens == 0 for r in reqs):
+        if all(
+            r.params.greedy and not r.params.needs_penalties and r.params.min_tokens == 0 and not r.params.logit_bias
+            for r in reqs
+        ):
             tokens = logits.argmax(dim=-1).tolist()
             return tokens, self._pick_logprobs(logprobs, reqs, tokens)
 
         logits = logits.clone()
         self._mask_min_tokens(logits, reqs)
+        self._apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         tokens = logits.argmax(dim=-1)  # greedy rows keep these
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -63,6 +69,21 @@ class Sampler:
                 stop = list(r.eos_token_ids if not r.params.ignore_eos else ()) + r.params.stop_token_ids
                 if stop:
                     logits[i, stop] = float("-inf")
+
+    def _apply_logit_bias(self, logits, reqs):
+        """Every biased row at once: (row, token id) pairs and their biases go to the device as two flat tensors
+        (non-blocking copies) and one scatter-add adds them; rows without a bias are not touched. After the
+        min_tokens mask, as in vLLM: -inf + bias stays -inf, so a bias never lifts a masked (or grammar-banned)
+        token."""
+        rows, ids, vals = [], [], []
+        for i, r in enumerate(reqs):
+            if b := r.params.logit_bias:
+                rows += [i] * len(b)
+                ids += b.keys()
+                vals += b.values()
+        if rows:
+            at = h2d([rows, ids], torch.int64, self.device)  # [2, N]
+            logits.index_put_((at[0], at[1]), h2d(vals, logits.dtype, self.device), accumulate=True)
 
     def _apply_penalties(self, logits, reqs):
         """All penalized rows at once: their output (and, for the repetition penalty, prompt) tokens go to the

@@ -112,11 +112,12 @@ class Tokenizer:
                 self._hf = AutoTokenizer.from_pretrained(str(self.folder))
             return self._hf
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids as transformers' tokenizer(text).input_ids gives them (special tokens added as configured)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids as transformers' tokenizer(text, add_special_tokens=...).input_ids gives them (True: with the
+        special tokens, a BOS say, that the tokenizer's post-processor adds; a chat template writes its own)."""
         if self.backend is None:
-            return self.hf(text).input_ids
-        return self.backend.encode(text).ids
+            return self.hf(text, add_special_tokens=add_special_tokens).input_ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.backend is not None:
@@ -223,3 +224,11 @@ def _render(fn, *a, **kw) -> str:
         return fn(*a, **kw)
     except Exception as e:  # a template may refuse a probe (e.g. no system role): both must refuse it alike
         return f"<error {type(e).__name__}>"
+
+
+def template_iterates_content(template: str) -> bool:
+    """Whether a chat template loops over a message's content parts (vLLM's "openai" content format) rather than
+    reading it as a string; imports jinja2 on first use only (chat_template.iterates_content)."""
+    from engine.chat_template import iterates_content
+
+    return iterates_content(template)

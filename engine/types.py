@@ -73,8 +73,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained decoding (xgrammar)
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (the first has none)
+    # token id -> bias added to its logit before sampling (vLLM's and OpenAI's); str keys (JSON) are parsed
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -140,6 +143,44 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+
+MAX_LOGIT_BIAS_TOKENS = 1024  # vLLM's cap per request (MAX_NUM_LOGIT_BIAS_TOKENS): the per-step scatter stays small
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """vLLM's SamplingParams.from_optional: keys as int token ids (JSON gives strings), values clamped to
+    [-100, 100]. Refused here, naming `logit_bias.<key>`: a key that is not an integer or is negative, a value that
+    is not a number or is NaN, more than MAX_LOGIT_BIAS_TOKENS entries. Ids past the vocabulary: check_params."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(
+            f"SamplingParams.logit_bias must be a dict of token id to bias, not {type(bias).__name__}",
+            field="logit_bias",
+        )
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(
+            f"SamplingParams.logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS}", field="logit_bias"
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        tid = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str):
+            try:
+                tid = int(key)
+            except ValueError:
+                pass
+        if tid is None or tid < 0:
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias key {key!r} is not a token id (an integer >= 0)", field=f"logit_bias.{key}"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias[{key!r}]={value!r} must be a number", field=f"logit_bias.{key}"
+            )
+        out[tid] = float(min(100, max(-100, value)))  # clamped before float(): a huge int would overflow it
+    return out or None  # {} biases nothing: the sampler's fast path stays open
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ and the ``openai`` client (``base_url="http://H:P/v2/local/openai/v1"``) work un
   POST /v2/local/run | /runsync (waits --runsync-wait s, then answers {"id", "status": "IN_PROGRESS"})
   GET  /v2/local/status/{id} | /stream/{id} (chunks since the last poll, long-polled --stream-wait s)
   POST /v2/local/cancel/{id} | /purge-queue    GET /v2/local/health
-  POST .../openai/v1/chat/completions | /completions, GET .../openai/v1/models become jobs with input
-  {"openai_route": "/v1/...", "openai_input": body ({} for models)}. With "stream": true the job's chunks
-  (SSE text) pass through verbatim, with the job's id in an X-Job-Id header; else the single yielded object is
-  the body. Error objects come back in OpenAI's shape with their "code" as HTTP status (else 400; crashes 500).
-  A client that leaves cancels. /status adds "streamPosts": the worker's job-stream POSTs for the job so far.
+  POST .../openai/v1/chat/completions | /completions, GET .../openai/v1/models (openai_compat.ROUTES) become jobs
+  with input {"openai_route": "/v1/...", "openai_input": body ({} for models)}. With "stream": true the job's
+  chunks (SSE text) pass through verbatim, with the job's id in an X-Job-Id header; else the single yielded object
+  is the body. Errors are OpenAI's {"error": {"message", "type", "param", "code"}}, with the job error's "status"
+  as HTTP status (crashes 500); mid-stream, one such event and [DONE]. Any other route under .../openai/ is a 404
+  (a wrong method a 405) in that shape, listing the routes. A client that leaves cancels. /status adds
+  "streamPosts": the worker's job-stream POSTs for the job so far.
 
 Back: the worker subprocess runs runpod-python's JobScaler against the routes described in local_worker.py.
 Worker output goes to our stderr. If it exits, its running jobs fail (queued ones too unless
@@ -37,6 +39,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from handler import openai_compat as oa
 from handler.local_jobs import (
     EP,
     Job,
@@ -241,12 +244,16 @@ class Emulator(WorkerSide):
     async def openai(self, request: Request) -> Response:
         self.counts["openai"] += 1
         route = request.url.path.split("/openai", 1)[1]
+        if wrong := oa.route_error(route, request.method):
+            fields, status = wrong
+            allow = {"Allow": oa.ROUTES[route]} if status == 405 else None
+            return JSONResponse(oa.error(**fields), status, headers=allow)
         body: Any = {}
         if request.method == "POST":
             try:
                 body = json_body(await request.body())
             except ValueError as e:
-                return error_response({"message": f"the body is not valid JSON: {e}", "type": "BadRequestError"})
+                return error_response({"message": f"the request body is not valid JSON: {e}"})
         job = self.submit({"openai_route": route, "openai_input": body})
         if not (isinstance(body, dict) and body.get("stream")):
             await self.wait_done(job, None, request)
@@ -289,12 +296,11 @@ def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: in
         ("POST", "/cancel/{job_id}", emu.cancel_route),
         ("POST", "/purge-queue", emu.purge_queue),
         ("GET", "/health", emu.health),
-        ("POST", "/openai/v1/chat/completions", emu.openai),
-        ("POST", "/openai/v1/completions", emu.openai),
-        ("GET", "/openai/v1/models", emu.openai),
     ]
     for method, path, endpoint in routes:
         app.add_api_route(f"/v2/{EP}{path}", endpoint, methods=[method])
+    # every route under the OpenAI prefix: emu.openai serves oa.ROUTES and answers the rest in OpenAI's shape
+    app.add_api_route(f"/v2/{EP}/openai/{{route:path}}", emu.openai, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     # The worker-facing routes are plain Starlette routes (request in, Response out): a streaming worker POSTs
     # once per yield, so FastAPI's per-request validation and serialization would be paid hundreds of times a
     # second, on the cores the worker computes on.

@@ -17,6 +17,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from handler import openai_compat as oa
+
 log = logging.getLogger("handler.local")
 
 EP, WORKER_ID = "local", "local-worker"
@@ -103,17 +105,18 @@ async def sse_events(job: Job, cancel) -> AsyncIterator[str]:
             if job.done:
                 break
             await job.changed.wait(5.0)
-        if job.status == "FAILED":  # failed mid-stream: an error event, then [DONE], as vLLM does
-            yield f"data: {error_response(job.error).body.decode()}\n\ndata: [DONE]\n\n"
+        if job.status != "COMPLETED":  # failed (or cancelled) mid-stream: an error event, then [DONE], as vLLM does
+            yield f"data: {failure(job).body.decode()}\n\ndata: [DONE]\n\n"
     finally:
         if not job.done:
             log.info("stream client went away: cancelling %s", job.id)
             cancel(job)
 
 
-def error_response(err: Any, default_code: int = 400) -> JSONResponse:
-    """OpenAI's {"error": {...}} from a job error: a dict, JSON text, or the SDK's str() of the dict a
-    generator yielded as {"error": {...}}. The HTTP status is its "code" when that is one."""
+def error_response(err: Any, default_status: int = 400) -> JSONResponse:
+    """OpenAI's error body (openai_compat.error) from a job error: a dict, JSON text, or the SDK's str() of the dict
+    a generator yielded as {"error": {...}}. The HTTP status is the object's "status" (the worker's JobError sets
+    it); anything that is not an error object (a handler crash, the worker's exit) is a 500 server_error."""
     if isinstance(err, str):
         for parse in (json.loads, ast.literal_eval):
             with contextlib.suppress(Exception):
@@ -121,12 +124,26 @@ def error_response(err: Any, default_code: int = 400) -> JSONResponse:
                 break
     if isinstance(err, dict) and isinstance(err.get("error"), dict):
         err = err["error"]
-    if not isinstance(err, dict) or "message" not in err:  # a handler crash, not an error object
+    if not isinstance(err, dict) or "message" not in err:
         text = err.get("error_message", json.dumps(err)) if isinstance(err, dict) else str(err)
-        err, default_code = {"message": text, "type": "InternalServerError", "param": None, "code": 500}, 500
+        err, default_status = {"message": text, "type": "server_error"}, 500
     code = err.get("code")
-    status = code if isinstance(code, int) and 400 <= code < 600 else default_code
-    return JSONResponse({"error": {k: v for k, v in err.items() if k != "object"}}, status)
+    status = err.get("status", code if isinstance(code, int) else None)  # vLLM's objects carry it as their code
+    status = status if isinstance(status, int) and 400 <= status < 600 else default_status
+    param, kind = err.get("param"), err.get("type")
+    if not (isinstance(kind, str) and kind):
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = oa.error(
+        str(err["message"]), kind, param if isinstance(param, str) else None, code if isinstance(code, str) else None
+    )
+    return JSONResponse(body, status)
+
+
+def failure(job: Job) -> JSONResponse:
+    """A job that ended without completing, as OpenAI's error response."""
+    if job.status == "CANCELLED":  # 499: nginx's "client closed request"; the cancel came from a client
+        return error_response({"message": "the request was cancelled", "code": "request_cancelled", "status": 499})
+    return error_response(job.error)
 
 
 def json_body(raw: bytes) -> Any:
@@ -148,10 +165,8 @@ def json_body(raw: bytes) -> Any:
 
 def openai_result(job: Job) -> JSONResponse:
     """A finished (non-streamed) OpenAI job as its HTTP response: the body, or the error in OpenAI's shape."""
-    if job.status == "CANCELLED":
-        return error_response({"message": "the request was cancelled", "type": "CancelledError", "code": 499})
     if job.status != "COMPLETED":
-        return error_response(job.error)
+        return failure(job)
     out = job.output[0] if isinstance(job.output, list) and len(job.output) == 1 else job.output
     if isinstance(out, dict) and ("error" in out or out.get("object") == "error"):
         return error_response(out)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from engine import LoRARequest
 from handler.guided import FIELDS as GUIDED_FIELDS
 from handler.guided import structured_params
+from handler.messages import for_template, pick_template
 from handler.openai_jobs import openai_job
 from handler.pacing import BatchSizer
 from handler.schemas import DEFAULT_MAX_TOKENS, JobError, NativeJob, parse, sampling_params, warn_ignored
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
     job = parse(NativeJob, inp)
     warn_ignored(job, "input")
+    for i, m in enumerate(job.messages or []):  # a history message's ignored fields (annotations)
+        warn_ignored(m, f"input.messages.{i}")
     sp = job.sampling_params.model_dump()
     default_max = sp["max_tokens"] is None
     if default_max:
@@ -42,10 +45,13 @@ async def native_job(w: Worker, inp: Any, rid: str) -> AsyncIterator[dict]:
     )
     if job.use_openai_format:
         body = _chat_body(job)
-        async for chunk in openai_job(
-            w, {"openai_route": "/v1/chat/completions", "openai_input": body}, rid, lora, sizer
-        ):
-            yield chunk
+        try:
+            async for chunk in openai_job(
+                w, {"openai_route": "/v1/chat/completions", "openai_input": body}, rid, lora, sizer
+            ):
+                yield chunk
+        except JobError as e:  # the body was built from this job: name its fields as the job has them
+            raise e.rebased("openai_input", _native_path) from None
         return
     prompt, params = w.fit(await _prompt(w, job), params, "sampling_params.max_tokens")
     n, lps_on = params.n, params.logprobs is not None
@@ -105,9 +111,19 @@ def _chat_body(job: NativeJob) -> dict:
     return body
 
 
+def _native_path(path: str) -> str:
+    """A path in _chat_body's body -> the same field's path in the native job."""
+    head = path.split(".", 1)[0]
+    if head in ("messages", "stream"):
+        return path
+    return "sampling_params.logprobs" if head in ("logprobs", "top_logprobs") else f"sampling_params.{path}"
+
+
 async def _prompt(w: Worker, job: NativeJob) -> str:
-    if job.messages:
-        return await w.chat_prompt([m.model_dump(exclude_none=True) for m in job.messages], "messages")
+    if job.messages:  # OpenAI's message shapes, readied for the template as on the chat route (handler/messages.py)
+        template = pick_template(w.engine.tok.chat_template, w.settings.CUSTOM_CHAT_TEMPLATE, None)
+        history = for_template([m.model_dump(exclude_none=True) for m in job.messages], template)
+        return await w.chat_prompt(history, "messages")
     if job.prompt is None or job.prompt == "":
         raise JobError("give a non-empty prompt or messages", param="prompt")
     if job.apply_chat_template:

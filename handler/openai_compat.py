@@ -1,10 +1,53 @@
-"""OpenAI response shapes: chat.completion(.chunk), text_completion, models list, logprobs, SSE framing."""
+"""OpenAI response shapes: chat.completion(.chunk), text_completion, models list, logprobs, SSE framing, and the
+error object with the routes it names. Light on purpose: the emulator imports it (no engine, no pydantic)."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import json
 import time
 import uuid
+
+# The routes an OpenAI job serves (the emulator's /openai prefix forwards exactly these): path -> method
+ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET"}
+
+# Error types by HTTP status, as OpenAI names them (see error()); the status itself travels beside the object
+STATUS = {"invalid_request_error": 400, "not_found_error": 404, "server_error": 500}
+
+
+def error(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}. `param` is a field path in the client's
+    own request; `code` a string (OpenAI's where one fits: "unknown_url", "model_not_found", ...) or None, never
+    the HTTP status (vLLM puts the status there; OpenAI and its SDK's `e.code` do not)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def route_error(route: str, method: str | None = None) -> tuple[dict, int] | None:
+    """None when `method route` is served; else the error fields (error()'s keyword arguments) and HTTP status,
+    naming the route and listing those that exist. method None (a queue job's openai_route): any method."""
+    served = ", ".join(f"{m} {p}" for p, m in ROUTES.items())
+    asked = f"{method} {route}" if method else route
+    if route not in ROUTES:
+        message = f"Unknown request URL: {asked}. This worker serves: {served}."
+        return {"message": message, "type": "not_found_error", "code": "unknown_url"}, 404
+    if method is not None and method != ROUTES[route]:
+        message = f"{asked} is not allowed: use {ROUTES[route]} {route}. This worker serves: {served}."
+        return {"message": message, "type": "invalid_request_error", "code": "method_not_allowed"}, 405
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def system_fingerprint(*config: str | None) -> str:
+    """OpenAI's system_fingerprint ("fp_" + 10 hex digits): a hash of the backend configuration that shapes the
+    outputs (what the caller passes: model, revision, dtype, quantization) and of this worker's version. Stable for
+    one deployment; a change of any of them changes it, which is what clients compare it for."""
+    try:
+        version = importlib.metadata.version("rp-llm-worker")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        version = "unknown"
+    return "fp_" + hashlib.sha256("\n".join(map(str, (*config, version))).encode()).hexdigest()[:10]
 
 
 def sse(obj) -> str:
@@ -78,17 +121,26 @@ class ChatShapes:
 
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, fingerprint: str | None = None, include_usage: bool = False):
+        """fingerprint: system_fingerprint(); include_usage: stream_options.include_usage, when every chunk but the
+        last (usage_chunk) carries "usage": null, as OpenAI's chunk schema has it."""
         self.id, self.model, self.created = new_id("chatcmpl"), model, int(time.time())
+        self.fingerprint, self.include_usage = fingerprint, include_usage
 
     def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
+
+    def _chunk(self, choice: dict) -> dict:
+        return {**self._head(self.object_chunk), "choices": [choice]} | ({"usage": None} if self.include_usage else {})
 
     def chunk(self, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-        return {
-            **self._head(self.object_chunk),
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-        }
+        return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     def usage_chunk(self, u: dict) -> dict:
         return {**self._head(self.object_chunk), "choices": [], "usage": u}
@@ -113,17 +165,18 @@ class ChatShapes:
 class CompletionShapes(ChatShapes):
     object_full = object_chunk = "text_completion"
 
-    def __init__(self, model: str):
-        super().__init__(model)
+    def __init__(self, model: str, fingerprint: str | None = None, include_usage: bool = False):
+        super().__init__(model, fingerprint, include_usage)
         self.id = new_id("cmpl")
 
     def chunk(self, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-        return {
-            **self._head(self.object_chunk),
-            "choices": [
-                {"index": index, "text": delta.get("content", ""), "logprobs": logprobs, "finish_reason": finish_reason}
-            ],
+        choice = {
+            "index": index,
+            "text": delta.get("content", ""),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
         }
+        return self._chunk(choice)
 
     def full(self, choices: list[dict], u: dict) -> dict:
         return {

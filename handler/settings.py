@@ -58,6 +58,9 @@ class Settings(BaseModel):
     STREAM_FLUSH_MS: float = Field(default=100.0, gt=0)  # a streamed yield waits at most this for its count
     OPENAI_SERVED_MODEL_NAME_OVERRIDE: str | None = None
     CUSTOM_CHAT_TEMPLATE: str | None = None
+    # vLLM's --trust-request-chat-template: a request's own `chat_template` (Jinja code from the client) is rendered
+    # only when this is true; without it such a request is refused, as in vLLM
+    TRUST_REQUEST_CHAT_TEMPLATE: bool = False
     RUNPOD_WEBHOOK_GET_JOB: str | None = None  # set on Runpod (and by handler.local); unset = local test mode
     QUANTIZATION: str | None = None
     KV_CACHE_DTYPE: str = "auto"

@@ -52,7 +52,7 @@ class Worker:
     def end_all(self, reason: str) -> None:
         """End every job in flight, and any that starts later, with a server error (the SDK reports each one
         FAILED). Called when the shutdown grace period is over."""
-        self.stop_error = JobError(reason, type="server_error", code=503)
+        self.stop_error = JobError(reason, type="server_error", status=503)  # unavailable: send it again
         for rid in list(self._running):
             asyncio.ensure_future(self.engine.abort(rid, self.stop_error))
 
@@ -88,15 +88,13 @@ class Worker:
         self._running[rid] = job_id
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         log.info("job %s started (in flight: %d)", job_id, self.in_flight)
-        outcome = "cancelled"
+        outcome, openai = "cancelled", False
         try:
             if self.engine is None or self.fault:
-                raise JobError(
-                    f"the worker could not serve: {self.fault or self.start_error}", type="server_error", code=500
-                )
+                raise JobError(f"the worker could not serve: {self.fault or self.start_error}", type="server_error")
             if self.stop_error is not None:
                 raise self.stop_error
-            if isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
+            if openai := isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
                 gen = openai_job(self, inp, rid)
             else:
                 gen = native_job(self, inp, rid)
@@ -109,6 +107,8 @@ class Worker:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes this job's error object; the worker serves on
             error, outcome = self._job_error(e, job_id)
+            if openai:  # its request was validated as the job's "openai_input": name the fields as its client does
+                error = error.rebased("openai_input")
             yield {"error": json.dumps(error.to_dict()["error"])}
         finally:
             self._running.pop(rid, None)
@@ -122,13 +122,12 @@ class Worker:
             return JobError(str(e), param=e.field), f"rejected ({e.field})"
         if isinstance(e, EngineFault):  # the step loop raised: every job fails, Runpod replaces this worker
             self._on_fault(e)
-            return JobError(str(e), type="server_error", code=500), "engine fault"
+            return JobError(str(e), type="server_error"), "engine fault"
         if isinstance(e, EngineError):  # not the job's fault (an adapter's S3 store is down): this job only
-            return JobError(str(e), param=getattr(e, "field", None), type="server_error", code=502), f"failed ({e})"
+            error = JobError(str(e), param=getattr(e, "field", None), type="server_error", status=502)
+            return error, f"failed ({e})"
         log.exception("job %s failed", job_id)  # a bug of ours
-        return JobError(
-            f"internal error: {type(e).__name__}: {e}", type="server_error", code=500
-        ), f"failed ({type(e).__name__})"
+        return JobError(f"internal error: {type(e).__name__}: {e}", type="server_error"), f"failed ({type(e).__name__})"
 
     def _log_end(self, job_id, outcome: str) -> None:
         st = self.engine.stats() if self.engine is not None else {}
@@ -158,9 +157,11 @@ class Worker:
         add_generation_prompt: bool = True,
         template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> str:
         """Rendered on a thread: a template that only transformers can render loads its tokenizer on first use,
-        which must not stall the other jobs' streams. template_kwargs: the request's chat_template_kwargs."""
+        which must not stall the other jobs' streams. template_kwargs: the request's chat_template_kwargs;
+        chat_template: the request's own template (vLLM's chat_template field) over CUSTOM_CHAT_TEMPLATE's."""
         kw = dict(template_kwargs or {})
         taken = sorted(kw.keys() & _RESERVED_TEMPLATE_KWARGS)
         if taken:
@@ -173,7 +174,7 @@ class Worker:
                 self.engine.tok.apply_chat_template,
                 messages,
                 add_generation_prompt=add_generation_prompt,
-                chat_template=self.settings.CUSTOM_CHAT_TEMPLATE,
+                chat_template=chat_template or self.settings.CUSTOM_CHAT_TEMPLATE,
                 tools=tools,
                 **kw,
             )
@@ -205,6 +206,7 @@ class Worker:
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
                 f"context is {self.engine.max_model_len}, leaving room for {room}",
                 param=param,
+                code="context_length_exceeded",  # OpenAI's code for it
             )
         return {"prompt_token_ids": ids}, params
 

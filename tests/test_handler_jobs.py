@@ -183,8 +183,8 @@ BAD_JOBS = [
     ({"messages": [{"content": "hi"}]}, "messages.0.role"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content"),
-    ({"openai_route": "/v1/embeddings", "openai_input": {}}, "openai_route"),
-    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": []}}, "openai_input.messages"),
+    ({"openai_route": "/v1/embeddings", "openai_input": {}}, "/v1/embeddings"),  # the route, named
+    ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": []}}, "messages"),
     (
         {
             "openai_route": "/v1/chat/completions",
@@ -204,36 +204,37 @@ BAD_JOBS = [
             "openai_route": "/v1/chat/completions",
             "openai_input": {"messages": [{"role": "user", "content": "x"}], "wat": True},
         },
-        "openai_input.wat",
+        "wat",
     ),
     (
         {
             "openai_route": "/v1/chat/completions",
             "openai_input": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         },
-        "openai_input.tools",
+        "tools",
     ),
     (
         {
             "openai_route": "/v1/chat/completions",
-            "openai_input": {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}},
+            "openai_input": {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}},
         },
-        "openai_input.logit_bias",
+        "logit_bias.abc",
     ),
     (
         {
             "openai_route": "/v1/chat/completions",
             "openai_input": {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50},
         },
-        "openai_input.top_logprobs",
+        "top_logprobs",
     ),
-    ({"openai_route": "/v1/completions", "openai_input": {"prompt": ["a", "b"]}}, "openai_input.prompt"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": ["a", ""]}}, "prompt"),  # a batch: one empty
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": [[1, 2], [3, "a"]]}}, "prompt"),
     ({"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 2, 10**7]}}, "prompt_token_ids"),
     (
         {"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "temperature": "hot"}},
-        "openai_input.temperature",
+        "temperature",
     ),
-    ({"openai_route": "/v1/completions", "openai_input": "x"}, "openai_input"),
+    ({"openai_route": "/v1/completions", "openai_input": "x"}, "the request body"),
     # found by probing a running worker: each of these once failed the engine for every job, hung it, or
     # escaped as a raw traceback
     (
@@ -249,24 +250,24 @@ BAD_JOBS = [
             "openai_route": "/v1/chat/completions",
             "openai_input": {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
         },
-        "openai_input.chat_template_kwargs.messages",
+        "chat_template_kwargs.messages",
     ),
     (
         {
             "openai_route": "/v1/chat/completions",
             "openai_input": {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         },
-        "openai_input.top_logprobs",
+        "top_logprobs",
     ),
     (
         {
             "openai_route": "/v1/chat/completions",
             "openai_input": {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
         },
-        "openai_input.tool_choice",
+        "tool_choice",
     ),
-    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "max_tokens": 0}}, "openai_input.max_tokens"),
-    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "n": 10**6}}, "openai_input.n"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "max_tokens": 0}}, "max_tokens"),
+    ({"openai_route": "/v1/completions", "openai_input": {"prompt": "x", "n": 10**6}}, "n"),
 ]
 
 
@@ -291,8 +292,11 @@ def test_bad_jobs_get_clear_errors_while_good_jobs_run(worker):
     for (inp, param), chunks in zip(BAD_JOBS, results[3:]):
         err = error_of(chunks)
         assert err is not None, f"{inp!r} was accepted: {chunks}"
-        assert err["message"] and err["type"]
+        assert err["message"] and err["type"] and 400 <= err["status"] < 600
         assert param in (err["param"] or "") or param in err["message"], (inp, err)
+        # OpenAI's rules: a string code or none; paths as the client wrote them (an OpenAI job's: in its body)
+        assert err["code"] is None or isinstance(err["code"], str), (inp, err)
+        assert "openai_input" not in f"{err['param']} {err['message']}", (inp, err)
     assert worker.fault is None
 
 
@@ -300,7 +304,17 @@ def test_error_params_are_field_paths(worker):
     err = error_of(run_job(worker, {"prompt": "x", "sampling_params": {"stop": 5}}))
     assert err["param"] == "sampling_params.stop"  # not pydantic's union member ("...stop.str")
     err = error_of(run_job(worker, {"openai_route": "/v1/completions", "openai_input": {"prompt": [1, 10**7]}}))
-    assert err["param"] == "openai_input.prompt"
+    assert err["param"] == "prompt"
+    # an OpenAI job's params are paths in its body; a native job's (use_openai_format too) paths in its input
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    err = error_of(run_job(worker, {"openai_route": "/v1/chat/completions", "openai_input": chat | {"wat": 1}}))
+    assert (err["param"], err["code"], err["status"]) == ("wat", "unknown_parameter", 400)
+    assert err["message"].startswith("wat: unknown field"), err
+    err = error_of(run_job(worker, {"use_openai_format": True, **chat, "sampling_params": {"max_tokens": 10**6}}))
+    assert (err["param"], err["code"]) == ("sampling_params.max_tokens", "context_length_exceeded"), err
+    err = error_of(run_job(worker, {"openai_route": "/v1/embeddings", "openai_input": {}}))
+    assert (err["type"], err["code"], err["status"], err["param"]) == ("not_found_error", "unknown_url", 404, None)
+    assert "/v1/embeddings" in err["message"] and "POST /v1/chat/completions" in err["message"], err
 
 
 def test_edge_values_that_are_valid(worker):

@@ -20,6 +20,7 @@ import shutil
 import pytest
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, processors
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams, StructuredOutputsParams
 from handler import schemas
@@ -27,12 +28,15 @@ from handler.settings import load_settings
 from handler.worker import Worker
 from tests.lora_fixtures import make_peft_adapter
 
-# renders every message field, tools and a template kwarg, so each one shows in the prompt the engine gets
+# renders every message field, tools, documents and template variables, so each one shows in the prompt the
+# engine gets
 TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"
-    "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}>{{ m.content or '' }}"
+    "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}>{{ m.reasoning_content or '' }}{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}[{{ c.function.name }}]{% endfor %}{% endfor %}"
     "{% if tools %}T{{ tools | length }}{% endif %}{% if greeting is defined %}{{ greeting }}{% endif %}"
+    "{% if reasoning_effort is defined %}E{{ reasoning_effort }}{% endif %}"
+    "{% for d in documents or [] %}D{{ d.title }}{% endfor %}"
     "{% if add_generation_prompt %}<a>{% endif %}"
 )
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
@@ -70,13 +74,28 @@ SAMPLING = {  # vLLM's sampling names: native sampling_params and the OpenAI bod
     "guided_regex": ("[ab]+", {}, "engine"),
     "guided_choice": (["a", "b"], {}, "engine"),
     "guided_grammar": ('root ::= "a"', {}, "engine"),
+    "logit_bias": ({"5": 100.0}, {}, "engine"),
 }
 OPENAI = {  # _OpenAIBase: both routes
     **SAMPLING,
     "model": ("a", {}, "engine"),  # a LoRA adapter's name
     "stream": (True, {}, "output"),
     "stream_options": ({"include_usage": True}, {"stream": True}, "output"),
-    "logit_bias": ({"5": 1.0}, {}, "refused"),
+    # vLLM's extra parameters (handler/openai_extras.py; unservable.py for the refused)
+    "truncate_prompt_tokens": (2, {}, "engine"),
+    "return_token_ids": (True, {}, "output"),
+    "cache_salt": ("s", {}, "refused"),  # the walker's prefix cache is on: shared, no per-salt keys
+    "use_beam_search": (True, {}, "refused"),
+    "allowed_token_ids": ([5], {}, "refused"),
+    "priority": (1, {}, "refused"),
+    "logits_processors": (["m.P"], {}, "refused"),
+    "kv_transfer_params": ({"do_remote_prefill": True}, {}, "refused"),
+    "vllm_xargs": ({"k": 1}, {}, "refused"),
+    "max_repetition_pattern_size": (4, {}, "refused"),
+    "min_repetition_pattern_size": (2, {}, "refused"),
+    "repetition_min_count": (3, {}, "refused"),
+    "guided_whitespace_pattern": (" ", {}, "refused"),
+    "structural_tag": ("{}", {}, "refused"),
 }
 CASES = {
     "NativeJob": {
@@ -102,6 +121,11 @@ CASES = {
         "name": ("ann", {}, "engine"),
         "tool_calls": (CALL, {"messages": USER + [{"role": "assistant", "content": "ok"}]}, "engine"),
         "tool_call_id": ("c1", {"messages": USER + [{"role": "tool", "content": "3"}]}, "engine"),
+        "refusal": ("no", {"messages": USER + [{"role": "assistant", "content": "ok"}]}, "engine"),
+        "function_call": ({"name": "f", "arguments": "{}"}, {"messages": USER + [{"role": "assistant"}]}, "engine"),
+        "audio": ({"id": "audio_1"}, {"messages": USER + [{"role": "assistant", "content": "ok"}]}, "refused"),
+        "reasoning_content": ("hm", {"messages": USER + [{"role": "assistant", "content": "ok"}]}, "engine"),
+        "reasoning": ("hm", {"messages": USER + [{"role": "assistant", "content": "ok"}]}, "engine"),
     },
     "ChatCompletionRequest": {
         **OPENAI,
@@ -115,21 +139,65 @@ CASES = {
         "tool_choice": ("required", {"tools": [TOOL]}, "engine"),
         "parallel_tool_calls": (False, {"tools": [TOOL], "tool_choice": "required"}, "engine"),
         "prompt_logprobs": (1, {}, "output"),
+        "return_tokens_as_token_ids": (True, {"logprobs": True}, "output"),
+        "reasoning_effort": ("low", {}, "engine"),
+        "echo": (True, {"add_generation_prompt": False}, "output"),  # the reply starts with the user's "hi"
+        "continue_final_message": (
+            True,
+            {"add_generation_prompt": False, "chat_template_kwargs": {"greeting": "yo"}},
+            "engine",
+        ),  # the trailing greeting is cut
+        "add_special_tokens": (True, {}, "engine"),  # the walker's tokenizer adds a BOS
+        "documents": ([{"title": "t", "text": "x"}], {}, "engine"),
+        "chat_template": ("{% for m in messages %}{{ m.content }}{% endfor %}", {}, "engine"),
+        "audio": ({"voice": "alloy", "format": "wav"}, {}, "refused"),
+        "modalities": (["text", "audio"], {}, "refused"),
+        "functions": ([{"name": "f"}], {}, "refused"),
+        "function_call": ({"name": "f"}, {}, "refused"),
+        "moderation": ({"model": "omni-moderation-latest"}, {}, "refused"),
+        "prediction": ({"type": "content", "content": "x"}, {}, "refused"),
+        "web_search_options": ({}, {}, "refused"),
+        "include_reasoning": (False, {}, "refused"),
+        "bad_words": (["x"], {}, "refused"),
     },
     "CompletionRequest": {
         **OPENAI,
-        "prompt": ("Other words", {}, "engine"),
+        "prompt": (["Other words", "More"], {}, "engine"),  # a batch: one engine request per prompt
+        "max_tokens": (0, {"echo": True}, "output"),  # scoring: the prompt echoed, nothing generated
         "logprobs": (1, {}, "output"),
         "echo": (True, {}, "output"),
         "suffix": ("x", {}, "refused"),
         "best_of": (2, {}, "refused"),
+        "return_tokens_as_token_ids": (True, {"logprobs": 1}, "output"),
+        "add_special_tokens": (False, {}, "engine"),  # the walker's tokenizer adds a BOS: not now
+        "prompt_logprobs": (1, {}, "output"),
+        "prompt_embeds": ("AAAA", {}, "refused"),
     },
     "StreamOptions": {
         "include_usage": (True, {}, "output"),
         "continuous_usage_stats": (True, {}, "output"),
     },
 }
-IGNORED_VALUES = {"user": "u1", "store": True, "metadata": {"k": "v"}, "service_tier": "auto", "request_id": "r1"}
+IGNORED_VALUES = {
+    "user": "u1",
+    "store": True,
+    "metadata": {"k": "v"},
+    "service_tier": "auto",
+    "request_id": "r1",
+    "safety_identifier": "s1",
+    "prompt_cache_key": "k1",
+    "prompt_cache_options": {"ttl": "30m"},
+    "prompt_cache_retention": "24h",
+    "verbosity": "low",
+    "length_penalty": 2.0,
+    "spaces_between_special_tokens": False,
+    "mm_processor_kwargs": {"k": 1},
+    "guided_decoding_backend": "outlines",
+    "include_obfuscation": False,
+    "annotations": [
+        {"type": "url_citation", "url_citation": {"url": "u", "title": "t", "start_index": 0, "end_index": 1}}
+    ],
+}
 
 
 def _request_models() -> dict[str, type[BaseModel]]:
@@ -207,8 +275,15 @@ def observe(w: Spy, inp: dict) -> dict:
 @pytest.fixture(scope="module")
 def walker(tiny_llama, tmp_path_factory):
     adapter, _ = make_peft_adapter(tiny_llama, tmp_path_factory.mktemp("walk") / "a")
+    model = tmp_path_factory.mktemp("walk") / "m"  # the tiny llama, its tokenizer adding a BOS (add_special_tokens)
+    shutil.copytree(tiny_llama, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    tok.save(str(model / "tokenizer.json"))
     cfg = EngineConfig(
-        model=str(tiny_llama),
+        model=str(model),
         dtype="float32",
         num_kv_blocks=128,
         max_model_len=256,
@@ -223,6 +298,7 @@ def walker(tiny_llama, tmp_path_factory):
         "ENABLE_LORA": "true",
         "ENABLE_AUTO_TOOL_CHOICE": "true",
         "TOOL_CALL_PARSER": "hermes",
+        "TRUST_REQUEST_CHAT_TEMPLATE": "true",  # the chat_template field renders (without it: refused)
     }
     yield Spy(load_settings(env), eng)
     eng.shutdown()
@@ -345,6 +421,7 @@ ENGINE_CASES = {  # field: (base, change)
     "include_stop_str_in_output": (LOOP, None),
     "structured_outputs": (PLAIN, {"structured_outputs": StructuredOutputsParams(choice=["ab", "cd"])}),
     "prompt_logprobs": (PLAIN, {"prompt_logprobs": 1}),
+    "logit_bias": (PLAIN, {"logit_bias": {5: 100.0}}),
 }
 
 

@@ -66,6 +66,13 @@ def chat(s: Settings, ctx):
     return out.get("error") or out["choices"][0]["message"]
 
 
+def request_template(s: Settings, ctx):
+    """A chat job with its own chat_template: the prompt it renders, or its error."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": TEMPLATE, "return_token_ids": True}
+    out = _run(Worker(s, ctx.eng), {"openai_route": "/v1/chat/completions", "openai_input": body | {"max_tokens": 1}})
+    return out[0].get("error") or out[0]["prompt_token_ids"]
+
+
 def entry(s: Settings, ctx):
     """python -m handler's main(): the local no-job exit or runpod's loop, and the SIGTERM grace it installs."""
     import handler.__main__ as main_mod
@@ -159,6 +166,7 @@ CASES = {
         {"ENABLE_AUTO_TOOL_CHOICE": "true", "TOOL_CALL_PARSER": "hermes"},
         chat,
     ),  # the tiny model has no template of its own
+    "TRUST_REQUEST_CHAT_TEMPLATE": ("true", {}, request_template),
     "RUNPOD_WEBHOOK_GET_JOB": (ON_RUNPOD["RUNPOD_WEBHOOK_GET_JOB"], {}, entry),
     "QUANTIZATION": ("fp8", {}, config),
     "KV_CACHE_DTYPE": ("fp8", {}, config),

@@ -2,8 +2,8 @@
 
 A speculating sequence with drafts d_1..d_k gets k + 1 logits rows from the target's forward pass: row j scores
 the token after d_1..d_j. Every row is processed exactly as the sampler processes a plain decode row at that
-position (min_tokens mask, penalties counting d_1..d_j, temperature, min_p, top_k, top_p; a grammar's mask was
-applied to the logits before), giving the target distribution p_j. Then, in order:
+position (min_tokens mask, logit_bias, penalties counting d_1..d_j, temperature, min_p, top_k, top_p; a grammar's
+mask was applied to the logits before), giving the target distribution p_j. Then, in order:
 
 - greedy: d_{j+1} is accepted while it equals argmax p_j; the first mismatch emits the target's argmax instead;
 - random: d_{j+1} is accepted with probability min(1, p_j(d) / q_j(d)), where q_j is the draft's distribution
@@ -57,6 +57,7 @@ def verify(
     raw = sampler._raw_logprobs(logits, rows)
     lg = logits.clone()
     sampler._mask_min_tokens(lg, rows)
+    sampler._apply_logit_bias(lg, rows)
     sampler._apply_penalties(lg, rows)
     dev = lg.device
     tok = lg.argmax(dim=-1)  # greedy rows: the target's choice
