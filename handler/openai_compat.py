@@ -192,3 +192,10 @@ class CompletionShapes(ChatShapes):
             ],
             "usage": u,
         }
+
+
+def stream_end(events: list[str], shapes, req, usage: dict) -> str:
+    """A stream's last write: the events still pending, the usage chunk (stream_options.include_usage), [DONE]."""
+    if req.stream_options and req.stream_options.include_usage:
+        events = [*events, sse(shapes.usage_chunk(usage))]
+    return "".join([*events, SSE_DONE])

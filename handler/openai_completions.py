@@ -225,7 +225,4 @@ async def _stream(
         if events and not group[-1].finished:
             yield "".join(events)
             events = []
-    if req.stream_options and req.stream_options.include_usage:
-        events.append(oa.sse(shapes.usage_chunk(oa.usage(n_in, n_out, cached))))
-    events.append(oa.SSE_DONE)
-    yield "".join(events)
+    yield oa.stream_end(events, shapes, req, oa.usage(n_in, n_out, cached))
