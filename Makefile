@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 SETUP_STAMP := .venv/.setup-done
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-fast lint bench
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml
@@ -24,6 +24,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The fast lane: every test file not marked slow (those load the real SmolLM2, start the emulator, or run benches).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 # ruff (pinned in the test extras, configured in pyproject.toml): lint, and the format check
 lint: setup

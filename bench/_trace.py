@@ -68,6 +68,7 @@ def trace_emulator() -> None:
 
 
 def trace_worker() -> None:
+    from engine import AsyncEngine
     from handler import runpod_sdk
     from handler import worker as w
 
@@ -76,19 +77,19 @@ def trace_worker() -> None:
         W.handle, lambda a: emit("handler_start", a[1]["id"]), lambda a: emit("handler_yield", a[1]["id"])
     )
 
-    gen = W._generate
+    gen = AsyncEngine.generate
 
-    async def traced_generate(self, prompt, params, rid, lora, cold):
-        job = rid.rsplit("#", 1)[0]
+    async def traced_generate(self, prompt, params=None, request_id=None, lora=None):
+        job = str(request_id).split("/", 1)[0].rsplit("#", 1)[0]  # the worker's "{job id}#{n}" ("/{i}": a batch)
         emit("engine_submit", job)
         first = True
-        async for out in gen(self, prompt, params, rid, lora, cold):
+        async for out in gen(self, prompt, params, request_id, lora):
             if first and any(c.delta_token_ids for c in out.outputs):
                 first = False
                 emit("engine_first", job)
             yield out
 
-    W._generate = traced_generate
+    AsyncEngine.generate = traced_generate
 
     install = runpod_sdk.install
 

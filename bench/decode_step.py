@@ -43,7 +43,8 @@ def build(tiny: bool, ctx: int, batches: tuple[int, ...]):
     from engine.layers.attention import TritonAttention
     from engine.memory import kv_bytes_per_token, plan
     from engine.model_runner import ModelRunner
-    from engine.models.llama import LlamaForCausalLM, ModelSpec
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.spec import ModelSpec
     from engine.types import Request, SamplingParams, SchedulerOutput
 
     dev = torch.device("cpu" if tiny else "cuda")
@@ -80,15 +81,25 @@ def build(tiny: bool, ctx: int, batches: tuple[int, ...]):
         r = Request(f"s{i}", prompt, SamplingParams(temperature=0.0), output_token_ids=[i], num_computed_tokens=ctx)
         assert blocks.allocate_slots(r, 1)
         reqs.append(r)
-    return model, runner, {b: SchedulerOutput(reqs[:b], [1] * b) for b in batches}
+    return model, runner, {b: SchedulerOutput(reqs[:b], [1] * b, sampling=reqs[:b]) for b in batches}
 
 
 def measure(tiny: bool, ctx: int = CTX, batches: tuple[int, ...] = BATCHES, reps: int = 3) -> list[dict]:
     import kernels
     from engine.cuda_graphs import ReplayGraph, cuda_graph_factory
 
-    model, runner, steps = build(tiny, ctx, batches)
+    from engine.sampler import Sampler
+    from engine.spec_decode.speculator import NO_DRAFTS
+    from engine.step_runner import StepInput, StepRunner
+    from engine.structured import NO_MASKS
+
+    model, runner, plans = build(tiny, ctx, batches)
     dev = "cpu" if tiny else "cuda"
+    step_runner = StepRunner(runner, Sampler(model.spec.vocab_size, torch.device(dev)))
+    steps = {b: StepInput(out, NO_DRAFTS, NO_MASKS) for b, out in plans.items()}
+
+    def execute(step: StepInput) -> dict:
+        return step_runner.execute(step).tokens
 
     def seconds(fn) -> float:
         if tiny:  # the first call of each shape was the token check above
@@ -106,14 +117,15 @@ def measure(tiny: bool, ctx: int = CTX, batches: tuple[int, ...] = BATCHES, reps
                     layer.quantize_fp8()  # new weight tensors: the graphs are captured again below
         eager = {}
         for b, step in steps.items():
-            eager[b] = ([runner.execute(step)[0][r] for r in step.requests], seconds(lambda s=step: runner.execute(s)))
+            reqs = step.scheduled.requests
+            eager[b] = ([execute(step)[r] for r in reqs], seconds(lambda s=step: execute(s)))
         graphs = runner.enable_graphs(ReplayGraph if tiny else cuda_graph_factory())
         graphs.pending = sorted(steps)  # only the buckets measured
         while graphs.capture_next() is not None:
             pass
         for b, step in steps.items():
-            tokens = [runner.execute(step)[0][r] for r in step.requests]
-            t = seconds(lambda s=step: runner.execute(s))
+            tokens = [execute(step)[r] for r in step.scheduled.requests]
+            t = seconds(lambda s=step: execute(s))
             rows.append(
                 dict(
                     weights=weights,
@@ -172,7 +184,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows))
     for r in rows:
         gpu_summary(r["tokens_equal"], f"decode {r['weights']} batch {r['batch']}: graph tokens equal eager", args.tiny)
-    if not args.tiny:  # the targets at batch 1 (bf16)
+    if not args.tiny:  # the GPU targets at batch 1 (bf16; docs/gpu.md)
         one = next(r for r in rows if r["weights"] == "bf16" and r["batch"] == 1)
         floor = one["weight_bytes"] / copy / one["graph_s"]
         gpu_summary(floor >= 0.7, f"decode bf16 batch 1 with graphs: {floor:.0%} of the floor (target >= 70%)")

@@ -167,7 +167,7 @@ def main() -> None:
     ] + [f"| {n} | {s:.2f} |" for n, s in starts]
     lines += [
         "",
-        "Target ([fp8]): perplexity within +2 % of bf16. fp8 weights are W8A8 (per-channel weight scales, "
+        "Target: perplexity within +2 % of bf16. fp8 weights are W8A8 (per-channel weight scales, "
         "dynamic per-token activation scales), computed on CPU in fp32 from the fp8 values (correct, slow). "
         "On a 135M model "
         "the snapshot's win is small; it grows with the weight bytes (half of bf16, and no quantization pass).",

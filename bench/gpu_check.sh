@@ -54,7 +54,7 @@ for f in tests/kernels/test_*.py; do
   elif [ "$rc" -eq 124 ]; then echo "FAIL $f: timed out after ${share} s" >>"$SUM"
   else echo "FAIL $f: $last" >>"$SUM"; echo "$out" | grep -E "^(FAILED|ERROR|E )" | head -n 8 | tee -a "$RES/kernel-tests.log"; fi
 done
-# in the order of importance: when the deadline nears, the later parts are the ones cut (SKIP lines)
+# in order of importance: when the deadline nears, the later parts are the ones cut (SKIP lines)
 part parity 60 $PY -m bench.gpu_engine parity
 part start 150 $PY -m bench.gpu_engine start
 part decode 80 $PY -m bench.decode_step

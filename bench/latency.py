@@ -1,4 +1,4 @@
-"""What a user feels on the first requests to a worker, on the embedded SmolLM2 (bf16, CPU) ([latency] #12).
+"""What a user feels on the first requests to a worker, on the embedded SmolLM2 (bf16, CPU).
 
 1. Repeated prefix: a fresh `LLM` (own process), then 10 calls with the same ~1.5k-token prefix and a new
    question each (greedy, 8 tokens): wall time per call. Target: calls 2-5 each <= 1.2 x call 10 (one-time work,

@@ -27,7 +27,7 @@ from bench._common import default_model_path, machine_line, make_workload, write
 from bench.procs import MotoServer
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.lora.adapter import module_shapes  # noqa: E402
-from engine.models.llama import ModelSpec  # noqa: E402
+from engine.models.spec import ModelSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PARENT = {

@@ -1,4 +1,4 @@
-"""Online serving benchmark against any OpenAI-compatible URL, by `vllm bench serve`'s method (shared DESIGN.md §6).
+"""Online serving benchmark against any OpenAI-compatible URL, by `vllm bench serve`'s method.
 
 Per request rate: requests arrive as a Poisson process (exponential gaps, seeded; `inf` = all at t=0), each a
 streamed /completions (or /chat/completions) call with temperature 0, max_tokens = its output length and
@@ -298,7 +298,7 @@ def main() -> None:
             "",
             *(
                 [
-                    "Streaming targets ([latency] #12): the gap between streamed events (ITL p99) against "
+                    "Streaming targets: the gap between streamed events (ITL p99) against "
                     "STREAM_FLUSH_MS + 2 x TPOT; the worker's POSTs per job against its execution time / "
                     "STREAM_FLUSH_MS + 5 (the column is the largest POSTs - duration / flush over the jobs: at most 5 "
                     "meets it); output tok/s as a ratio to the count-only run at the same rate.",

@@ -1,5 +1,5 @@
 """bench/serve.py's records and report: per-request results, per-rate summaries (vllm bench serve's metrics),
-the markdown tables (latency, and the streaming targets of [latency] #12) and the plot."""
+the markdown tables (latency, and the streaming targets) and the plot."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Soak: a long run through the emulator at ~70 % of the saturating request rate, with random cancels and client
-hang-ups, watching the worker's memory and the engine's KV pool ([latency] #12). Not part of the test suite.
+hang-ups, watching the worker's memory and the engine's KV pool. Not part of the test suite.
 
 1. Capacity: 24 native jobs submitted at once (the soak's length mix); saturating rate = completed / elapsed.
 2. Soak for --minutes at --load x that rate, Poisson arrivals, each request one of:

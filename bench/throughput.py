@@ -54,7 +54,7 @@ from bench._common import (
     write_section,
 )
 from bench.synthetic_model import write_tiny_moe  # noqa: E402
-from engine.models.llama import ModelSpec  # noqa: E402
+from engine.models.spec import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,9 +107,10 @@ def engine_overhead(llm, wl: Workload, device) -> dict:
 
         return inner
 
-    def execute(out, _orig=eng.runner.execute):
+    def execute(step_input, _orig=eng.step_runner.execute):
+        out = step_input.scheduled
         shape[:] = [len(out.requests), out.total_tokens]
-        return _orig(out)
+        return _orig(step_input)
 
     def step(_orig=eng.step):
         f0, t = acc[0], time.perf_counter()
@@ -119,11 +120,11 @@ def engine_overhead(llm, wl: Workload, device) -> dict:
         return r
 
     model.forward, model.compute_logits = wrap(model.forward), wrap(model.compute_logits)
-    eng.runner.execute, eng.step = execute, step
+    eng.step_runner.execute, eng.step = execute, step
     try:
         ours_generate(llm, wl)
     finally:
-        for obj, name in ((model, "forward"), (model, "compute_logits"), (eng.runner, "execute"), (eng, "step")):
+        for obj, name in ((model, "forward"), (model, "compute_logits"), (eng.step_runner, "execute"), (eng, "step")):
             delattr(obj, name)
     batch = max(s[0] for s in steps)
     dec = [s for s in steps if s[0] == batch and s[1] == batch] or steps  # full batch, each request decodes 1

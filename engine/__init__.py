@@ -8,7 +8,6 @@ uses to read the same inputs);
 
 from engine import memory, weights
 from engine.async_engine import AsyncEngine
-from engine.builders import draft_model, memory_needs, plan_memory
 from engine.config import EngineConfig, default_cache_root, writable_dir
 from engine.device import model_dtype
 from engine.errors import (
@@ -19,10 +18,12 @@ from engine.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from engine.intake import ValidRequest
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.models.llama import ModelSpec
+from engine.models.spec import ModelSpec
 from engine.parallel import shard as tensor_parallel
+from engine.startup import draft_model, memory_needs, plan_memory
 from engine.timeline import Timeline
 from engine.tokenizer import Tokenizer, compare_with_transformers, template_iterates_content
 from engine.types import (
@@ -54,6 +55,7 @@ __all__ = [
     "Timeline",
     "Tokenizer",
     "UnsupportedModelError",
+    "ValidRequest",
     "compare_with_transformers",
     "default_cache_root",
     "draft_model",

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineFault
+from engine.intake import ValidRequest
 from engine.llm_engine import LLMEngine
 from engine.timeline import Timeline
 from engine.types import LoRARequest, RequestOutput, SamplingParams
@@ -57,13 +58,12 @@ class AsyncEngine:
         """Validated prompt token ids (raises InvalidRequestError), as generate() would compute them."""
         return self.engine.tokenize(prompt)
 
-    def check_params(self, params: SamplingParams) -> None:
-        """Validate params against this engine (n, stop_token_ids) now; raises InvalidRequestError."""
-        self.engine.check_params(params)
-
-    def resolve_lora(self, lora: LoRARequest):
-        """Validate an adapter request now (raises InvalidRequestError naming the field)."""
-        return self.engine.resolve_lora(lora)
+    def validate(
+        self, prompt: str | dict, params: SamplingParams | None = None, lora: LoRARequest | None = None
+    ) -> ValidRequest:
+        """The request checked once, now (raises InvalidRequestError naming the field): the prompt tokenized and
+        within the context, the params within this engine's limits, the adapter resolved. generate() trusts it."""
+        return self.engine.validate(prompt, params, lora)
 
     def lora_names(self) -> list[str]:
         return self.engine.lora_names()
@@ -74,32 +74,29 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | dict,
+        prompt: str | dict | ValidRequest,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step that produced something for this request (deltas in
-        `outputs[i].delta_text` / `delta_token_ids`). Invalid input raises before anything runs.
-        Leaving the loop early (break, cancel) aborts the request and frees its blocks."""
+        `outputs[i].delta_text` / `delta_token_ids`). A ValidRequest (validate()) is trusted as it is; a raw prompt
+        is validated first, and invalid input raises before anything runs. Leaving the loop early (break, cancel)
+        aborts the request and frees its blocks."""
         if self.fault is not None:
             raise EngineFault(str(self.fault))
         if self._closed:
             raise EngineError("the engine is shut down")
-        params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise EngineError(f"request id {request_id!r} is already in use")
-        ids = self.engine.tokenize(prompt)  # validates; raises InvalidRequestError
-        self.check_params(params)
-        if lora is not None:
-            self.engine.resolve_lora(lora)  # a bad adapter name or bucket fails here, before queueing
-        if params.structured_outputs is not None:  # wait for the grammar here, not on the step loop
-            await asyncio.wrap_future(self.engine.structured.compile(params.structured_outputs))
+        valid = self.engine.validate(prompt, params, lora)
+        if valid.params.structured_outputs is not None:  # wait for the grammar here, not on the step loop
+            await asyncio.wrap_future(self.engine.structured.compile(valid.params.structured_outputs))
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        self._inbox.put(("add", request_id, prompt, params, ids, lora))
+        self._inbox.put(("add", request_id, valid))
         finished = False
         try:
             while True:
@@ -205,14 +202,14 @@ class AsyncEngine:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, ids, lora = cmd
+            _, rid, valid = cmd
             if rid not in self._streams:  # cancelled before it was added
                 return
             if self.fault is not None:
                 self._send(rid, EngineFault(str(self.fault)))
                 return
             try:
-                self.engine.add_request(rid, prompt, params, prompt_token_ids=ids, lora=lora)
+                self.engine.add_request(rid, valid)
             except Exception as e:
                 self._send(rid, e)
         elif cmd[0] == "abort":

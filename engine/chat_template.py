@@ -1,7 +1,7 @@
 """Chat templates rendered as transformers 5 renders them, with jinja2 alone.
 
-`import transformers` costs ~0.5 s of GIL-bound Python, which the first chat job paid (its renderer lives in
-transformers.utils.chat_template_utils). The environment below is the one transformers builds in
+transformers' own renderer (transformers.utils.chat_template_utils) would import transformers on the serving path
+(engine/tokenizer.py says why not). The environment below is the one transformers builds in
 `_cached_compile_jinja_template`: jinja2's ImmutableSandboxedEnvironment (Hub templates are untrusted code), with
 trim_blocks and lstrip_blocks, loop controls, the `{% generation %}` tag (rendered as its body: we never ask for
 assistant masks), a `tojson` that does not escape HTML, `raise_exception`, `strftime_now`, and a `dict` and

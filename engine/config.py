@@ -34,6 +34,10 @@ def default_hf_cache_dirs() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Each field is also the worker's environment variable of its name upper-cased, typed and defaulted as here
+    (handler/settings.py derives them; it renames a few to worker-vllm's names and keeps a few internal), so a new
+    field needs a row in docs/configuration.md. A value that cannot work raises ConfigError naming the field."""
+
     model: str | None = None  # local dir, HF repo id found in an HF cache, or None for the default model
     revision: str = "main"
     tokenizer: str | None = None  # defaults to the model's folder
@@ -76,7 +80,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
             if not ok:
-                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}", field=name)
 
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         need(

@@ -24,7 +24,15 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class ConfigError(EngineError, ValueError):
-    """An EngineConfig value that cannot work; the message names the field."""
+    """An EngineConfig value that cannot work; the message names the field.
+
+    `field` is the EngineConfig field at fault ("block_size", or "speculative_config.model" inside a nested
+    config), so handler/settings.py can name the environment variable without reading the message; None when no
+    single field is (a model that does not fit the memory)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class EngineFault(EngineError):

@@ -9,7 +9,7 @@ import threading
 import torch
 
 from engine.memory import MemoryPlan
-from engine.models.llama import ModelSpec
+from engine.models.spec import ModelSpec
 from kernels import FP8_MAX
 
 log = logging.getLogger(__name__)

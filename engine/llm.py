@@ -38,16 +38,13 @@ class LLM:
         loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
-        # Tokenize and validate everything first, so a bad prompt fails before any work starts.
-        ids = [self.engine.tokenize(p) for p in prompts]
+        # Validate everything first, so a bad request fails before any work starts.
+        valid = [self.engine.validate(p, sp, lr) for p, sp, lr in zip(prompts, params, loras)]
         order = {}
-        for lr in loras:
-            if lr is not None:
-                self.engine.resolve_lora(lr)
-        for i, (p, tok, sp, lr) in enumerate(zip(prompts, ids, params, loras)):
+        for i, v in enumerate(valid):
             rid = f"llm-{next(self._ids)}"
             order[rid] = i
-            self.engine.add_request(rid, p, sp, prompt_token_ids=tok, lora=lr)
+            self.engine.add_request(rid, v)
         self.engine.idle.capture_graphs(sum(sp.n for sp in params))  # a batch API: the graphs it can use, first
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:

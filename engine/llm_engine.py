@@ -1,148 +1,84 @@
-"""LLMEngine: the model, KV pool, scheduler and output processor. `step()` = schedule, run, update, outputs."""
+"""LLMEngine: the model, KV pool, scheduler and output processor. `step()` = schedule, propose, run, update,
+outputs."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import torch
 
-from engine import memory
+from engine import memory, startup
 from engine.block_manager import BlockManager
-from engine.builders import EngineBuilders
 from engine.config import EngineConfig
-from engine.cuda_graphs import IdleWork, cuda_graph_factory
-from engine.device import check_fp8_support, cuda_driver_version, gpu_line
+from engine.cuda_graphs import IdleWork
 from engine.errors import InvalidRequestError
-from engine.kv_cache import allocate
-from engine.model_runner import ModelRunner
+from engine.intake import Intake, ValidRequest
+from engine.lora.manager import LoRAManager
 from engine.output import OutputProcessor
-from engine.parallel.group import TPGroup, backend_for
+from engine.parallel.group import start_ranks
+from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import start_speculation
+from engine.step_runner import StepInput, StepRunner
 from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
 from engine.types import LoRARequest, Request, RequestOutput, SamplingParams
-from engine.weights import load_model
 
 log = logging.getLogger("engine")
 
 
-class LLMEngine(EngineBuilders):
+class LLMEngine:
     def __init__(self, cfg: EngineConfig, timeline: Timeline | None = None):
+        """The cold start, each part handed to the next (engine/startup.py). Its phases are marked on `timeline`: the
+        worker passes its own (counting from process start) and adds ready and first token."""
         t0 = time.perf_counter()
         self.cfg = cfg
-        # cold-start phases; the worker passes its own (counting from process start) and adds ready/first token
         self.timeline = tl = timeline or Timeline()
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self._threads_before = None
-        if not cfg.num_threads and cfg.tensor_parallel_size > 1 and not torch.cuda.is_available():
-            self._threads_before = torch.get_num_threads()  # given back at shutdown
-            torch.set_num_threads(max(1, self._threads_before // cfg.tensor_parallel_size))  # ranks share the cores
-        self.device = torch.device(
-            cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)  # Triton launches on the current device, not the tensors'
-        # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
-        self.kernel_backend = (
-            cfg.kernel_backend
-            if cfg.kernel_backend != "auto"
-            else ("triton" if self.device.type == "cuda" else "torch")
-        )
         tl.mark("engine setup")
-        self._resolve_model()
-        if self.device.type == "cuda":  # configs read, nothing loaded yet
-            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            props = torch.cuda.get_device_properties(idx)
-            cap = (props.major, props.minor)
-            log.info("%s", gpu_line(props.name, cap, props.total_memory, torch.version.cuda, cuda_driver_version()))
-            check_fp8_support(cfg, self.spec.prequantized, props.name, cap)
-        tl.mark("model resolution", str(self.model_path))
-        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else self.dtype
-        self.memory = self._plan_memory(loaded=False)  # refuses what cannot fit, before anything is allocated
-        self.max_model_len = self.memory.max_model_len  # the model's rope tables are built for this length
-        self.tp_group = None
-        if self.tp > 1:  # the other ranks start and load their shards while this one loads its own
-            self.tp_group = TPGroup(cfg, self.device, self.max_model_len)
-            tl.mark("tensor-parallel ranks", f"{self.tp} ranks, {backend_for(self.device)}")
-        try:
-            self.model, self.weights = load_model(
-                cfg, self.model_path, self.spec.prequantized, self._build_model, self.device, self.dtype
-            )
-            if self.tp_group is not None:
-                self.tp_group.expect("loaded", timeout_s=3600)
+        self.facts = facts = startup.resolve(cfg)  # the config files alone: no weight read yet
+        self._threads_before = startup.claim_threads(cfg, facts.device)  # given back at shutdown
+        self.tok, self.eos_token_ids = startup.open_tokenizer(cfg, facts)
+        tl.mark("model resolution", str(facts.path))
+        plan = startup.device_plan(cfg, facts)  # refuses what cannot fit, before anything is allocated
+        # the other tensor-parallel ranks load their shards while this one loads its own
+        self.tp_group = start_ranks(cfg, facts.device, plan.max_model_len, tl)
+        with self.tp_group.starting():  # no rank outlives a failed start
+            model, self.weights = startup.load_rank(cfg, facts, plan.max_model_len)  # rope tables for this length
+            self.tp_group.expect("loaded", timeout_s=3600)
             tl.mark(self.weights.phase, self.weights.note())
-            if self.device.type == "cuda":
-                self.memory = self._plan_memory(loaded=True)  # from the memory measured now, weights resident
-                self.max_model_len = self.memory.max_model_len
-            kv = allocate(self.rank_spec, self.memory, self.kv_dtype, self.device)
-            if self.tp_group is not None:  # the same pool on every rank (its own heads), and the same scales rule
-                self.tp_group.send(("setup", self.memory, self._calibration_ids()))
-            tl.mark("KV allocation", f"{self.memory.num_blocks} blocks, {self.memory.kv_bytes / 2**20:.0f} MiB")
-            self.lora = self._build_lora()
-            self.runner = ModelRunner(
-                self.model,
-                kv,
-                self._build_attention(),
-                cfg.block_size,
-                self.device,
-                self.kernel_backend,
-                self.lora,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=self.max_model_len,
-                vocab_size=self.spec.vocab_size,
-            )
-            if self.tp_group is not None:
-                self.runner.tp = self.tp_group
-                self.tp_group.expect("ready", timeout_s=600)
-            if self.graphs_enabled:  # captured later, in the idle gaps after ready
-                self.runner.enable_graphs(cuda_graph_factory())
-            elif not cfg.enforce_eager:  # asked for and not possible here: say so once, at start
-                log.warning("ENFORCE_EAGER=false is ignored: %s; decode steps run eagerly", self.graphs_unusable)
-            # On CUDA the Triton variants a step can need are compiled in the idle gaps after ready, not mid-request
-            self.idle = IdleWork(self.runner, warm_kernels=self.device.type == "cuda" and self.tp == 1)
-            self.block_manager = BlockManager(self.memory.num_blocks, cfg.block_size)
+            self.memory = plan = startup.device_plan(cfg, facts, loaded_len=plan.max_model_len)  # CUDA: measured now
+            calibration = startup.calibration_ids(facts, model, self.tok, plan.max_model_len)
+            self.tp_group.send(("setup", plan, calibration))  # every rank: the same pool (of its heads), same scales
+            self.runner = startup.build_rank(cfg, facts, model, plan, calibration)
+            tl.mark("KV allocation", f"{plan.num_blocks} blocks, {plan.kv_bytes / 2**20:.0f} MiB")
+            self.lora = LoRAManager(cfg, facts.spec, self.runner.lora, self.tp_group) if cfg.enable_lora else None
+            self.tp_group.expect("ready", timeout_s=600)
+            self.block_manager = BlockManager(plan.num_blocks, cfg.block_size)
+            self.speculator = start_speculation(cfg, facts, plan, self.block_manager, self.tok, tl)
             self.scheduler = Scheduler(
-                self.block_manager,
-                cfg.max_num_seqs,
-                cfg.max_num_batched_tokens,
-                self.max_model_len,
-                cfg.long_prefill_token_threshold,
-                can_start=self.lora.can_start if self.lora is not None else None,
-            )
-            self.speculator = self._build_speculator()
-            self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish)
-            self._structured: StructuredOutputs | None = None
-            self._structured_lock = threading.Lock()
-            self.num_generated_tokens = 0
-            # Nothing optional before the first job: no profiling run (the KV pool is sized by formula) and no
-            # kernel warmup before ready (it runs in the idle gaps after, into TRITON_CACHE_DIR on the volume).
-            tl.skip(
-                "kernel warmup",
-                f"after ready, in idle gaps: {len(self.idle.warm_shapes)} padding-only steps compile the Triton "
-                "variants"
-                if self.kernel_backend == "triton"
-                else "torch kernels on CPU: nothing to compile",
-            )
-            self._log_ready(time.perf_counter() - t0)
-        except BaseException as e:
-            if self.tp_group is not None:  # no rank outlives a failed start
-                fault = self.tp_group.fault(f"the start failed: {e!r}")
-                if isinstance(e, RuntimeError):  # a collective: the fault names the rank that died
-                    raise fault from e
-            raise
+                self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len,
+                cfg.long_prefill_token_threshold, admission=self.lora, lookahead=self.speculator.lookahead,
+            )  # fmt: skip
+            self.structured = StructuredOutputs(self.tok, facts.spec.vocab_size, self.eos_token_ids)  # imports nothing
+            self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
+            self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
+            one_gpu = facts.device.type == "cuda" and cfg.tensor_parallel_size == 1  # warm steps run on rank 0 alone
+            self.idle = IdleWork(self.runner, warm_kernels=one_gpu)
+            tl.skip("kernel warmup", _warmup_note(facts.kernel_backend, len(self.idle.warm_shapes)))
+            startup.log_ready(cfg, facts, plan, time.perf_counter() - t0)
 
-    @property
-    def structured(self) -> StructuredOutputs:
-        """Grammar-constrained decoding (engine/structured.py), made on first use: a worker that never serves a
-        constrained request never builds it."""
-        with self._structured_lock:  # the event loop (compile) and the engine thread (add_request) may race here
-            if self._structured is None:
-                self._structured = StructuredOutputs.of(self.tok, self.spec.vocab_size, self.eos_token_ids)
-                self.runner.structured = self._structured
-        return self._structured
+    # ---- what the start found (engine/startup.py's ModelFacts and MemoryPlan) ----------------------------------
+    spec = property(lambda self: self.facts.spec, doc="the whole model's ModelSpec")
+    rank_spec = property(lambda self: self.facts.rank_spec, doc="the shapes rank 0 holds")
+    draft_spec = property(lambda self: self.facts.draft_spec)
+    model_path = property(lambda self: self.facts.path)
+    device = property(lambda self: self.facts.device)
+    dtype = property(lambda self: self.facts.dtype)
+    kv_dtype = property(lambda self: self.facts.kv_dtype)
+    kernel_backend = property(lambda self: self.facts.kernel_backend)
+    max_model_len = property(lambda self: self.memory.max_model_len, doc="the planned context length")
+    model = property(lambda self: self.runner.model, doc="rank 0's model")
 
     @property
     def graphs_enabled(self) -> bool:
@@ -166,74 +102,41 @@ class LLMEngine(EngineBuilders):
         return self.tok.hf
 
     # ---- requests ---------------------------------------------------------------------------
-    def tokenize(self, prompt: str | dict | list[int]) -> list[int]:
+    @property
+    def intake(self) -> Intake:
+        """What checks a request (engine/intake.py): the tokenizer and this engine's fixed limits."""
+        return Intake(self.tok, self.spec.vocab_size, self.max_model_len, self.cfg)
+
+    def validate(
+        self,
+        prompt: str | dict | ValidRequest,
+        params: SamplingParams | None = None,
+        lora: LoRARequest | None = None,
+    ) -> ValidRequest:
+        """Tokenize, check against this engine and resolve the adapter, once; raises InvalidRequestError."""
+        return self.intake.validate(prompt, params, lora)
+
+    def tokenize(self, prompt: str | dict) -> list[int]:
         """Prompt text or {"prompt_token_ids": [...]} -> validated token ids."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'", field="prompt")
-            ids = list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone UTF-16 surrogate ("\ud800") from a JSON escape
-                raise InvalidRequestError(
-                    f"the prompt is not valid Unicode text: {e.reason} at character {e.start}", field="prompt"
-                ) from None
-            ids = self.tok.encode(prompt)
-        else:
-            raise InvalidRequestError(f"prompt must be a str or a dict, not {type(prompt).__name__}", field="prompt")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", field="prompt")
-        if not all(isinstance(t, int) and 0 <= t < self.spec.vocab_size for t in ids):
-            raise InvalidRequestError(
-                f"prompt_token_ids must be ints in [0, {self.spec.vocab_size})", field="prompt_token_ids"
-            )
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} and at least one "
-                f"token must be generated",
-                field="prompt",
-            )
-        return ids
-
-    def resolve_lora(self, lora: LoRARequest):
-        """Validate a request's adapter (name, bucket, ...) before it is queued; raises InvalidRequestError."""
-        if self.lora is None:
-            raise InvalidRequestError("this worker does not serve LoRA adapters; set ENABLE_LORA=true", field="lora")
-        return self.lora.resolve(lora.name, lora.s3_uri)
-
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone, against this engine; raises InvalidRequestError."""
-        if params.n > self.cfg.max_num_seqs:  # n sequences must fit one batch (and n loops run on this thread)
-            raise InvalidRequestError(
-                f"n={params.n} is more than this worker runs at once (max_num_seqs={self.cfg.max_num_seqs})", field="n"
-            )
-        bad = [t for t in params.stop_token_ids if t >= self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})",
-                field="stop_token_ids",
-            )
-        bad = [t for t in params.logit_bias or () if t >= self.spec.vocab_size]
-        if bad:  # vLLM's input processor refuses these too (_validate_logit_bias)
-            raise InvalidRequestError(
-                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})",
-                field=f"logit_bias.{bad[0]}",
-            )
+        return self.intake.tokenize(prompt)
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | dict | list[int],
-        params: SamplingParams,
+        prompt: str | dict | ValidRequest,
+        params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         lora: LoRARequest | None = None,
     ) -> None:
+        """Queue a request. A ValidRequest is trusted as it is; anything else is validated first (prompt_token_ids,
+        when given, stands for the prompt)."""
         if request_id in self.output.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already running", field="request_id")
-        self.check_params(params)
-        lora_key = self.lora.request(self.resolve_lora(lora)) if lora is not None else None
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if prompt_token_ids is not None:
+            prompt = {"prompt_token_ids": prompt_token_ids}
+        valid = self.validate(prompt, params, lora)
+        ids, params = valid.prompt_token_ids, valid.params
+        lora_key = self.lora.request(valid.lora) if valid.lora is not None else None
         # Prefix caching keys blocks by this (adapters never share KV); with caching off, n > 1 siblings
         # still share the prompt's blocks
         key = ("lora", lora_key) if lora_key else ("base",)
@@ -278,57 +181,19 @@ class LLMEngine(EngineBuilders):
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        failed = self._fail_lora_waiters() if self.lora is not None else []
-        spec = self.speculator
-        if spec is not None:
-            spec.before_schedule(self.scheduler.running)
         scheduled = self.scheduler.schedule()
-        if scheduled.empty:
-            return failed
-        if spec is not None:
-            spec.propose(scheduled)  # a draft model runs here, over every speculating sequence at once
-        try:
-            sampled, logprobs = self.runner.execute(scheduled)
-        except BaseException as e:  # under TP the ranks may now be out of step: stop them all, say which died
-            if self.tp_group is None:
-                raise
-            why = f"a collective failed: {e}" if isinstance(e, RuntimeError) else f"a step was interrupted: {e!r}"
-            fault = self.tp_group.fault(why)
-            if isinstance(e, Exception):
-                raise fault from e
-            raise
-        if self._structured is not None:
-            self._structured.accept(sampled)
-        self.scheduler.update(scheduled, sampled)
-        if spec is not None:
-            spec.after_update(scheduled, sampled)
-        outs = self.output.process(sampled, logprobs)
-        self.num_generated_tokens += sum(len(o.delta_token_ids) for out in outs for o in out.outputs)
-        return failed + outs
-
-    def _fail_lora_waiters(self) -> list[RequestOutput]:
-        """Requests whose adapter failed to load, or not in time: finished with the error, alone."""
-        errors = self.lora.failed_waiters(self.scheduler.waiting)
-        failed = {
-            self.output.group_of[r].request_id: errors[r.lora_key]
-            for r in self.scheduler.waiting
-            if r.lora_key in errors
-        }
-        outs = []
-        for rid, err in failed.items():
-            group = self.output.groups[rid]
-            self.abort(rid)
-            outs.append(RequestOutput(rid, group.prompt_token_ids, [], True, error=err))
-        return outs
+        drafts = self.speculator.propose(scheduled)  # a draft model runs here, over every speculating sequence
+        grammar = self.structured.masks(scheduled.sampling, drafts.tokens)
+        result = self.step_runner.execute(StepInput(scheduled, drafts, grammar))
+        self.scheduler.update(scheduled, result.tokens)
+        return self.output.process(scheduled, result)
 
     def shutdown(self) -> None:
         """Stop background work (adapter loads); the engine is not used after this."""
         if self.lora is not None:
             self.lora.shutdown()
-        if self._structured is not None:
-            self._structured.shutdown()
-        if self.tp_group is not None:
-            self.tp_group.shutdown()
+        self.structured.shutdown()
+        self.tp_group.shutdown()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
 
@@ -341,13 +206,20 @@ class LLMEngine(EngineBuilders):
             "running": len(sch.running),
             "waiting": len(sch.waiting),
             "num_preemptions": sch.num_preemptions,
-            "num_generated_tokens": self.num_generated_tokens,
             "max_model_len": self.max_model_len,
             **bm.stats(),
+            **self.output.stats(),  # num_generated_tokens; speculation's acceptance
             **(self.lora.stats() if self.lora else {}),
-            **(self.speculator.stats() if self.speculator else {}),
         }
 
     def lora_names(self) -> list[str]:
         """Adapters this worker knows: configured in LORA_MODULES, or requested so far."""
         return self.lora.names() if self.lora is not None else []
+
+
+def _warmup_note(kernel_backend: str, shapes: int) -> str:
+    """Nothing optional runs before the first job: no profiling run (the KV pool is sized by formula) and no kernel
+    warmup before ready (it runs in the idle gaps after, into TRITON_CACHE_DIR on the volume)."""
+    if kernel_backend == "triton":
+        return f"after ready, in idle gaps: {shapes} padding-only steps compile the Triton variants"
+    return "torch kernels on CPU: nothing to compile"

@@ -1,5 +1,5 @@
 """The memory planner: how many bytes the weights, the KV pool and a step's activations take, and how large the KV
-pool may be. Pure arithmetic on plain numbers (no torch, no device calls). engine.builders.plan_memory applies it
+pool may be. Pure arithmetic on plain numbers (no torch, no device calls). engine.startup.plan_memory applies it
 to the engine's whole configuration (engine_needs: LoRA slots, a draft model, tensor parallelism, fp8, the CUDA
 graph pool where cuda_graphs says graphs run); the engine's start calls it with the device's numbers and
 `python -m warmup.plan` with simulated ones, so both get the same answer.

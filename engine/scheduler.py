@@ -3,12 +3,29 @@ preemption. Pure Python."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.types import Request, RequestStatus, SchedulerOutput
+
+log = logging.getLogger("engine")
+
+
+class Admission(Protocol):
+    """A gate on waiting requests (LoRAManager: a request starts once its adapter sits in a device slot)."""
+
+    def can_start(self, req: Request, running: list[Request]) -> bool:
+        """Whether `req` could start now, changing nothing. `running`: the running requests."""
+
+    def admit(self, req: Request, running: list[Request]) -> None:
+        """`req` starts: take what can_start found for it."""
+
+    def refused(self, waiting) -> dict[Request, BaseException]:
+        """Waiting requests that can never start (their adapter failed to load, or not in time), with why."""
 
 
 class Scheduler:
@@ -21,7 +38,10 @@ class Scheduler:
     With speculative decoding (`lookahead`: how many drafts a decoding request would verify), each decoding
     request then gets up to that many extra slots from what is left of the budget and the pool, after every
     running request has its real tokens: a short pool shortens speculation and never preempts for it.
-    Waiting requests are admitted after that."""
+    Waiting requests are admitted after that.
+
+    The scheduler also applies the stop rules when it appends sampled tokens (`update`), a grammar's end among
+    them."""
 
     def __init__(
         self,
@@ -30,7 +50,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
-        can_start: Callable[[Request, list[Request]], bool] | None = None,
+        admission: Admission | None = None,
         lookahead: Callable[[Request], int] | None = None,
     ):
         self.bm = block_manager
@@ -43,10 +63,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Optional admission gate (LoRAManager.can_start: the adapter's device slot), asked with the running
-        # requests: False keeps a request queued without blocking the others.
-        self.can_start = can_start
-        self.lookahead = lookahead
+        # A request the gate cannot start yet stays queued without blocking the others
+        self.admission = admission
+        self.lookahead = lookahead  # speculative decoding: the drafts a decoding request would verify
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -58,6 +77,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput(requests=[], num_scheduled_tokens=[])
+        if self.admission is not None:
+            for req, err in self.admission.refused(self.waiting).items():
+                self.finish(req, "abort")
+                out.failed[req] = err
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -83,7 +106,7 @@ class Scheduler:
         held = []  # waiting requests that cannot start yet (their adapter is loading): they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if self.can_start is not None and not self.can_start(req, self.running):
+            if self.admission is not None and not self.admission.can_start(req, self.running):
                 held.append(self.waiting.popleft())
                 continue
             hits = self.bm.find_cached(req)  # a cached prefix counts as computed
@@ -91,6 +114,8 @@ class Scheduler:
             n = min(req.num_tokens - num_cached, budget, self.chunk_cap)  # from the first uncached token
             if not self.bm.allocate_slots(req, n, hits):
                 break
+            if self.admission is not None:
+                self.admission.admit(req, self.running)
             req.num_computed_tokens = num_cached
             if req.cache_key:
                 self.bm.record_lookup(req.num_tokens, num_cached)
@@ -105,6 +130,11 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
         self.waiting.extendleft(reversed(held))
+        out.sampling = [
+            r
+            for r, n in zip(out.requests, out.num_scheduled_tokens)
+            if r.num_computed_tokens + n - out.spec.get(r, 0) == r.num_tokens
+        ]
         return out
 
     def _grant_lookahead(self, out: SchedulerOutput, budget: int) -> int:
@@ -144,6 +174,8 @@ class Scheduler:
             req.num_computed_tokens += n - granted + (len(tokens) - 1 if tokens and granted else 0)
             for token in tokens or ():
                 req.output_token_ids.append(token)
+                if req.matcher is not None:
+                    _advance_grammar(req, token)
                 reason = self._check_stop(req, token)
                 if reason is not None:
                     self.finish(req, reason)
@@ -184,3 +216,17 @@ class Scheduler:
         self.bm.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _advance_grammar(req: Request, token: int) -> None:
+    """A constrained sequence's matcher accepts its new token. The mask allowed it, unless another rule removed
+    every allowed token (min_tokens masks the stop token a complete grammar leaves): then the sequence stops at
+    that token, rather than the step failing everyone. Where the grammar ends is recorded as an output length
+    (`grammar_stop_at`), which _check_stop applies, so a run of accepted drafts stops exactly there."""
+    if req.grammar_stop_at is not None:
+        return
+    ok = req.matcher.accept_token(token)
+    if not ok:
+        log.warning("%s: the grammar allows no token here; the sequence stops", req.request_id)
+    if not ok or req.matcher.is_terminated():
+        req.grammar_stop_at = len(req.output_token_ids)

@@ -5,11 +5,12 @@
   itself is imported on that thread, the first time a request needs it: a worker that never serves one never
   pays its import. AsyncEngine awaits the compile before it queues the request, so the request waits (and a bad
   schema fails it alone, with an error naming its field) while the step loop runs on; LLM compiles inline.
-- Each step: the rows of constrained requests get their token bitmask filled on the host (the forward pass runs
-  meanwhile on a GPU: the fill happens after its launch) and applied to their logits before sampling, so every
-  other sampling parameter still applies to what the grammar allows. After sampling, each matcher accepts its
-  token; one that has terminated (the grammar is complete and a stop token came) finishes its request with
-  "stop". When the grammar is complete only stop tokens are allowed.
+- Each step: the engine asks for the constrained sampling rows' masks (`masks`); the step runner applies them to
+  those rows' logits before sampling (they are filled on the host then, while a GPU still runs the forward pass),
+  so every other sampling parameter still applies to what the grammar allows. The scheduler advances each
+  matcher by its sequence's tokens, next to the other stop rules; one that has terminated (the grammar is
+  complete and a stop token came) finishes its request with "stop". When the grammar is complete only stop
+  tokens are allowed.
 - Each sequence (n > 1: each of them) has its own matcher, owned by its Request. Preemption recomputes the KV but
   keeps the output tokens, which the matcher has accepted already, so it stays valid. Prefix caching, chunked
   prefill and LoRA change nothing here: only the rows that sample are masked.
@@ -35,20 +36,17 @@ CACHE_ENTRIES = 512  # compiled grammars kept (LRU); each is small (a bitmask au
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer_json: str, vocab: dict[str, int], vocab_size: int, stop_token_ids: list[int]):
-        self._tok = (tokenizer_json, vocab, vocab_size, sorted(stop_token_ids))
+    def __init__(self, tok, vocab_size: int, stop_token_ids):
+        """tok: the engine's Tokenizer. Nothing is read from it here: its vocabulary is read, and xgrammar imported,
+        on the compile thread when the first constrained request comes."""
+        self._tok = tok
+        self._stops = sorted(stop_token_ids)
         self.vocab_size = vocab_size
         self._compiler = None  # made on the compile thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (not served from the cache)
-
-    @classmethod
-    def of(cls, tok, vocab_size: int, eos_token_ids) -> StructuredOutputs:
-        """For an engine Tokenizer (its Rust tokenizer, or transformers' fast one's backend)."""
-        backend = tok.backend or tok.hf.backend_tokenizer
-        return cls(backend.to_str(), backend.get_vocab(with_added_tokens=True), vocab_size, list(eos_token_ids))
 
     # ---- compile (any thread) --------------------------------------------------------------------------
     def compile(self, p: StructuredOutputsParams) -> Future:
@@ -85,17 +83,17 @@ class StructuredOutputs:
         if self._compiler is None:
             import xgrammar as xgr  # ~2 s the first time: on this thread, off the request path
 
-            tokenizer_json, vocab, vocab_size, stops = self._tok
-            encoded = [""] * vocab_size
-            for token, i in vocab.items():
-                if i < vocab_size:
+            backend = self._tok.backend or self._tok.hf.backend_tokenizer  # Rust, or transformers' fast one's
+            encoded = [""] * self.vocab_size
+            for token, i in backend.get_vocab(with_added_tokens=True).items():
+                if i < self.vocab_size:
                     encoded[i] = token
-            meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)  # what from_huggingface reads
+            meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())  # what from_huggingface reads
             info = xgr.TokenizerInfo(
                 encoded,
                 vocab_type=meta["vocab_type"],
-                vocab_size=vocab_size,
-                stop_token_ids=stops,
+                vocab_size=self.vocab_size,
+                stop_token_ids=self._stops,
                 add_prefix_space=meta["add_prefix_space"],
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
@@ -108,19 +106,35 @@ class StructuredOutputs:
         return xgr.GrammarMatcher(self.compile(p).result())
 
     # ---- each step (the engine thread) ------------------------------------------------------------------
-    def fill(self, reqs: list[Request], drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int]] | None:
-        """The token bitmask of each constrained sampling row ([rows, ceil(vocab / 32)] int32 on the host) and those
-        rows, or None when no row is constrained. With speculation a request has one row per draft plus one: row
-        j is masked as the grammar stands after drafts 1..j (the matcher advances through them, then rolls back;
-        a draft the grammar refuses ends the run there, since its own row's mask then rejects it)."""
-        drafts = drafts or [[] for _ in reqs]
+    def masks(self, reqs: list[Request], drafts: dict[Request, list[int]]) -> GrammarMasks:
+        """The token bitmasks of this step's sampling rows: `reqs` in batch order, each with one row per draft
+        and one more."""
         if all(r.matcher is None for r in reqs):
-            return None
-        import xgrammar as xgr
+            return NO_MASKS
+        return GrammarMasks(reqs, [drafts.get(r, []) for r in reqs], self.vocab_size)
 
-        mask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), self.vocab_size)  # all ones: all allowed
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarMasks:
+    """One step's token bitmasks for its constrained sampling rows, filled on the host when applied (after the
+    forward pass is launched: on a GPU the two overlap). With speculation a request has one row per draft plus
+    one: row j is masked as the grammar stands after drafts 1..j (the matcher advances through them, then rolls
+    back; a draft the grammar refuses ends the run there, since its own row's mask then rejects it)."""
+
+    def __init__(self, reqs: list[Request], drafts: list[list[int]], vocab_size: int):
+        self.reqs, self.drafts, self.vocab_size = reqs, drafts, vocab_size
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Disallowed tokens' logits become -inf, in place, in the constrained rows only. logits: [S, vocab] fp32."""
+        if not self.reqs:
+            return
+        import xgrammar as xgr  # imported by the compile thread already: a constrained request was compiled
+
+        mask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # [S, ceil(vocab / 32)], all allowed
         rows, row = [], 0
-        for req, ds in zip(reqs, drafts):
+        for req, ds in zip(self.reqs, self.drafts):
             m = req.matcher
             if m is not None:
                 advanced = 0
@@ -135,34 +149,7 @@ class StructuredOutputs:
                 if advanced:
                     m.rollback(advanced)
             row += len(ds) + 1
-        return mask, rows
-
-    @staticmethod
-    def apply(logits: torch.Tensor, fill: tuple[torch.Tensor, list[int]]) -> None:
-        """Disallowed tokens' logits become -inf, in place, in the constrained rows only. logits: [S, vocab] fp32."""
-        import xgrammar as xgr
-
-        mask, rows = fill
         xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=rows)
 
-    @staticmethod
-    def accept(sampled: dict[Request, list[int]]) -> None:
-        """Advance each constrained sequence's matcher by its sampled tokens (before the scheduler appends them). The
-        mask allowed them, unless another rule removed every allowed token (min_tokens masks the stop token a
-        complete grammar leaves): then the sequence stops at that token, rather than the step failing everyone.
-        Where the grammar ends is recorded as an output length (`grammar_stop_at`), so the scheduler stops a run
-        of accepted drafts exactly there."""
-        for req, tokens in sampled.items():
-            m = req.matcher
-            if m is None or req.grammar_stop_at is not None:
-                continue
-            for j, token in enumerate(tokens):
-                ok = m.accept_token(token)
-                if not ok:
-                    log.warning("%s: the grammar allows no token here; the sequence stops", req.request_id)
-                if not ok or m.is_terminated():
-                    req.grammar_stop_at = len(req.output_token_ids) + j + 1
-                    break
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+NO_MASKS = GrammarMasks([], [], 0)  # no constrained row this step

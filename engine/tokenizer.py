@@ -1,18 +1,12 @@
 """The engine's tokenizer: the Rust `tokenizers` library from tokenizer.json, and chat templates rendered by
 engine/chat_template.py (jinja2, as transformers renders them). Nothing on the serving path imports transformers.
 
-Why: `import transformers` + AutoTokenizer.from_pretrained is ~2 s of GIL-bound Python. Loaded at start it slowed
-the cold start; loaded in the background after the first step it stalled the requests running then (a second
-call with a cached 1.5k-token prefix took 470 ms instead of 55); imported for a first chat job's render it cost
-that job ~0.45 s. transformers' fast tokenizers wrap the same Rust object, so encoding and decoding agree; the
-templates see the special tokens of tokenizer_config.json as transformers reads them.
-
-transformers' tokenizer is still there for whoever asks for it (`hf`, the engine's `tokenizer` property; loaded
-then, synchronously), and where only it can answer: a tokenizer without tokenizer.json (loaded at start), a
-template that uses a special token tokenizer_config.json does not name (loaded at start when the model's own
-template does), and apply_chat_template options the fast path does not implement. `compare_with_transformers`
-checks both paths against transformers for a model folder; `python -m warmup` runs it when it prepares a volume,
-and the tests run it on every tokenizer they use."""
+transformers' import and tokenizer load are seconds of GIL-bound Python, paid by the cold start or by whichever
+requests ran then (docs/decisions.md). Its fast tokenizers wrap the same Rust object, so encoding and decoding
+agree; templates see tokenizer_config.json's special tokens as transformers reads them. transformers is loaded
+only where asked for (`hf`, the engine's `tokenizer` property) or where only it can answer: no tokenizer.json, a
+template using a special token tokenizer_config.json does not name, or an apply_chat_template option the fast path
+lacks. `compare_with_transformers` checks both paths (`python -m warmup`, and the tests, on every tokenizer)."""
 
 from __future__ import annotations
 

@@ -233,18 +233,9 @@ class Request:
     lora_slot: int = -1  # its device slot, set at admission
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
     num_registered_blocks: int = 0
-    # Latency metrics (monotonic seconds), filled by the scheduler and the engine.
-    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    itl_sum: float = 0.0
-    itl_max: float = 0.0
-    # Speculative decoding: drafts verified for this sequence, accepted, and accepted at each draft position
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-    spec_verify_steps: int = 0
+    # Set by the scheduler at first admission (output-side metrics live in engine/output.py's SeqStats)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+    first_scheduled_time: float | None = None  # monotonic seconds
 
     @property
     def num_tokens(self) -> int:
@@ -278,11 +269,12 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]
     # Requests preempted this step (their blocks are already freed).
     preempted: list[Request] = field(default_factory=list)
-    # Speculative decoding: lookahead slots granted to decoding requests (counted in num_scheduled_tokens), then
-    # the draft tokens that fill them and, for drafts sampled from a draft model, their q rows [k, vocab]
+    # Speculative decoding: lookahead slots granted to decoding requests (counted in num_scheduled_tokens)
     spec: dict[Request, int] = field(default_factory=dict)
-    spec_tokens: dict[Request, list[int]] = field(default_factory=dict)
-    draft_probs: dict[Request, Any] = field(default_factory=dict)
+    # The requests that sample this step, in batch order: each whose scheduled tokens reach its last token
+    sampling: list[Request] = field(default_factory=list)
+    # Waiting requests the admission gate refused for good (their adapter failed to load), with why; finished
+    failed: dict[Request, BaseException] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -291,6 +283,15 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not self.requests
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced, per request that sampled (host values: the step runner's answer)."""
+
+    # one token, or with speculation the accepted drafts then the target's own token
+    tokens: dict[Request, list[int]]
+    logprobs: dict[Request, list[dict]]  # top-N per emitted token, for the requests that asked
 
 
 @dataclass
@@ -327,42 +328,6 @@ class RequestMetrics:
     # speculative decoding, when on: draft_tokens, accepted_tokens, acceptance_rate, mean_acceptance_length (tokens
     # per verification step, the target's own included) and accepted_per_pos (rate at each draft position)
     spec_decode: dict | None = None
-
-    @classmethod
-    def of(cls, seqs: list[Request], now: float) -> RequestMetrics:
-        """One request's metrics; n > 1 sequences pool their gaps and count every output token."""
-        first = seqs[0]
-        arrival = first.arrival_time
-        sched = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
-        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
-        gaps = sum(max(len(s.output_token_ids) - 1, 0) for s in seqs)
-        return cls(
-            queue_time=min(sched) - arrival if sched else None,
-            ttft=min(firsts) - arrival if firsts else None,
-            mean_itl=sum(s.itl_sum for s in seqs) / gaps if gaps else None,
-            max_itl=max(s.itl_max for s in seqs) if gaps else None,
-            e2e_time=now - arrival,
-            prompt_tokens=first.num_prompt_tokens,
-            cached_prompt_tokens=first.num_cached_tokens or 0,
-            output_tokens=sum(len(s.output_token_ids) for s in seqs),
-            num_preemptions=sum(s.num_preemptions for s in seqs),
-            spec_decode=spec_metrics(seqs),
-        )
-
-
-def spec_metrics(seqs: list[Request]) -> dict | None:
-    steps = sum(s.spec_verify_steps for s in seqs)
-    if not steps:
-        return None
-    drafted, accepted = sum(s.spec_draft_tokens for s in seqs), sum(s.spec_accepted_tokens for s in seqs)
-    per_pos = [sum(c) for c in zip(*(s.spec_accepted_per_pos for s in seqs if s.spec_accepted_per_pos))]
-    return {
-        "draft_tokens": drafted,
-        "accepted_tokens": accepted,
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-        "mean_acceptance_length": round(1 + accepted / steps, 4),
-        "accepted_per_pos": [round(c / steps, 4) for c in per_pos],
-    }
 
 
 @dataclass

@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker.ready()  # the cold-start table, before the first job-take
 
-    config = {"handler": worker.handle, "return_aggregate_stream": True, "concurrency_modifier": worker.concurrency}
-    worker.rp_config = config
-    runpod.serverless.start(config)
+    runpod.serverless.start(worker.runpod_config())
     return 0
 
 

@@ -10,19 +10,19 @@ in all, as in vLLM (lm-eval-harness's batch_size 16 must work on a worker with M
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from handler import jobs
 from handler import openai_compat as oa
 from handler import openai_extras as extras
+from handler.jobs import JobContext
 from handler.pacing import BatchSizer
 from handler.schemas import CompletionRequest, JobError
 
 if TYPE_CHECKING:
-    from engine import LoRARequest, RequestOutput, SamplingParams
-    from handler.worker import Worker
+    from engine import LoRARequest, RequestOutput, SamplingParams, ValidRequest
 
 WHERE = "openai_input"  # the job field the request body sits in (errors name paths under it)
 
@@ -96,45 +96,32 @@ async def _merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[_Pa
 
 
 async def job(
-    w: Worker,
+    ctx: JobContext,
     req: CompletionRequest,
     params: SamplingParams,
     rid: str,
     lora: LoRARequest | None,
     shapes: oa.CompletionShapes,
-    sizer: BatchSizer | None = None,
+    sizer: BatchSizer,
 ) -> AsyncIterator[Any]:
     """params: the request's sampling parameters (max_tokens 1 when scoring: one token is generated and dropped,
-    as vLLM does, so prompt logprobs come from the same prefill path as always); rid: the job's engine request id,
-    used by prompt 0 (the worker aborts it on cancel), prompt i > 0 runs as "{rid}/{i}"."""
+    as vLLM does, so prompt logprobs come from the same prefill path as always); lora: the adapter `model` names;
+    rid: the job's engine request id, used by prompt 0 (the worker aborts it on cancel), prompt i > 0 runs as
+    "{rid}/{i}"."""
     prompts, batched = _prompts(req)
-    fitted = []
-    for i, prompt in enumerate(prompts):
-        param = f"{WHERE}.prompt" + (f".{i}" if batched else "")
-        prompt = extras.prompt_ids(w, req, prompt, param, req.max_tokens)  # add_special_tokens, truncate_prompt_tokens
-        try:
-            fitted.append(
-                w.fit(
-                    prompt,
-                    copy.copy(params),  # fit() sets max_tokens per prompt when the request leaves it to the room
-                    f"{WHERE}.max_tokens",
-                    default_room=req.max_tokens is None,
-                    prompt_param=param,
-                )
-            )
-        except JobError as e:  # a max_tokens that does not fit: say which prompt it does not fit
-            if batched and e.param == f"{WHERE}.max_tokens":
-                raise JobError(f"prompt {i}: {e.message}", param=e.param, type=e.type, code=e.code) from None
-            raise
-    cold: list = []
-    gens = [w.generate(pr, p, rid if i == 0 else f"{rid}/{i}", lora, cold) for i, (pr, p) in enumerate(fitted)]
-    parts = _merged(gens)
-    view = _View(w, req)
-    n_in = sum(len(pr["prompt_token_ids"]) for pr, _ in fitted)
+    valid = [_prepare(ctx, req, params, lora, prompt, i if batched else None) for i, prompt in enumerate(prompts)]
+    parts = _merged([jobs.generate(ctx, v, rid if i == 0 else f"{rid}/{i}") for i, v in enumerate(valid)])
+    view = _View(ctx, req)
+    n_in = sum(len(v.prompt_token_ids) for v in valid)
     if req.stream:
-        async for chunk in _stream(w, req, parts, shapes, view, n_in, sizer):
+        async for chunk in _stream(ctx, req, parts, shapes, view, n_in, sizer):
             yield chunk
-        return
+    else:
+        yield await _whole(ctx, req, parts, shapes, view, n_in)
+
+
+async def _whole(ctx: JobContext, req: CompletionRequest, parts, shapes, view: _View, n_in: int) -> dict:
+    """The batch's completions in one response."""
     finals: dict[int, RequestOutput] = {}
     async for part in parts:
         if part.out.finished:
@@ -152,18 +139,32 @@ async def job(
             )
     full = shapes.full(choices, oa.usage(n_in, n_out, cached))
     extras.completion_extras(req, full, choices)  # prompt_logprobs, return_token_ids
-    if cold:
-        full["metrics"] = {"cold_start": cold[0]}  # an extension field; OpenAI clients ignore it
-    yield full
+    if (cold := jobs.cold_start(ctx)) is not None:
+        full["metrics"] = {"cold_start": cold}  # an extension field; OpenAI clients ignore it
+    return full
+
+
+def _prepare(ctx: JobContext, req: CompletionRequest, params, lora, prompt, i: int | None) -> ValidRequest:
+    """Prompt i of a batch (None: the only prompt) as the engine's request, its max_tokens left to the room when the
+    request sets none."""
+    param = f"{WHERE}.prompt" + (f".{i}" if i is not None else "")
+    prompt = extras.prompt_ids(ctx, req, prompt, param, req.max_tokens)  # add_special_tokens, truncate_prompt_tokens
+    where = jobs.Fields(f"{WHERE}.max_tokens", param, req.model if lora is not None else None)
+    try:
+        return jobs.prepare(ctx, prompt, params, lora, where, default_room=req.max_tokens is None)
+    except JobError as e:  # a max_tokens that does not fit: say which prompt it does not fit
+        if i is not None and e.param == where.max_tokens:
+            raise JobError(f"prompt {i}: {e.message}", param=e.param, type=e.type, code=e.code) from None
+        raise
 
 
 class _View:
     """How a choice's text and logprobs look: echo puts the prompt's first, and scoring drops the one token
     generated (finish_reason "length": max_tokens=0 was reached)."""
 
-    def __init__(self, w: Worker, req: CompletionRequest):
-        self.tok, self.top_n, self.scoring = w.engine.tok, req.logprobs, req.max_tokens == 0
-        self.names = extras.token_names(w, req)  # what names logprobs' tokens (return_tokens_as_token_ids)
+    def __init__(self, ctx: JobContext, req: CompletionRequest):
+        self.tok, self.top_n, self.scoring = ctx.engine.tok, req.logprobs, req.max_tokens == 0
+        self.names = extras.token_names(ctx, req)  # what names logprobs' tokens (return_tokens_as_token_ids)
         self._prompt_text: dict[int, str] = {}
 
     def finish(self, c) -> str | None:
@@ -187,10 +188,8 @@ class _View:
 
 
 async def _stream(
-    w: Worker, req: CompletionRequest, parts, shapes, view: _View, n_in: int, sizer: BatchSizer | None
+    ctx: JobContext, req: CompletionRequest, parts, shapes, view: _View, n_in: int, sizer: BatchSizer
 ) -> AsyncIterator[str]:
-    s = w.settings
-    sizer = sizer or BatchSizer(s.DEFAULT_MIN_BATCH_SIZE, s.DEFAULT_BATCH_SIZE_GROWTH_FACTOR, s.DEFAULT_BATCH_SIZE)
     each_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     events: list[str] = []
     n_out = cached = 0
@@ -201,7 +200,7 @@ async def _stream(
         obj = ids_due.attach(obj)
         return oa.sse(obj | {"usage": oa.usage(n_in, n_out, cached)} if each_usage else obj)
 
-    async for group in w.paced(parts, sizer):
+    async for group in jobs.paced(ctx, parts, sizer):
         for part in group:
             out = part.out
             if out.finished:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from handler import messages, tool_calls
+from handler import jobs, messages, tool_calls
+from handler.jobs import JobContext
 from handler.schemas import JobError, warn_ignored
 
 if TYPE_CHECKING:
     from handler.schemas import ChatCompletionRequest
-    from handler.worker import Worker
 
 WHERE = "openai_input"  # the job field an OpenAI request sits in
 
@@ -33,7 +33,7 @@ def warn_nested(req) -> None:
         warn_ignored(req.stream_options, f"{WHERE}.stream_options")
 
 
-def check_cache_salt(w: Worker, req) -> None:
+def check_cache_salt(ctx: JobContext, req) -> None:
     """vLLM's cache_salt keeps other requests from hitting this one's cached prefix. Without a prefix cache nothing
     is shared, so it holds; with the shared cache this worker has no per-salt keys, so it is refused."""
     if req.cache_salt is None:
@@ -41,7 +41,7 @@ def check_cache_salt(w: Worker, req) -> None:
     param = f"{WHERE}.cache_salt"
     if not req.cache_salt:
         raise JobError("cache_salt must be a non-empty string", param=param)
-    if w.settings.ENABLE_PREFIX_CACHING:
+    if ctx.settings.ENABLE_PREFIX_CACHING:
         raise JobError(
             "cache_salt cannot be honoured: this worker's prefix cache is shared by all requests and has no per-salt "
             "keys (ENABLE_PREFIX_CACHING=true); send no cache_salt, or run it with ENABLE_PREFIX_CACHING=false",
@@ -49,31 +49,31 @@ def check_cache_salt(w: Worker, req) -> None:
         )
 
 
-async def chat_prompt(w: Worker, req: ChatCompletionRequest, max_tokens: int | None) -> tuple[dict, str]:
+async def chat_prompt(ctx: JobContext, req: ChatCompletionRequest, max_tokens: int | None) -> tuple[dict, str]:
     """({"prompt_token_ids"}, the text `echo` puts before the reply: "" unless echo is set)."""
-    if req.chat_template is not None and not w.settings.TRUST_REQUEST_CHAT_TEMPLATE:
+    if req.chat_template is not None and not ctx.settings.TRUST_REQUEST_CHAT_TEMPLATE:
         raise JobError(  # a template is code the client sends: vLLM too renders it only when told to trust it
             "a request's own chat_template is not accepted on this worker: set TRUST_REQUEST_CHAT_TEMPLATE=true "
             "(vLLM's --trust-request-chat-template) to allow it, or send none",
             param=f"{WHERE}.chat_template",
         )
     template = messages.pick_template(
-        w.engine.tok.chat_template, req.chat_template or w.settings.CUSTOM_CHAT_TEMPLATE, req.tools
+        ctx.engine.tok.chat_template, req.chat_template or ctx.settings.CUSTOM_CHAT_TEMPLATE, req.tools
     )
     history = messages.for_template([m.model_dump(exclude_none=True) for m in req.messages], template)
     echo = messages.last_text(history, "assistant" if req.add_generation_prompt else history[-1]["role"])
-    history = tool_calls.history(history, w.settings.TOOL_CALL_PARSER, template)
+    history = tool_calls.history(history, ctx.settings.TOOL_CALL_PARSER, template)
     kw = dict(req.chat_template_kwargs or {})  # vLLM's order: the request's own fields over chat_template_kwargs
     kw |= {k: v for k in ("reasoning_effort", "documents") if (v := getattr(req, k)) is not None}
     if req.continue_final_message:
         kw["continue_final_message"] = True
-    text = await w.chat_prompt(
-        history, f"{WHERE}.messages", req.add_generation_prompt, kw, req.tools, req.chat_template
+    text = await jobs.chat_prompt(
+        ctx, history, f"{WHERE}.messages", req.add_generation_prompt, kw, req.tools, req.chat_template
     )
-    return prompt_ids(w, req, text, f"{WHERE}.messages", max_tokens, always=True), echo if req.echo else ""
+    return prompt_ids(ctx, req, text, f"{WHERE}.messages", max_tokens, always=True), echo if req.echo else ""
 
 
-def prompt_ids(w: Worker, req, prompt: str | dict, param: str, max_tokens: int | None, always: bool = False):
+def prompt_ids(ctx: JobContext, req, prompt: str | dict, param: str, max_tokens: int | None, always: bool = False):
     """A prompt (text, or {"prompt_token_ids"}) under the request's add_special_tokens and truncate_prompt_tokens:
     {"prompt_token_ids"}, or the prompt as it is where neither changes it (and not `always`)."""
     k = req.truncate_prompt_tokens
@@ -84,15 +84,15 @@ def prompt_ids(w: Worker, req, prompt: str | dict, param: str, max_tokens: int |
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone UTF-16 surrogate from a JSON escape: the Rust tokenizer refuses it
             raise JobError(f"{param}: not valid Unicode text: {e.reason} at character {e.start}", param=param) from None
-        ids = w.engine.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
+        ids = ctx.engine.tok.encode(prompt, add_special_tokens=req.add_special_tokens)
     else:
         ids = list(prompt["prompt_token_ids"])  # token ids get no special tokens added (vLLM)
     if k is not None:
-        keep = w.engine.max_model_len - (max_tokens or 1) if k == -1 else k
+        keep = ctx.engine.max_model_len - (max_tokens or 1) if k == -1 else k
         if keep < 1:
             raise JobError(
                 f"truncate_prompt_tokens={k} keeps no token: give k >= 1 (the prompt's last k tokens), or -1 (as many "
-                f"as fit beside max_tokens in the context of {w.engine.max_model_len})",
+                f"as fit beside max_tokens in the context of {ctx.engine.max_model_len})",
                 param=f"{WHERE}.truncate_prompt_tokens",
             )
         ids = ids[-keep:]  # vLLM truncates on the left: the end of the prompt is what the model continues
@@ -108,9 +108,9 @@ class _TokenIds:
         return "".join(f"token_id:{i}" for i in ids)
 
 
-def token_names(w: Worker, req):
+def token_names(ctx: JobContext, req):
     """What names the tokens of logprobs: the tokenizer, or token ids (return_tokens_as_token_ids)."""
-    return _TokenIds() if req.return_tokens_as_token_ids else w.engine.tok
+    return _TokenIds() if req.return_tokens_as_token_ids else ctx.engine.tok
 
 
 class TokenIdsDue:

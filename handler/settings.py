@@ -1,35 +1,83 @@
 """The only module that reads the environment. It parses worker-vllm's variable names with pydantic and
-builds the frozen EngineConfig. An invalid value fails fast with a message naming the variable."""
+builds the frozen EngineConfig. An invalid value fails fast with a message naming the variable.
+
+The engine's variables are not declared here: each EngineConfig field is one, named as the field upper-cased
+(`max_num_seqs` is MAX_NUM_SEQS) unless ENV_NAMES spells it as worker-vllm does, typed and defaulted by the
+dataclass, and checked by EngineConfig itself when the settings load. Adding an engine knob is one EngineConfig
+field and one row in docs/configuration.md (tests/test_settings.py checks the row, and
+tests/test_no_silent_settings.py wants a case showing what the variable changes). Only the worker's own
+variables are declared below, in Settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
+import typing
 from collections.abc import Mapping
 from pathlib import Path
+from types import NoneType
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import ConfigDict, Field, SecretStr, ValidationError, create_model, field_validator, model_validator
 
-from engine import EngineConfig, default_cache_root, writable_dir
+from engine import ConfigError, EngineConfig, default_cache_root, writable_dir
 
 log = logging.getLogger("handler")
+
+# EngineConfig fields whose variable worker-vllm names otherwise; every other field's is its name upper-cased
+ENV_NAMES = {"model": "MODEL_NAME", "revision": "MODEL_REVISION", "tokenizer": "TOKENIZER_NAME"}
+# EngineConfig fields that are no variable: the worker derives the caches from BASE_PATH and HF_*, and the rest
+# serve tests and the Python API (a CPU-only pool size, the device, thread counts, log and collective timing)
+NOT_VARIABLES = (
+    "cache_root",
+    "hf_cache_dirs",
+    "device",
+    "num_kv_blocks",
+    "num_threads",
+    "log_stats_interval",
+    "distributed_timeout_s",
+)
+# a variable's type where its text is not the field's type: the JSON that EngineConfig parses itself
+ENV_TYPES = {"speculative_config": str | None}
+# second names of the worker's own variables: worker-vllm documents DEFAULT_* but reads these; accept both (the
+# DEFAULT_* name wins)
+ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}
+
+# environment variable -> EngineConfig field
+ENGINE_FIELDS = {
+    ENV_NAMES.get(f.name, f.name.upper()): f.name
+    for f in dataclasses.fields(EngineConfig)
+    if f.name not in NOT_VARIABLES
+}
+
+
+def _engine_variables() -> dict[str, tuple]:
+    """The engine part of Settings, for pydantic's create_model: {variable: (type, EngineConfig's default)}."""
+    types = typing.get_type_hints(EngineConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    return {env: (ENV_TYPES.get(name, types[name]), defaults[name]) for env, name in ENGINE_FIELDS.items()}
+
+
+_EngineVariables = create_model(
+    "_EngineVariables", __config__=ConfigDict(extra="ignore", frozen=True), **_engine_variables()
+)
+# an empty value of an optional text is unset (Dockerfiles and templates set MODEL_NAME="")
+_OPTIONAL_TEXT = [
+    env for env, f in _EngineVariables.model_fields.items() if set(typing.get_args(f.annotation)) == {str, NoneType}
+]
 
 
 class SettingsError(ValueError):
     """An environment variable with a value we cannot use; the message names it."""
 
 
-class Settings(BaseModel):
-    """Field names are the environment variable names (worker-vllm's where one exists)."""
+class Settings(_EngineVariables):
+    """Field names are the environment variable names (worker-vllm's where one exists): the engine's, from
+    EngineConfig (above), and the worker's own, declared here."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    MODEL_NAME: str | None = None  # None: the embedded default model
-    MODEL_REVISION: str = "main"
-    TOKENIZER_NAME: str | None = None
     BASE_PATH: str | None = None  # Runpod network volume; default /runpod-volume on Runpod
     HF_HOME: str | None = None
     HF_HUB_CACHE: str | None = None
@@ -39,16 +87,7 @@ class Settings(BaseModel):
     RUNPOD_POD_ID: str | None = None
     LOCAL_EMULATOR: bool = False  # set by python -m handler.local for its worker: Runpod's protocol, not Runpod
     RUNPOD_ENDPOINT_ID: str | None = None
-    MAX_MODEL_LEN: int | None = Field(default=None, ge=1)
-    DTYPE: str = "auto"
-    MAX_NUM_SEQS: int = Field(default=128, ge=1)
-    MAX_NUM_BATCHED_TOKENS: int = Field(default=2048, ge=1)
-    LONG_PREFILL_TOKEN_THRESHOLD: int = Field(default=0, ge=0)
-    GPU_MEMORY_UTILIZATION: float = Field(default=0.90, gt=0, le=1)
-    KV_CACHE_MEMORY: int = Field(default=1 << 30, gt=0)  # bytes of KV pool on CPU
-    BLOCK_SIZE: int = 16
-    KERNEL_BACKEND: str = "auto"  # auto: Triton on CUDA, torch on CPU | torch | triton
-    ENFORCE_EAGER: bool = True  # false: CUDA graphs for decode steps (worker-vllm's name)
+    RUNPOD_WEBHOOK_GET_JOB: str | None = None  # set on Runpod (and by handler.local); unset = local test mode
     # job handling (worker-vllm names)
     MAX_CONCURRENCY: int = Field(default=30, ge=1)
     DEFAULT_BATCH_SIZE: int = Field(default=50, ge=1)
@@ -61,39 +100,19 @@ class Settings(BaseModel):
     # vLLM's --trust-request-chat-template: a request's own `chat_template` (Jinja code from the client) is rendered
     # only when this is true; without it such a request is refused, as in vLLM
     TRUST_REQUEST_CHAT_TEMPLATE: bool = False
-    RUNPOD_WEBHOOK_GET_JOB: str | None = None  # set on Runpod (and by handler.local); unset = local test mode
-    QUANTIZATION: str | None = None
-    KV_CACHE_DTYPE: str = "auto"
-    ENABLE_PREFIX_CACHING: bool = True
-    # LoRA (worker-vllm's names, plus S3 sources, which worker-vllm lacks)
-    SPECULATIVE_CONFIG: str | None = None  # JSON: {"method": "ngram", ...} or {"model": ..., ...}
-    TENSOR_PARALLEL_SIZE: int = Field(default=1, ge=1)
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
     TOOL_CALL_PARSER: Literal["hermes", "llama3_json"] | None = None
-    ENABLE_LORA: bool = False
-    MAX_LORAS: int = Field(default=1, ge=1)
-    MAX_LORA_RANK: int = Field(default=16, ge=1)
-    LORA_MODULES: tuple[tuple[str, str], ...] = ()  # JSON: {"name", "path"} or a list of them
-    LORA_S3_URI: str | None = None
-    LORA_ALLOWED_BUCKETS: tuple[str, ...] = ()  # comma-separated
-    S3_ENDPOINT_URL: str | None = None
-    LORA_CACHE_BYTES: int = Field(default=10 << 30, gt=0)
-    LORA_LOAD_TIMEOUT_S: float = Field(default=120.0, gt=0)
 
     @field_validator(
-        "MODEL_NAME",
-        "TOKENIZER_NAME",
+        *_OPTIONAL_TEXT,
         "BASE_PATH",
         "HF_HOME",
         "HF_HUB_CACHE",
-        "QUANTIZATION",
         "HF_TOKEN",
         "TRITON_CACHE_DIR",
         "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
         "CUSTOM_CHAT_TEMPLATE",
-        "LORA_S3_URI",
-        "S3_ENDPOINT_URL",
         mode="before",
     )
     @classmethod
@@ -120,6 +139,8 @@ class Settings(BaseModel):
                 if not isinstance(m.get("name"), str) or not isinstance(m.get("path"), str):
                     raise ValueError('each module needs string "name" and "path"')
                 m = (m["name"], m["path"])
+            elif not isinstance(m, (list, tuple)):  # a [name, path] pair passes on to the type check
+                raise ValueError('each module must be {"name": ..., "path": ...}')
             out.append(tuple(m))
         return tuple(out)
 
@@ -137,6 +158,13 @@ class Settings(BaseModel):
         if v not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("must be auto, float32 (float), bfloat16 or float16 (half)")
         return v
+
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> Settings:
+        # EngineConfig holds the engine's rules (MAX_NUM_SEQS >= 1, BLOCK_SIZE one of 8 to 128, ...): apply them now,
+        # so a bad value fails the load as a bad type does, not later at the engine's start
+        self._engine(self._engine_values())
+        return self
 
     @property
     def on_runpod(self) -> bool:
@@ -172,7 +200,7 @@ class Settings(BaseModel):
         return out
 
     def engine_config(self) -> EngineConfig:
-        kw = {field: getattr(self, env) for env, field in ENGINE_FIELDS.items()}
+        kw = self._engine_values()
         kw["hf_cache_dirs"] = self.hf_cache_dirs()  # the volume's HF cache is read even when it cannot be written
         root = self.cache_root()
         if root and not writable_dir(root):
@@ -184,53 +212,18 @@ class Settings(BaseModel):
             )
         elif root:
             kw["cache_root"] = root
+        return self._engine(kw)
+
+    def _engine_values(self) -> dict:
+        return {field: getattr(self, env) for env, field in ENGINE_FIELDS.items()}
+
+    @staticmethod
+    def _engine(kw: dict) -> EngineConfig:
         try:
             return EngineConfig(**kw)
-        except ValueError as e:
-            env = next(
-                (
-                    env
-                    for env, field in ENGINE_FIELDS.items()
-                    if f"EngineConfig.{field}=" in str(e) or str(e).startswith(field)
-                ),
-                None,
-            )
+        except ConfigError as e:
+            env = {field: env for env, field in ENGINE_FIELDS.items()}.get((e.field or "").split(".")[0])
             raise SettingsError(f"environment variable {env}: {e}" if env else f"invalid engine setting: {e}") from e
-
-
-# environment variable -> EngineConfig field
-ENGINE_FIELDS = {
-    "MODEL_NAME": "model",
-    "MODEL_REVISION": "revision",
-    "TOKENIZER_NAME": "tokenizer",
-    "MAX_MODEL_LEN": "max_model_len",
-    "DTYPE": "dtype",
-    "MAX_NUM_SEQS": "max_num_seqs",
-    "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
-    "LONG_PREFILL_TOKEN_THRESHOLD": "long_prefill_token_threshold",
-    "BLOCK_SIZE": "block_size",
-    "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
-    "KV_CACHE_MEMORY": "kv_cache_memory",
-    "KERNEL_BACKEND": "kernel_backend",
-    "ENFORCE_EAGER": "enforce_eager",
-    "KV_CACHE_DTYPE": "kv_cache_dtype",
-    "QUANTIZATION": "quantization",
-    "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
-    "ENABLE_LORA": "enable_lora",
-    "MAX_LORAS": "max_loras",
-    "MAX_LORA_RANK": "max_lora_rank",
-    "LORA_MODULES": "lora_modules",
-    "LORA_S3_URI": "lora_s3_uri",
-    "LORA_ALLOWED_BUCKETS": "lora_allowed_buckets",
-    "S3_ENDPOINT_URL": "s3_endpoint_url",
-    "LORA_CACHE_BYTES": "lora_cache_bytes",
-    "LORA_LOAD_TIMEOUT_S": "lora_load_timeout_s",
-    "SPECULATIVE_CONFIG": "speculative_config",
-    "TENSOR_PARALLEL_SIZE": "tensor_parallel_size",
-}
-
-# worker-vllm documents DEFAULT_* but reads these names; accept both (the DEFAULT_* name wins).
-ALIASES = {"MIN_BATCH_SIZE": "DEFAULT_MIN_BATCH_SIZE", "BATCH_SIZE_GROWTH_FACTOR": "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"}
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -243,6 +236,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         return Settings.model_validate(values)
     except ValidationError as e:
         err = e.errors()[0]
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, SettingsError):  # EngineConfig refused it; the message names the variable
+            raise SettingsError(str(cause)) from None
         name = err["loc"][0] if err["loc"] else "?"
         shown = name if name in env else next((a for a, n in ALIASES.items() if n == name and a in env), name)
         raise SettingsError(f"environment variable {shown}={env.get(shown)!r}: {err['msg']}") from None

@@ -1,5 +1,6 @@
 """The async generator handler: one job in, chunks out. This module routes each job (native_jobs.py,
-openai_jobs.py), runs its life cycle, and turns every failure into the job's one error object.
+openai_jobs.py) with its JobContext (jobs.py), runs its life cycle, and turns every failure into the job's one error
+object.
 
 Errors in a job end that job with one error object and never touch other jobs. An engine fault (the step
 loop raised) ends every in-flight job with an error and asks Runpod to replace this worker."""
@@ -11,13 +12,15 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
-from engine import AsyncEngine, EngineError, EngineFault, InvalidRequestError, SamplingParams, Timeline
+from engine import AsyncEngine, EngineError, EngineFault, InvalidRequestError, Timeline
+from handler import native_jobs
+from handler.jobs import ColdStart, JobContext, marked
 from handler.native_jobs import native_job
-from handler.openai_jobs import openai_job
-from handler.pacing import BatchSizer, paced
+from handler.openai_jobs import WHERE, openai_job
 from handler.schemas import JobError
 from handler.settings import Settings
 
@@ -35,26 +38,35 @@ class Worker:
         self.settings = settings
         self.engine = engine
         self.start_error = start_error
-        self.timeline = timeline  # the cold start; "first token" is marked by the first job, which reports it
-        self._cold_start_claimed = False
+        self.timeline = timeline  # the cold start; "first token" is marked by a job, which reports it
         self.served_name = settings.OPENAI_SERVED_MODEL_NAME_OVERRIDE or settings.MODEL_NAME or "SmolLM2-135M-Instruct"
-        self.rp_config: dict | None = None  # runpod's start() config; set refresh_worker on engine faults
+        self.ctx = JobContext(engine, settings, self.served_name)
+        self.rp_config: dict | None = None  # runpod's start() config (runpod_config()); refresh_worker on faults
         self.fault: str | None = None
         self.max_in_flight = 0
         self._ids = itertools.count()
         self._running: dict[str, str] = {}  # engine request id -> job id, for jobs in flight
-        self.stop_error: JobError | None = None  # set when the worker ends its jobs (shutdown)
 
     @property
     def in_flight(self) -> int:
         return len(self._running)
 
+    def runpod_config(self) -> dict:
+        """runpod.serverless.start's config; the worker keeps it to ask for its replacement on an engine fault."""
+        self.rp_config = {
+            "handler": self.handle,
+            "return_aggregate_stream": True,
+            "concurrency_modifier": self.concurrency,
+        }
+        return self.rp_config
+
     def end_all(self, reason: str) -> None:
         """End every job in flight, and any that starts later, with a server error (the SDK reports each one
         FAILED). Called when the shutdown grace period is over."""
-        self.stop_error = JobError(reason, type="server_error", status=503)  # unavailable: send it again
+        error = JobError(reason, type="server_error", status=503)  # unavailable: send it again
+        self.ctx.gate.close(error)
         for rid in list(self._running):
-            asyncio.ensure_future(self.engine.abort(rid, self.stop_error))
+            asyncio.ensure_future(self.engine.abort(rid, error))
 
     def concurrency(self, current: int) -> int:
         return self.settings.MAX_CONCURRENCY
@@ -65,21 +77,6 @@ class Worker:
             self.timeline.mark("ready")
             log.info("cold start:\n%s", self.timeline.table())
 
-    async def generate(self, prompt, params: SamplingParams, rid: str, lora, cold: list):
-        """engine.generate; for the worker's first job it also marks the cold start's "first token" and puts the
-        timeline into `cold` (that job returns it in its metrics)."""
-        if self.stop_error is not None:
-            raise self.stop_error
-        claim = self.timeline is not None and not self._cold_start_claimed
-        self._cold_start_claimed = True
-        async for out in self.engine.generate(prompt, params, request_id=rid, lora=lora):
-            if claim and any(c.delta_token_ids for c in out.outputs):
-                claim = False
-                self.timeline.mark("first token")
-                log.info("cold start to first token: %.2f s", self.timeline.total())
-                cold.append(self.timeline.as_dict())
-            yield out
-
     async def handle(self, job: dict) -> AsyncIterator[Any]:
         """runpod calls this per job; each yield is one streamed chunk."""
         inp = job.get("input")
@@ -88,16 +85,12 @@ class Worker:
         self._running[rid] = job_id
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         log.info("job %s started (in flight: %d)", job_id, self.in_flight)
-        outcome, openai = "cancelled", False
+        outcome, rebase = "cancelled", _as_is
         try:
             if self.engine is None or self.fault:
                 raise JobError(f"the worker could not serve: {self.fault or self.start_error}", type="server_error")
-            if self.stop_error is not None:
-                raise self.stop_error
-            if openai := isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
-                gen = openai_job(self, inp, rid)
-            else:
-                gen = native_job(self, inp, rid)
+            self.ctx.gate.check()
+            gen, rebase = self._route(inp, rid)
             async for chunk in gen:
                 yield chunk
             outcome = "done"
@@ -107,12 +100,28 @@ class Worker:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes this job's error object; the worker serves on
             error, outcome = self._job_error(e, job_id)
-            if openai:  # its request was validated as the job's "openai_input": name the fields as its client does
-                error = error.rebased("openai_input")
-            yield {"error": json.dumps(error.to_dict()["error"])}
+            yield {"error": json.dumps(rebase(error).to_dict()["error"])}
         finally:
             self._running.pop(rid, None)
             self._log_end(job_id, outcome)
+
+    def _route(self, inp: Any, rid: str) -> tuple[AsyncIterator[Any], Callable[[JobError], JobError]]:
+        """The job's chunks, and how its errors name fields: an OpenAI job's as paths in its body (its client's
+        own), a use_openai_format job's as paths in its native input."""
+        ctx = self._context()
+        if isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
+            return openai_job(ctx, inp, rid), lambda e: e.rebased(WHERE)
+        job = native_jobs.parse_job(inp)
+        if job.use_openai_format:
+            inp, lora, sizer = native_jobs.as_openai(ctx, job)
+            return openai_job(ctx, inp, rid, lora, sizer), lambda e: e.rebased(WHERE, native_jobs.native_path)
+        return native_job(ctx, job, rid), _as_is
+
+    def _context(self) -> JobContext:
+        """Until some job has made the worker's first token, each job is lent the cold-start timeline."""
+        if self.timeline is None or marked(self.timeline):
+            return self.ctx
+        return replace(self.ctx, cold_start=ColdStart(self.timeline))
 
     def _job_error(self, e: Exception, job_id) -> tuple[JobError, str]:
         """The error object a failed job returns, and how the log describes the ending. Called in `except`."""
@@ -150,71 +159,9 @@ class Worker:
         if self.rp_config is not None:
             self.rp_config["refresh_worker"] = True  # the SDK stops the pod once in-flight jobs report
 
-    async def chat_prompt(
-        self,
-        messages: list[dict],
-        param: str,
-        add_generation_prompt: bool = True,
-        template_kwargs: dict | None = None,
-        tools: list[dict] | None = None,
-        chat_template: str | None = None,
-    ) -> str:
-        """Rendered on a thread: a template that only transformers can render loads its tokenizer on first use,
-        which must not stall the other jobs' streams. template_kwargs: the request's chat_template_kwargs;
-        chat_template: the request's own template (vLLM's chat_template field) over CUSTOM_CHAT_TEMPLATE's."""
-        kw = dict(template_kwargs or {})
-        taken = sorted(kw.keys() & _RESERVED_TEMPLATE_KWARGS)
-        if taken:
-            raise JobError(
-                f"chat_template_kwargs may not set {taken}: the request sets them",
-                param=f"openai_input.chat_template_kwargs.{taken[0]}",
-            )
-        try:
-            return await asyncio.to_thread(
-                self.engine.tok.apply_chat_template,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template or self.settings.CUSTOM_CHAT_TEMPLATE,
-                tools=tools,
-                **kw,
-            )
-        except Exception as e:  # jinja errors from a template the messages do not fit
-            raise JobError(f"{param}: the chat template rejected these messages: {e}", param=param) from None
 
-    def paced(self, gen, sizer: BatchSizer):
-        return paced(gen, sizer, self.settings.STREAM_FLUSH_MS / 1000)
-
-    def fit(
-        self, prompt, params: SamplingParams, param: str, default_room: bool = False, prompt_param: str | None = None
-    ):
-        """Tokenize once and check the context: a max_tokens the context cannot hold is an error (as in
-        vLLM's OpenAI server); with no max_tokens on OpenAI routes, use all the room left. param: the
-        max_tokens field's path; prompt_param: the field the prompt came from (default: the engine's name)."""
-        try:
-            ids = self.engine.tokenize(prompt)
-        except InvalidRequestError as e:
-            raise JobError(str(e), param=prompt_param or e.field) from None
-        try:
-            self.engine.check_params(params)  # n, stop_token_ids: limits of this engine
-        except InvalidRequestError as e:
-            raise JobError(str(e), param=f"{param.rsplit('.', 1)[0]}.{e.field}") from None
-        room = self.engine.max_model_len - len(ids)
-        if default_room:
-            params.max_tokens = room
-        elif params.max_tokens > room:
-            raise JobError(
-                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
-                f"context is {self.engine.max_model_len}, leaving room for {room}",
-                param=param,
-                code="context_length_exceeded",  # OpenAI's code for it
-            )
-        return {"prompt_token_ids": ids}, params
-
-
-# apply_chat_template's own arguments, which the request sets: a template kwarg cannot override them
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "conversation", "add_generation_prompt", "chat_template", "tokenize", "tools"}
-)
+def _as_is(error: JobError) -> JobError:
+    return error
 
 
 async def run_test_job(worker: Worker, job: Any, out) -> int:

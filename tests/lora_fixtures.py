@@ -102,7 +102,7 @@ def make_peft_adapter(
 
 
 def model_spec(base: Path):
-    from engine.models.llama import ModelSpec
+    from engine.models.spec import ModelSpec
 
     return ModelSpec.from_hf(json.loads((Path(base) / "config.json").read_text()))
 

@@ -191,7 +191,7 @@ def test_failed_capture_leaves_eager_steps(tiny_llama):
 @pytest.mark.parametrize("graphs_on", [False, True])
 def test_planner_counts_the_graph_pool(graphs_on):
     from engine import memory
-    from engine.models.llama import ModelSpec
+    from engine.models.spec import ModelSpec
     from tests.test_memory import LLAMA31_8B
 
     LLAMA_8B = ModelSpec.from_hf(LLAMA31_8B)

@@ -99,6 +99,19 @@ def test_bad_config_values():
         EngineConfig(block_size=7)
 
 
+def test_config_errors_carry_the_field():
+    """As InvalidRequestError does: the worker names the variable from .field, not from the message."""
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(max_loras=0)
+    assert e.value.field == "max_loras"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 99})
+    assert e.value.field == "speculative_config.num_speculative_tokens"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(speculative_config="{not json")
+    assert e.value.field == "speculative_config"
+
+
 def test_bad_requests_fail_alone_engine_keeps_serving(tiny_llama):
     eng = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", max_model_len=64, log_stats_interval=0))
 

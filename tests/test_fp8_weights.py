@@ -27,7 +27,7 @@ def test_fp8_weights_half_the_bytes_and_close_outputs(smollm2_path, tmp_path):
     assert layer.qkv.dtype == torch.float8_e4m3fn and layer.fp8_scales["qkv"].shape == (layer.qkv.shape[0], 1)
     assert fp8.engine.model.embed.dtype == torch.bfloat16  # embeddings, lm_head and norms stay 16-bit
     assert _linear_bytes(fp8) * 2 == _linear_bytes(base)  # measured from the tensors, not computed
-    # [gpu-review] F6: the fp8 model is built with fp8 linears (no 16-bit copy of them ever exists), and quantizing
+    # The fp8 model is built with fp8 linears (no 16-bit copy of them ever exists), and quantizing
     # each streamed q/k/v, gate/up slice alone gives exactly the bytes of quantizing the fused 16-bit weight
     from engine.models.llama import LlamaForCausalLM
     from kernels.fp8 import quant_per_channel
@@ -53,8 +53,8 @@ def test_fp8_weights_half_the_bytes_and_close_outputs(smollm2_path, tmp_path):
     assert [max(d, key=d.get) for d in got] == [max(d, key=d.get) for d in ref], (got, ref)
     # Measured 0.26 nats mean |delta logprob| over the top-5 (the same on AVX-512 with and without bf16, AVX2 and
     # no vectors; in bf16 it moved 0.29-0.36 with the CPU's GEMM path). The per-token activation quant (W8A8,
-    # vLLM's FP8-dynamic scheme) dominates on this 135M model. Whether that meets the [fp8] perplexity target is a
-    # benchmark's job, not this test's.
+    # vLLM's FP8-dynamic scheme) dominates on this 135M model. Whether that meets the fp8 perplexity target
+    # (docs/benchmarks.md) is a benchmark's job, not this test's.
     assert gap < W8A8_BOUND, gap
     # the check can fail: a corrupted scale on one layer moves the outputs past the same bound (measured 1.17)
     fp8.engine.model.layers[3].fp8_scales["down"] *= 8

@@ -1,4 +1,4 @@
-"""[models] Gemma 2 and 3 (engine/models/gemma.py). Parity with HF transformers is in test_parity.py (tiny random
+"""Gemma 2 and 3 (engine/models/gemma.py). Parity with HF transformers is in test_parity.py (tiny random
 checkpoints of both, default settings and chunked prefill + preemption); here, the must-fail side: each Gemma
 feature the tiny models are built to exercise, turned off or changed, breaks that parity. And the Triton kernels'
 path (windows and soft-caps inside the paged-attention kernel) gives HF's tokens too."""
@@ -77,7 +77,7 @@ def test_triton_kernels_match_hf(tiny_models, refs, arch):
 
 
 def test_lora_on_gemma(tiny_models, tmp_path):
-    """[models] LoRA works on the new families' projections: a PEFT adapter on Gemma 2 (attention and MLP) gives
+    """LoRA works on the new families' projections: a PEFT adapter on Gemma 2 (attention and MLP) gives
     HF + peft's tokens, and differs from the base model's."""
     from engine import LoRARequest
     from tests.lora_fixtures import make_peft_adapter

@@ -1,6 +1,6 @@
 """The GPU check's Python parts (bench/gpu_check.sh) run here in their --tiny form: the same code on CPU with a toy
 model, the Triton kernels under the interpreter and the ReplayGraph stand-in, so the one script that runs on a GPU
-does not rot between the rare sessions that have one."""
+does not rot between the rare runs on a GPU."""
 
 from __future__ import annotations
 

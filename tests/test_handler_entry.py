@@ -146,7 +146,7 @@ def test_rp_serve_api_runsync_returns_aggregate(tiny_llama, tmp_path):
 def test_engine_fault_fails_everything_and_asks_for_replacement(tiny_llama):
     eng = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", log_stats_interval=0))
     worker = Worker(load_settings({}), eng)
-    worker.rp_config = {}
+    worker.runpod_config()  # as python -m handler hands it to runpod
     real_step, calls = eng.engine.step, [0]
 
     def faulty_step():

@@ -1,4 +1,4 @@
-"""[gpu-review] #19 items 4, 5 and "done means", on CPU with the Triton kernels under the interpreter:
+"""The GPU warm-up's promises, on CPU with the Triton kernels under the interpreter:
 - the padding-only warm steps (ModelRunner.warm, run after ready in the step loop's idle gaps on CUDA) launch every
   compile variant that serving then asks for, so no request waits for a compile;
 - a step's host-to-device traffic does not grow with the layer count (no per-layer copy or scalar tensor)."""

@@ -1,4 +1,4 @@
-"""[lora] in the engine: PEFT-exact greedy outputs (fp32, CPU) for mixed-adapter batches, device slots (LRU,
+"""LoRA in the engine: PEFT-exact greedy outputs (fp32, CPU) for mixed-adapter batches, device slots (LRU,
 pinning), adapters fetched from a real S3 server (moto, its own process), and faults that fail one request."""
 
 from __future__ import annotations

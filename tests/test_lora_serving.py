@@ -1,4 +1,4 @@
-"""[lora] end to end on SmolLM2: an adapter stored in a real S3 server (moto, its own process) is named by the
+"""LoRA end to end on SmolLM2: an adapter stored in a real S3 server (moto, its own process) is named by the
 `openai` client's `model` through the local Runpod emulator, and by a native job's `lora` field; the streamed text
 equals HF transformers + peft (fp32)."""
 

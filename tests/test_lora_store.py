@@ -1,4 +1,4 @@
-"""[lora] before the device: name resolution, S3 fetch against a real (moto) server, the disk cache, and loading
+"""LoRA before the device: name resolution, S3 fetch against a real (moto) server, the disk cache, and loading
 real PEFT adapters into validated tensors."""
 
 from __future__ import annotations

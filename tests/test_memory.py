@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engine import ConfigError, EngineConfig, LLMEngine, ModelSpec, memory
+from engine import ConfigError, EngineConfig, LLMEngine, ModelSpec, memory, startup
+from engine.startup import ModelFacts
 from warmup.plan import make_plan
 
 GB = 10**9
@@ -106,8 +108,8 @@ def test_refusals_name_the_numbers_and_what_would_fit():
     assert not long["fits"] and f"the largest max_model_len that fits is {small['kv_tokens']}" in long["error"]
 
 
-def test_seed_worked_example_kv_bytes():
-    """The seed's example: Llama-3-70B with fp8 KV at 4096 tokens, 100 requests: 160 KiB per token, 65.5 GB."""
+def test_worked_example_kv_bytes():
+    """A worked example: Llama-3-70B with fp8 KV at 4096 tokens, 100 requests: 160 KiB per token, 65.5 GB."""
     p = make_plan(
         ModelSpec.from_hf(LLAMA3_70B), 80 * 2**30, max_model_len=4096, quantization="fp8", kv_cache_dtype="fp8"
     )
@@ -116,21 +118,20 @@ def test_seed_worked_example_kv_bytes():
     assert p["fits"] and p["max_concurrent_seqs"] >= 1  # on 80 GiB (not 80 GB) the weights fit, with room for 4k
 
 
-def _fake_engine(total: int, free: int, **cfg) -> SimpleNamespace:
-    spec = ModelSpec.from_hf(LLAMA31_8B)
-    config = EngineConfig(**cfg)
-    return SimpleNamespace(
-        cfg=config,
-        kernel_backend="triton",  # as the engine resolves "auto" on CUDA
+def _fake_start(config: dict | None = None, hf_config: dict = LLAMA31_8B) -> tuple[EngineConfig, ModelFacts]:
+    """What startup.resolve would find on a CUDA device for this model, without its files."""
+    spec = ModelSpec.from_hf(hf_config)
+    facts = ModelFacts(
+        path=Path("m"),
         spec=spec,
         rank_spec=spec,
-        draft_spec=None,
-        tp=1,
+        rank=0,
+        device=torch.device("cuda"),
         dtype=torch.bfloat16,
         kv_dtype=torch.bfloat16,
-        device=torch.device("cuda"),
-        max_model_len=None,
+        kernel_backend="triton",  # as the start resolves "auto" on CUDA
     )
+    return EngineConfig(**(config or {})), facts
 
 
 @pytest.fixture
@@ -142,31 +143,28 @@ def h100_props(monkeypatch):
 
 def test_engine_plans_after_the_load_from_measured_memory(monkeypatch, h100_props):
     total, other = 80 * GB, 3 * GB  # another process holds 3 GB
-    eng = _fake_engine(total, total - other)
+    cfg, facts = _fake_start()
     calls = []
     free = {"now": total - other}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append(1) or (free["now"], total))
-    predicted = LLMEngine._plan_memory(eng, loaded=False)
-    eng.max_model_len = predicted.max_model_len
+    predicted = startup.device_plan(cfg, facts)
     free["now"] = total - other - predicted.weight_bytes - (700 << 20)  # weights resident, a 700 MiB context
-    measured = LLMEngine._plan_memory(eng, loaded=True)
+    measured = startup.device_plan(cfg, facts, loaded_len=predicted.max_model_len)
     budget = int(total * 0.9)
     assert measured.kv_budget_bytes == budget - (total - free["now"]) - measured.activation_reserve_bytes
     assert measured.kv_bytes <= measured.kv_budget_bytes and measured.max_model_len <= predicted.max_model_len
     assert len(calls) == 2
     # the start-up log's comparison with the other KV dtype comes from the plan: the device is not asked again
-    eng.memory, eng.model_path = measured, "m"
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("asked the device again"))
-    LLMEngine._log_ready(eng, 1.0)
+    startup.log_ready(cfg, facts, measured, 1.0)
 
 
 def test_engine_refuses_before_loading_what_cannot_fit(monkeypatch, h100_props):
     total = 24 * GB
-    eng = _fake_engine(total, total)
-    eng.spec = eng.rank_spec = ModelSpec.from_hf(LLAMA3_70B)
+    cfg, facts = _fake_start(hf_config=LLAMA3_70B)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
     with pytest.raises(ConfigError, match="does not fit: its weights take 131.42 GiB"):
-        LLMEngine._plan_memory(eng, loaded=False)
+        startup.device_plan(cfg, facts)
 
 
 def test_cpu_engine_logs_the_planners_capacity(tiny_llama, caplog):
@@ -215,15 +213,15 @@ def test_auto_dtype_reads_both_config_keys():
 def test_engine_sets_the_graph_pool_aside(monkeypatch, h100_props):
     total = 80 * GB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
-    eager = LLMEngine._plan_memory(_fake_engine(total, total), loaded=False)
-    graphs = LLMEngine._plan_memory(_fake_engine(total, total, enforce_eager=False), loaded=False)
+    eager = startup.device_plan(*_fake_start())
+    graphs = startup.device_plan(*_fake_start({"enforce_eager": False}))
     pool = memory.graph_pool_bytes(ModelSpec.from_hf(LLAMA31_8B), 128, 2)
     assert graphs.activation_reserve_bytes - eager.activation_reserve_bytes == pool
     assert graphs.kv_budget_bytes == eager.kv_budget_bytes - pool
 
 
 def test_gpu_log_line_names_the_driver_floor():
-    """[gpu-review] F3: the start-up line that names the GPU states the driver floor, and says so loudly when the
+    """The start-up line that names the GPU states the driver floor, and says so loudly when the
     driver is older than the CUDA torch was built for (simulated numbers)."""
     from engine.device import gpu_line
 

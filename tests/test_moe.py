@@ -1,4 +1,4 @@
-"""[models] Mixture of experts (engine/models/moe.py). Parity with HF transformers for Mixtral, Qwen2-MoE and
+"""Mixture of experts (engine/models/moe.py). Parity with HF transformers for Mixtral, Qwen2-MoE and
 Qwen3-MoE is in test_parity.py (default settings and chunked prefill + preemption); here: routing spreads over the
 experts, and each MoE feature changed (expert order, the shared expert, top-k renormalization) breaks that parity;
 the Triton kernels' path gives HF's tokens; fp8 experts load with per-expert scales (their bytes counted by the

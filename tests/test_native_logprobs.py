@@ -10,7 +10,7 @@ from handler.worker import Worker
 from tests.test_handler_jobs import error_of, run_job
 from tests.test_handler_jobs import worker as _worker
 
-worker = _worker  # the module-scoped fixture (fp32 SmolLM2 behind a Worker), one instance for this module
+worker = _worker  # the module-scoped fixture (a Worker on the scripted engine), one instance for this module
 
 
 def test_native_logprobs_plain_and_in_openai_format(worker):

@@ -239,14 +239,15 @@ def _job(model: str, field: str, value, patch: dict) -> tuple[dict, dict]:
     return base, job
 
 
-class Spy(Worker):
-    """The real worker; it records what each job hands the engine."""
+class Spy(AsyncEngine):
+    """The real engine; it records what each job hands it: the validated request (prompt token ids, SamplingParams,
+    adapter)."""
 
     seen: list
 
-    def generate(self, prompt, params, rid, lora, cold):
-        self.seen.append(copy.deepcopy((prompt, params, lora)))
-        return super().generate(prompt, params, rid, lora, cold)
+    def generate(self, prompt, params=None, request_id=None, lora=None):
+        self.seen.append(copy.deepcopy(prompt))  # the handler hands it a ValidRequest
+        return super().generate(prompt, params, request_id, lora)
 
 
 def _strip(x):
@@ -261,15 +262,15 @@ def _strip(x):
     return x
 
 
-def observe(w: Spy, inp: dict) -> dict:
+def observe(w: Worker, inp: dict) -> dict:
     async def go():
         return [c async for c in w.handle({"id": "walk", "input": inp})]
 
-    w.seen = []
+    w.engine.seen = []
     chunks = asyncio.run(go())
     if len(chunks) == 1 and isinstance(chunks[0], dict) and "error" in chunks[0]:
         return {"error": json.loads(chunks[0]["error"])}
-    return {"engine": w.seen, "output": _strip(chunks)}
+    return {"engine": w.engine.seen, "output": _strip(chunks)}
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +292,7 @@ def walker(tiny_llama, tmp_path_factory):
         enable_lora=True,
         lora_modules=(("a", str(adapter)),),
     )
-    eng = AsyncEngine(cfg)
+    eng = Spy(cfg)
     env = {
         "CUSTOM_CHAT_TEMPLATE": TEMPLATE,
         "STREAM_FLUSH_MS": "3600000",  # yields by count alone: the same job streams the same chunks
@@ -300,7 +301,7 @@ def walker(tiny_llama, tmp_path_factory):
         "TOOL_CALL_PARSER": "hermes",
         "TRUST_REQUEST_CHAT_TEMPLATE": "true",  # the chat_template field renders (without it: refused)
     }
-    yield Spy(load_settings(env), eng)
+    yield Worker(load_settings(env), eng)
     eng.shutdown()
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine import AsyncEngine, EngineConfig
+from handler import jobs
 from handler.pacing import BatchSizer
 from handler.settings import ALIASES, Settings, load_settings
 from handler.worker import Worker
@@ -54,7 +55,7 @@ def flush(s: Settings, ctx):
             yield SimpleNamespace(outputs=[SimpleNamespace(delta_token_ids=[i])], finished=i == 5)
 
     async def go():
-        return [len(g) async for g in Worker(s, None).paced(outs(), BatchSizer(1, 3, 50))]
+        return [len(g) async for g in jobs.paced(Worker(s, None).ctx, outs(), BatchSizer(1, 3, 50))]
 
     return asyncio.run(go())
 

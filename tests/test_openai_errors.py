@@ -24,20 +24,19 @@ CHAT = [{"role": "user", "content": "Count from one to twenty."}]
 # stream is under way (EngineError: not the request's fault, this job only).
 FAILING_WORKER = """
 import sys
-from engine import EngineError
-from handler.worker import Worker
-generate = Worker.generate
-async def failing(self, prompt, params, rid, lora, cold):
-    async for i, out in _numbered(generate(self, prompt, params, rid, lora, cold)):
+from engine import AsyncEngine, EngineError
+generate = AsyncEngine.generate
+async def failing(self, valid, params=None, request_id=None, lora=None):  # the handler passes a ValidRequest
+    async for i, out in _numbered(generate(self, valid, params, request_id, lora)):
         yield out
-        if params.seed == 4242 and i == 2:
+        if valid.params.seed == 4242 and i == 2:
             raise EngineError("injected: the engine lost this request")
 async def _numbered(gen):
     i = 0
     async for out in gen:
         yield i, out
         i += 1
-Worker.generate = failing
+AsyncEngine.generate = failing
 from handler.__main__ import main
 sys.exit(main())
 """

@@ -1,5 +1,5 @@
-"""OpenAI's and vLLM's request fields, through the emulator with the real `openai` client on SmolLM2 (issue #24, items
-2 and 3): history as the SDK hands it back (message.model_dump() of earlier responses), text parts on every role,
+"""OpenAI's and vLLM's request fields, through the emulator with the real `openai` client on SmolLM2:
+history as the SDK hands it back (message.model_dump() of earlier responses), text parts on every role,
 and each field of the published request schemas honoured (visibly), accepted and logged as ignored, or refused
 naming what cannot be done. tests/test_no_silent_fields.py walks every field in-process; add_special_tokens and
 TRUST_REQUEST_CHAT_TEMPLATE are in tests/test_prompt_tokens.py; docs/api.md has the table.

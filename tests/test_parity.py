@@ -77,7 +77,7 @@ def test_tiny_architectures_match_hf(tiny_models, arch):
 
 
 def test_the_window_matters(tiny_models):
-    """[models] must-fail: the same windowed checkpoint with its window ignored no longer matches HF, so the
+    """Must-fail: the same windowed checkpoint with its window ignored no longer matches HF, so the
     parity above shows the window is applied (in prefill chunks and in decodes alike)."""
     path = tiny_models["mistral-window"]
     prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate((16, 33, 70))]

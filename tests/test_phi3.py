@@ -1,4 +1,4 @@
-"""[models] Phi-3 (fused qkv_proj / gate_up_proj checkpoints, longrope). Parity with HF is in test_parity.py; here:
+"""Phi-3 (fused qkv_proj / gate_up_proj checkpoints, longrope). Parity with HF is in test_parity.py; here:
 the short factors matter (turned off, parity breaks), the long factors' tables equal transformers' from the
 original length on, and a PEFT adapter on Phi-3's fused projections matches HF + peft."""
 

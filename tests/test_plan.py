@@ -1,5 +1,6 @@
-"""warmup.plan reproduces the seed's worked example from a config alone, and gives the engine's own answer: one
-simulated GPU, the engine's start and `python -m warmup.plan --json` for each configuration, the same KV tokens."""
+"""warmup.plan reproduces tests/test_memory.py's worked example (Llama-3-70B, fp8 KV) from a config alone, and
+gives the engine's own answer: one simulated GPU, the engine's start and `python -m warmup.plan --json` for each
+configuration, the same KV tokens."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import ConfigError, EngineConfig, LLMEngine, memory
-from engine import llm_engine as llm_engine_module
-from engine.models.llama import ModelSpec
+from engine import ConfigError, EngineConfig, LLMEngine, memory, startup
+from engine.models.spec import ModelSpec
+from engine.parallel import group as group_module
+from engine.parallel.group import NoRanks
 from tests.test_memory import LLAMA3_70B, LLAMA31_8B
 from warmup.plan import main, make_plan, parse_bytes
 
 
-def test_seed_worked_example(tmp_path, capsys):
+def test_worked_example(tmp_path, capsys):
     spec = ModelSpec.from_hf(LLAMA3_70B)
     p = make_plan(spec, parse_bytes("80GiB"), max_model_len=4096, quantization="fp8", kv_cache_dtype="fp8")
     assert p["kv_bytes_per_token"] == 160 * 1024  # 2 x 80 layers x 8 kv heads x 128 x 1 byte
@@ -168,20 +170,28 @@ def engine_start_plans(monkeypatch, cfg: EngineConfig, gpu: memory.GPU):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], gpu.total))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
+    def device_plan(cfg, facts, loaded_len=None, _orig=startup.device_plan):
+        plan = _orig(cfg, facts, loaded_len)
+        if loaded_len is None:
+            seen["predicted"], seen["facts"] = plan, facts
+        return plan
+
     def load_model(cfg, path, prequantized, build_model, device, dtype):
-        eng = build_model.__self__
-        seen["predicted"] = eng.memory
-        free[0] -= memory.weight_bytes(eng.rank_spec, eng.dtype.itemsize, cfg.quantization) + memory.CUDA_CONTEXT_BYTES
-        return None, SimpleNamespace(phase="weights (simulated)", note=lambda: "")
+        facts = seen["facts"]
+        free[0] -= (
+            memory.weight_bytes(facts.rank_spec, facts.dtype.itemsize, cfg.quantization) + memory.CUDA_CONTEXT_BYTES
+        )
+        model = SimpleNamespace(checkpoint_kv_scales={})  # no weights: fp8 KV scales would be calibrated
+        return model, SimpleNamespace(phase="weights (simulated)", note=lambda: "")
 
     def allocate(spec, plan, kv_dtype, device):
         seen["measured"] = plan
         raise _Stop
 
-    ranks = SimpleNamespace(expect=lambda *a, **k: None, send=lambda *a: None, fault=lambda why: RuntimeError(why))
-    monkeypatch.setattr(llm_engine_module, "load_model", load_model)
-    monkeypatch.setattr(llm_engine_module, "allocate", allocate)
-    monkeypatch.setattr(llm_engine_module, "TPGroup", lambda *a, **k: ranks)
+    monkeypatch.setattr(startup, "device_plan", device_plan)
+    monkeypatch.setattr(startup, "load_model", load_model)
+    monkeypatch.setattr(startup, "allocate", allocate)
+    monkeypatch.setattr(group_module, "TPGroup", lambda *a, **k: NoRanks())  # the other ranks: a stub
     with pytest.raises(_Stop):
         LLMEngine(cfg.replace(device="cuda", log_stats_interval=0))
     return seen["predicted"], seen["measured"]

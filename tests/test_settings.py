@@ -161,6 +161,25 @@ def test_engine_level_error_names_the_variable():
         load_settings({"BLOCK_SIZE": "7"}).engine_config()
 
 
+def test_engine_variables_are_the_engine_config_fields():
+    """Each engine knob is declared once, in EngineConfig: its variable takes the field's name (upper-cased, or
+    worker-vllm's), default and checks; a variable set to a value EngineConfig refuses fails at load."""
+    import dataclasses
+
+    from engine import EngineConfig
+    from handler.settings import ENGINE_FIELDS, ENV_NAMES, NOT_VARIABLES, Settings
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(ENGINE_FIELDS.values()) == names - set(NOT_VARIABLES) and set(ENV_NAMES) <= names
+    assert ENGINE_FIELDS["MODEL_NAME"] == "model" and ENGINE_FIELDS["MAX_NUM_SEQS"] == "max_num_seqs"
+    default = EngineConfig()
+    for env, field in ENGINE_FIELDS.items():
+        assert Settings.model_fields[env].default == getattr(default, field), env
+    for env in ({"MAX_LORAS": "0"}, {"LORA_S3_URI": "http://x"}, {"SPECULATIVE_CONFIG": "{not json"}):
+        with pytest.raises(SettingsError, match=rf"^environment variable {next(iter(env))}: "):
+            load_settings(env)
+
+
 def test_library_defaults_and_an_unwritable_triton_cache(tmp_path, monkeypatch, caplog):
     """The worker's start sets oneDNN's and glibc's defaults (an endpoint's own value wins), and moves Triton's
     cache off a volume this user cannot write (the first compile would fail with PermissionError)."""

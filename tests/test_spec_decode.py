@@ -300,10 +300,9 @@ def test_rollback_frees_rejected_slots_and_aborts_free_everything(models):
         e.step()
         for r in e.scheduler.running:  # after verification a sequence holds the blocks of its verified tokens only
             assert len(r.block_ids) == blocks_needed(r.num_computed_tokens, 8)
-        rejected = e.speculator.num_draft_tokens - e.speculator.num_accepted_tokens
+        rejected = e.output.spec.num_draft_tokens - e.output.spec.num_accepted_tokens
     assert rejected > 0
     # abort in the middle of a speculation: the granted lookahead slots are freed with the rest
-    e.speculator.before_schedule(e.scheduler.running)
     out = e.scheduler.schedule()
     assert out.spec
     e.abort_all()

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from engine import LLM, ConfigError, EngineFault, SamplingParams
+from engine import LLM, ConfigError, EngineFault, SamplingParams, startup
 from engine.parallel import shard
 from tests.conftest import build_tiny_model
 
@@ -275,7 +275,7 @@ def test_speculative_decoding_under_tp2(models):
         ref = generate(one)
     with engine(models["llama"], 2, speculative_config=spec) as llm:
         got = generate(llm)
-        assert llm.engine.speculator.stats()["spec_decode_acceptance_rate"] > 0.9
+        assert llm.engine.stats()["spec_decode_acceptance_rate"] > 0.9
     assert_same(ref, got)
 
 
@@ -349,7 +349,7 @@ def as_two_ranks(eng, path, monkeypatch) -> None:
 
     L, kvh = spec.num_layers, spec.num_kv_heads
     k_heads, v_heads = torch.zeros(L, kvh), torch.zeros(L, kvh)
-    ids = eng._calibration_ids()
+    ids = startup.calibration_ids(eng.facts, eng.model, eng.tok, eng.max_model_len)
     with torch.inference_mode():
         model(torch.tensor(ids), torch.arange(len(ids)), torch.empty(L, 2, 0), PerHead(L, spec.head_dim**-0.5), None)
     scales = []

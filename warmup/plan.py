@@ -1,10 +1,6 @@
 """Memory planner: will this model and context fit a GPU, and how many sequences at once?
 
-    python -m warmup.plan [--model PATH_OR_REPO] [--gpu-mem 80GiB] [--gpu-free SIZE] [--capability 9.0]
-                          [--gpu-memory-utilization 0.9] [--max-model-len N] [--dtype D] [--quantization fp8]
-                          [--kv-cache-dtype fp8] [--max-num-seqs N] [--max-num-batched-tokens N]
-                          [--tensor-parallel-size N] [--no-enforce-eager] [--enable-lora] [--max-loras N]
-                          [--max-lora-rank R] [--speculative-config JSON] [--requests N] [--json]
+    python -m warmup.plan [--model PATH_OR_REPO] [--gpu-mem 80GiB] [--max-model-len N] ... [--json]   (--help: all)
 
 The engine's configuration is built as the worker builds it: the environment through handler.settings, each flag
 standing in for its variable (--max-loras 4 is MAX_LORAS=4, validated the same way). Only config.json is read (the

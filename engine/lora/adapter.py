@@ -20,7 +20,7 @@ from engine.errors import InvalidRequestError
 from engine.lora.source import CONFIG_FILE, WEIGHTS_FILE
 
 if TYPE_CHECKING:
-    from engine.models.llama import ModelSpec
+    from engine.models.spec import ModelSpec
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")

@@ -26,6 +26,7 @@ import torch
 from engine.lora.adapter import load_adapter, max_adapter_bytes, module_shapes
 from engine.lora.disk_cache import AdapterDiskCache, cache_key
 from engine.lora.source import AdapterRef, LoRALoadError, resolve
+from engine.parallel.shard import Shard
 from kernels import add_lora, slot_groups
 
 log = logging.getLogger("engine")
@@ -97,15 +98,12 @@ class LoRASlots:
 
 
 class LoRAManager:
-    def __init__(self, cfg, spec, dtype: torch.dtype, device: torch.device, tp=None, shards=()):
-        """`spec`: the full model's (adapters are checked against it). Under tensor parallelism `shards` are every
-        rank's Shard (rank 0's first) and `tp` the TPGroup: each load sends the other ranks their parts."""
-        from engine.parallel.shard import local_spec
-
-        self.cfg, self.spec, self.dtype, self.device = cfg, spec, dtype, device
-        self.tp, self.shards = tp, list(shards)
-        self.slots = LoRASlots(cfg.max_loras, cfg.max_lora_rank, local_spec(spec, max(1, len(self.shards))), dtype,
-                               device)  # fmt: skip
+    def __init__(self, cfg, spec, slots: LoRASlots, ranks=None):
+        """`spec`: the full model's (adapters are checked against it); `slots`: rank 0's (its runner's). Under tensor
+        parallelism `ranks` is the TPGroup: each load sends every other rank its part."""
+        self.cfg, self.spec, self.slots = cfg, spec, slots
+        tp = cfg.tensor_parallel_size
+        self.ranks, self.shards = ranks, [Shard(spec, r, tp) for r in range(tp)] if tp > 1 else []
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, least recently used first
         self.free_slots = list(range(cfg.max_loras))
         self.refs: dict[str, AdapterRef] = {}  # every adapter key seen (for /v1/models)
@@ -173,7 +171,7 @@ class LoRAManager:
         parts = fut.result()  # per rank: (a, b)
         self.slots.load(slot, *parts[0])
         for rank, part in enumerate(parts[1:], start=1):  # before the step that uses it: the pipe keeps the order
-            self.tp.send_to(rank, ("lora", slot, *part))
+            self.ranks.send_to(rank, ("lora", slot, *part))
         del self._jobs[key]  # the disk cache keeps the files; a later reload reads them again
         self.slot_of[key] = slot
         self.num_loads += 1
@@ -185,20 +183,27 @@ class LoRAManager:
         )
         return slot
 
+    # ---- the scheduler's admission gate (engine thread) ----------------------------------------------
     def can_start(self, req, running) -> bool:
-        """The scheduler's admission gate: a request starts once its adapter sits in a device slot. `running`:
-        the running requests, whose slots are pinned."""
-        if req.lora_key is None:
+        """Whether `req` can start now, changing nothing: its adapter is resident, or loaded and a slot is free or
+        held by no running request (`running`: the running requests, whose slots are pinned)."""
+        key = req.lora_key
+        if key is None or key in self.slot_of:
             return True
-        slot = self.acquire(req.lora_key, {r.lora_slot for r in running if r.lora_key is not None})
-        if slot is None:
+        fut = self._jobs.get(key)
+        if fut is None or not fut.done() or fut.exception() is not None:
             return False
-        req.lora_slot = slot
-        return True
+        pinned = _pinned(running)
+        return bool(self.free_slots) or any(s not in pinned for s in self.slot_of.values())
 
-    def failed_waiters(self, waiting) -> dict[str, BaseException]:
-        """Adapter key -> error, for adapters that failed to load (or not in time) while requests wait on them.
-        The load is forgotten, so a later request retries it."""
+    def admit(self, req, running) -> None:
+        """`req` starts: its adapter takes its slot (loaded into one now if it is not resident)."""
+        if req.lora_key is not None:
+            req.lora_slot = self.acquire(req.lora_key, _pinned(running))
+
+    def refused(self, waiting) -> dict:
+        """Waiting requests whose adapter failed to load (or not in time), with the error. The load is forgotten,
+        so a later request retries it."""
         errors: dict[str, BaseException] = {}
         for req in waiting:
             key = req.lora_key
@@ -207,7 +212,7 @@ class LoRAManager:
                     errors[key] = err
         for key in errors:
             self.forget_failed(key)
-        return errors
+        return {req: errors[req.lora_key] for req in waiting if req.lora_key in errors}
 
     def names(self) -> list[str]:
         return sorted({r.name for r in self.refs.values()} | {n for n, _ in self.cfg.lora_modules})
@@ -220,10 +225,6 @@ class LoRAManager:
             **{f"lora_disk_{k}": v for k, v in self.disk.stats().items()},
         }
 
-    # ---- the batched delta (model forward) ---------------------------------------------------
-    def delta(self, token_slot: torch.Tensor):
-        return self.slots.delta(token_slot)
-
     # ---- loader threads ----------------------------------------------------------------------
     def _load(self, ref: AdapterRef) -> list[tuple[dict, dict]]:
         """Fetch (once) and load an adapter into padded host tensors, one (a, b) per tensor-parallel rank."""
@@ -233,6 +234,10 @@ class LoRAManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _pinned(running) -> set[int]:
+    return {r.lora_slot for r in running if r.lora_key is not None}
 
 
 def _lower_priority() -> None:

@@ -5,13 +5,16 @@ The differences are config flags, so one file covers them. Weights are fused at 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.layers.rotary import RotaryCache
-from engine.models.spec import ARCHITECTURES, ModelSpec  # noqa: F401 - re-exported: the engine's model names
+from engine.models import loading
+from engine.models.spec import ModelSpec
 from kernels.activation import silu_and_mul
 from kernels.fp8 import fp8_linear, quant_per_channel
 from kernels.rmsnorm import add_rms_norm, rms_norm
@@ -41,8 +44,18 @@ class DecoderLayer(nn.Module):
         self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32 when the linears are fp8
         if fp8:  # filled from the checkpoint's weight_scale tensors, or by quantizing while loading
             self.fp8_scales = {n: torch.ones(getattr(self, n).shape[0], 1, device=device) for n in self.LINEARS}
+        # fused parameter -> its parts as the checkpoint stores them: (first row, rows)
+        q, kv, inter = self.q_size, self.kv_size, s.intermediate_size
+        self.parts = {
+            "qkv": {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)},
+            "gate_up": {0: (0, inter), 1: (inter, inter)},
+        }
 
     LINEARS = ("qkv", "o_proj", "gate_up", "down")
+
+    def quant_scales(self, name: str) -> torch.Tensor | None:
+        """The fp8 scales of parameter `name`, None for a 16-bit one."""
+        return self.fp8_scales.get(name)
 
     def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         scale = self.fp8_scales.get(name)
@@ -61,15 +74,31 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     LAYER = DecoderLayer
-    # checkpoint names -> ours, for the unfused per-layer weights
-    PLAIN_NAMES = {
-        "o_proj": "o_proj",
-        "down_proj": "down",
-        "input_layernorm": "input_norm",
-        "post_attention_layernorm": "post_norm",
-        "q_norm": "q_norm",
-        "k_norm": "k_norm",
+    # checkpoint module -> (our parameter, its part), None: skipped (engine/models/loading.py); q/k/v and gate/up
+    # are fused into one GEMM each, which Phi-3 checkpoints store already
+    WEIGHTS = {
+        "model.embed_tokens": ("embed", None),
+        "model.norm": ("norm", None),
+        "lm_head": ("lm_head", None),
+        "model.rotary_emb": None,  # inv_freq in some checkpoints: ours is computed
+        "self_attn.rotary_emb": None,
+        "self_attn": ("attn", None),  # k_scale / v_scale: fp8 KV cache scales
+        "self_attn.q_proj": ("qkv", "q"),
+        "self_attn.k_proj": ("qkv", "k"),
+        "self_attn.v_proj": ("qkv", "v"),
+        "self_attn.qkv_proj": ("qkv", None),
+        "self_attn.o_proj": ("o_proj", None),
+        "self_attn.q_norm": ("q_norm", None),
+        "self_attn.k_norm": ("k_norm", None),
+        "mlp.gate_proj": ("gate_up", 0),
+        "mlp.up_proj": ("gate_up", 1),
+        "mlp.gate_up_proj": ("gate_up", None),
+        "mlp.down_proj": ("down", None),
+        "input_layernorm": ("input_norm", None),
+        "post_attention_layernorm": ("post_norm", None),
     }
+    # how: by the name's suffix (weight, bias, weight_scale, k_scale, ...), or "{param}.{suffix}" for one parameter
+    LOADERS = loading.LOADERS
 
     def __init__(
         self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int, quantization: str | None = None
@@ -162,22 +191,6 @@ class LlamaForCausalLM(nn.Module):
 
     act_and_mul = staticmethod(silu_and_mul)
 
-    def required_weights(self) -> set[str]:
-        """The checkpoint names every model of this spec must have (the MLP's only on dense layers)."""
-        s = self.spec
-        need = {"model.embed_tokens.weight", "model.norm.weight"} | (
-            set() if s.tie_word_embeddings else {"lm_head.weight"}
-        )
-        phi3 = s.architecture == "Phi3ForCausalLM"
-        for i in range(s.num_layers):
-            p = f"model.layers.{i}."
-            need |= {p + n for n in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight")} if phi3 else set()
-            need |= set() if phi3 else {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
-            if not s.is_moe(i):
-                mlp = ("gate_up", "down") if phi3 else ("gate", "up", "down")
-                need |= {p + f"mlp.{n}_proj.weight" for n in mlp}
-        return need
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32 (gathered to rank 0 under tensor
         # parallelism: each rank holds vocab / tp rows of the head)
@@ -205,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         for name, t in weights:
             parts = name.split(".")
             if parts[0] != "layers":
-                _copy(getattr(self, name), t, name)
+                loading.copy_weight(getattr(self, name), t, name)
                 continue
             layer = self.layers[int(parts[1])]
             if parts[-1] == "fp8_scale":
@@ -213,93 +226,20 @@ class LlamaForCausalLM(nn.Module):
             elif parts[2] in ("k_scale", "v_scale"):
                 self.checkpoint_kv_scales.setdefault(int(parts[1]), {})[parts[2][0]] = float(t)
             else:  # fp8 linears land in the fp8 parameters built for them
-                _copy(getattr(layer, parts[2]), t, name)
+                loading.copy_weight(getattr(layer, parts[2]), t, name)
 
     def load_weights(self, weights) -> None:
-        """Copy HF-named tensors into the fused parameters as they stream in."""
-        s = self.spec
-        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        fused = {
-            "q_proj": ("qkv", 0, q),
-            "k_proj": ("qkv", q, kv),
-            "v_proj": ("qkv", q + kv, kv),
-            "gate_proj": ("gate_up", 0, inter),
-            "up_proj": ("gate_up", inter, inter),
-            "qkv_proj": ("qkv", 0, q + 2 * kv),  # Phi-3 checkpoints store them fused already
-            "gate_up_proj": ("gate_up", 0, 2 * inter),
-        }
-        plain = self.PLAIN_NAMES
-        seen: set[str] = set()
+        """Copy HF-named tensors into our parameters as they stream in: WEIGHTS says where each goes, LOADERS how.
+        Raises UnsupportedModelError for a tensor we do not know, or a parameter the checkpoint left unfilled."""
+        table = self.WEIGHTS | ({"lm_head": None} if self.spec.tie_word_embeddings else {})  # tied: the embedding
+        filled = Counter()  # (layer, parameter) -> elements written
         if self.shard is not None:  # tensor parallelism: this rank's rows and columns of each tensor
             weights = self.shard.weights(weights)
         for name, t in weights:
-            if "rotary_emb" in name:
+            if (d := loading.locate(name, table)) is None:
                 continue
-            if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-                if name == "lm_head.weight" and s.tie_word_embeddings:
-                    continue
-                target = {
-                    "model.embed_tokens.weight": self.embed,
-                    "model.norm.weight": self.norm,
-                    "lm_head.weight": self.lm_head,
-                }[name]
-                _copy(target, t, name)
-                seen.add(name)
-                continue
-            parts = name.split(".")  # model.layers.{i}.{self_attn|mlp|...}.{proj}.{weight|bias}
-            if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            loader = self.LOADERS.get(f"{d.param}.{d.suffix}") or self.LOADERS.get(d.suffix)
+            if loader is None:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
-            layer, proj, kind = self.layers[int(parts[2])], parts[-2], parts[-1]
-            if proj == "self_attn" and kind in ("k_scale", "v_scale"):
-                self.checkpoint_kv_scales.setdefault(int(parts[2]), {})[kind[0]] = float(t.float().reshape(-1)[0])
-                seen.add(name)
-                continue
-            if kind == "weight_scale" and s.prequantized and (proj in fused or proj in ("o_proj", "down_proj")):
-                # per-channel [N, 1], or per-tensor (a scalar) broadcast to the channels of that projection
-                attr, off, size = fused[proj] if proj in fused else (plain[proj], 0, None)
-                dst = layer.fp8_scales[attr]
-                dst = dst if size is None else dst.narrow(0, off, size)
-                dst.copy_(t.float().reshape(-1, 1).expand_as(dst) if t.numel() == 1 else t.float().reshape(dst.shape))
-            elif kind == "input_scale":
-                raise UnsupportedModelError(f"{name}: static activation scales are not supported (dynamic only)")
-            elif proj in fused and kind == "bias":
-                _copy(layer.qkv_bias.narrow(0, *fused[proj][1:]), t, name)
-            elif proj in fused or (proj in plain and kind == "weight" and plain[proj] in layer.LINEARS):
-                attr, off, size = fused[proj] if proj in fused else (plain[proj], 0, None)
-                self._load_linear(layer, attr, off, size, t, name)
-            elif proj in plain and kind == "weight":
-                _copy(getattr(layer, plain[proj]), t, name)
-            else:
-                raise UnsupportedModelError(f"unexpected weight {name!r}")
-            seen.add(name)
-        missing = sorted(self.required_weights() - seen)
-        if missing:
-            raise UnsupportedModelError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
-
-    def _load_linear(self, layer, attr: str, off: int, size: int | None, t: torch.Tensor, name: str) -> None:
-        """Rows off:off+size of a (fused) linear weight. Online fp8: quantized per output channel as it streams in,
-        in the model dtype first (rows are independent, so this equals quantizing the fused 16-bit weight)."""
-        dst, scales = getattr(layer, attr), layer.fp8_scales.get(attr) if self.quantization == "fp8" else None
-        if size is not None:
-            dst, scales = dst.narrow(0, off, size), None if scales is None else scales.narrow(0, off, size)
-        load_into(dst, scales, t, name, self.embed.dtype)
-
-
-def load_into(dst: torch.Tensor, scales: torch.Tensor | None, t: torch.Tensor, name: str, dtype) -> None:
-    """Checkpoint tensor `t` into parameter rows `dst`: copied, or with `scales` (online fp8) quantized per output
-    channel from `dtype` (the model's) into dst's e4m3 and scales' [N, 1] fp32."""
-    if scales is None:
-        return _copy(dst, t, name)
-    if dst.shape != t.shape:
-        _copy(dst, t, name)  # raises with the shapes
-    wq, scale = quant_per_channel(t.to(device=dst.device, dtype=dtype))
-    dst.copy_(wq)
-    scales.copy_(scale)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise UnsupportedModelError(
-            f"weight {name}: shape {tuple(src.shape)} does not match config ({tuple(dst.shape)})"
-        )
-    dst.copy_(src)
+            filled[d.layer, d.param] += loader(self, d, t, name)
+        loading.check_complete(self, filled, table)

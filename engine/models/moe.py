@@ -15,33 +15,22 @@ only: an adapter for an expert MLP is refused when it is loaded."""
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import UnsupportedModelError
-from engine.models.llama import DecoderLayer, LlamaForCausalLM, _copy, load_into
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
 
 FP8 = torch.float8_e4m3fn
-# model.layers.{i}.{block_sparse_moe|mlp}.{gate | experts.{j}.{w1|w2|w3|gate_proj|up_proj|down_proj} | shared_...}
-_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
-)
-_ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
-_SHARED = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.(shared_expert\.(gate_proj|up_proj|down_proj)|shared_expert_gate)\.weight"
-)
-_W13_HALF = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}  # gate rows first, then up
 
 
 class MoELayer(DecoderLayer):
     def __init__(self, s, dtype, device, fp8: bool, moe: bool):
         super().__init__(s, dtype, device, fp8, mlp=not moe)
         self.moe = moe
+        self.expert_scales: dict[str, torch.Tensor] = {}  # w13 / w2 -> [E, N, 1] fp32 when the experts are fp8
         if not moe:
             return
         kw = dict(dtype=dtype, device=device)
@@ -50,16 +39,36 @@ class MoELayer(DecoderLayer):
         self.router = nn.Parameter(torch.empty(e, h, **kw), False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **wkw), False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **wkw), False)
-        self.expert_scales = (
-            {"w13": torch.ones(e, 2 * i, 1, device=device), "w2": torch.ones(e, h, 1, device=device)} if fp8 else {}
-        )
+        if fp8:
+            self.expert_scales = {n: torch.ones(*getattr(self, n).shape[:2], 1, device=device) for n in ("w13", "w2")}
         si = s.shared_expert_intermediate_size
         self.shared_gate_up = nn.Parameter(torch.empty(2 * si, h, **kw), False) if si else None
         self.shared_down = nn.Parameter(torch.empty(h, si, **kw), False) if si else None
         self.shared_gate = nn.Parameter(torch.empty(1, h, **kw), False) if si else None
+        self.parts |= {"w13": {0: (0, i), 1: (i, i)}, "shared_gate_up": {0: (0, si), 1: (si, si)}}  # gate, then up
+
+    def quant_scales(self, name: str) -> torch.Tensor | None:
+        return self.expert_scales[name] if name in self.expert_scales else super().quant_scales(name)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
+    # Mixtral's block_sparse_moe, Qwen's mlp: a router, each expert's gate / up rows stacked in w13 and its down in
+    # w2 (`*`: the expert's index), and Qwen2-MoE's shared expert with its sigmoid gate
+    WEIGHTS = LlamaForCausalLM.WEIGHTS | {
+        "block_sparse_moe.gate": ("router", None),
+        "block_sparse_moe.experts.*.w1": ("w13", 0),
+        "block_sparse_moe.experts.*.w3": ("w13", 1),
+        "block_sparse_moe.experts.*.w2": ("w2", None),
+        "mlp.gate": ("router", None),
+        "mlp.experts.*.gate_proj": ("w13", 0),
+        "mlp.experts.*.up_proj": ("w13", 1),
+        "mlp.experts.*.down_proj": ("w2", None),
+        "mlp.shared_expert.gate_proj": ("shared_gate_up", 0),
+        "mlp.shared_expert.up_proj": ("shared_gate_up", 1),
+        "mlp.shared_expert.down_proj": ("shared_down", None),
+        "mlp.shared_expert_gate": ("shared_gate", None),
+    }
+
     def make_layer(self, i: int, dtype, device, fp8: bool) -> MoELayer:
         return MoELayer(self.spec, dtype, device, fp8, self.spec.is_moe(i))
 
@@ -78,50 +87,10 @@ class MoEForCausalLM(LlamaForCausalLM):
             out = out + torch.sigmoid(F.linear(x, layer.shared_gate)) * shared
         return out
 
-    def load_weights(self, weights) -> None:
-        super().load_weights(self._experts_first(weights))
-        for i, layer in enumerate(self.layers):
-            if layer.moe and self._expert_rows.get(i, 0) != 3 * self.spec.num_experts:
-                raise UnsupportedModelError(
-                    f"checkpoint: layer {i} has {self._expert_rows.get(i, 0)} of its "
-                    f"{3 * self.spec.num_experts} expert weights"
-                )
-
-    def _experts_first(self, weights):
-        """Take the router, expert and shared-expert tensors out of the stream (into their stacked parameters);
-        pass the rest on to the Llama loader."""
-        self._expert_rows: dict[int, int] = {}
-        for name, t in weights:
-            if m := _EXPERT.fullmatch(name):
-                i, j, kind = int(m[1]), int(m[2]), m[3]
-                layer = self.layers[i]
-                fp8 = self.quantization == "fp8"
-                if kind in ("w2", "down_proj"):
-                    load_into(layer.w2[j], layer.expert_scales["w2"][j] if fp8 else None, t, name, self.embed.dtype)
-                else:
-                    n = self.spec.moe_intermediate_size
-                    rows = slice(_W13_HALF[kind] * n, (_W13_HALF[kind] + 1) * n)
-                    sc = layer.expert_scales["w13"][j][rows] if fp8 else None
-                    load_into(layer.w13[j][rows], sc, t, name, self.embed.dtype)
-                self._expert_rows[i] = self._expert_rows.get(i, 0) + 1
-            elif m := _ROUTER.fullmatch(name):
-                _copy(self.layers[int(m[1])].router, t, name)
-            elif m := _SHARED.fullmatch(name):
-                layer = self.layers[int(m[1])]
-                if m[3] is None:
-                    _copy(layer.shared_gate, t, name)
-                elif m[3] == "down_proj":
-                    _copy(layer.shared_down, t, name)
-                else:
-                    n = self.spec.shared_expert_intermediate_size
-                    _copy(layer.shared_gate_up[(0 if m[3] == "gate_proj" else n) :][:n], t, name)
-            else:
-                yield name, t
-
     def snapshot_state(self) -> dict[str, torch.Tensor]:
         out = super().snapshot_state()
         for i, layer in enumerate(self.layers):
-            for n, sc in getattr(layer, "expert_scales", {}).items():
+            for n, sc in layer.expert_scales.items():
                 out[f"layers.{i}.{n}.expert_scale"] = sc.detach().cpu()
         return out
 

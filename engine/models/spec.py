@@ -104,9 +104,7 @@ class ModelSpec:
             raise UnsupportedModelError(f"{arch}: partial_rotary_factor={partial} is not supported (1.0 is)")
         extra = {}
         if arch.startswith("Gemma"):
-            from engine.models.gemma import gemma_fields
-
-            extra = gemma_fields(cfg, arch)
+            extra = _gemma_fields(cfg, arch)
             theta, scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         types = extra.pop("layer_types", cfg.get("layer_types"))  # Gemma's, derived for older configs
         return cls(
@@ -166,6 +164,40 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
             moe_layers=tuple(e > 0 and i not in dense and (i + 1) % step == 0 for i in range(n)),
         )
     return {}
+
+
+def _gemma_fields(cfg: dict, arch: str) -> dict:
+    """The ModelSpec fields a Gemma config sets (rope_theta and rope_scaling: the full-attention layers'). Older
+    configs have no layer_types: Gemma 2 slides on every other layer from layer 0, Gemma 3 on all but every
+    sliding_window_pattern-th."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not types:
+        if arch == "Gemma2ForCausalLM":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        else:
+            every = cfg.get("sliding_window_pattern", 6)
+            types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope:  # transformers 5: one rope per layer type
+        full, local = dict(rope["full_attention"]), dict(rope.get("sliding_attention") or rope["full_attention"])
+    else:
+        full = {"rope_theta": cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), **(cfg.get("rope_scaling") or {})}
+        local = {"rope_theta": cfg.get("rope_local_base_freq") or full["rope_theta"]}
+    theta = float(full.pop("rope_theta"))
+    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    local_theta = float(local.pop("rope_theta"))
+    local_scaling = local if local.get("rope_type", local.get("type", "default")) != "default" else None
+    return dict(
+        gemma=True,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        local_rope=(local_theta, local_scaling) if arch == "Gemma3ForCausalLM" else None,
+        layer_types=tuple(types),  # spec.py turns them into layer_windows, as for every family
+        attn_scale=cfg.get("query_pre_attn_scalar", cfg["hidden_size"] // cfg["num_attention_heads"]) ** -0.5,
+        attn_softcap=cfg.get("attn_logit_softcapping"),
+        final_softcap=cfg.get("final_logit_softcapping"),
+    )
 
 
 def _layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:

@@ -1,5 +1,5 @@
-"""Rank 0's side of tensor parallelism: the spawned ranks, the step descriptors they replay, and the collectives a
-sharded model calls (`TPComm`).
+"""Rank 0's side of tensor parallelism: the spawned ranks (`TPGroup`) and the runner that sends them each step's
+descriptors before it runs them itself (`TPRunner`).
 
 - Processes: one per extra rank (spawn), killed with rank 0 (PR_SET_PDEATHSIG) and on shutdown; a rank that
   exits, or a collective that waits past `distributed_timeout_s`, fails the engine with an error naming the rank.
@@ -10,6 +10,7 @@ sharded model calls (`TPComm`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -21,75 +22,85 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from engine.errors import ConfigError, EngineFault
+from engine.parallel.rank import backend_for
+from engine.parallel.worker import worker_main
 
 log = logging.getLogger("engine")
 
 
-class TPComm:
-    """The collectives of one rank's sharded model. `seconds` adds up the time spent in them (CPU timing)."""
-
-    def __init__(self, rank: int, tp: int, vocab_size: int, gloo: bool):
-        self.rank, self.tp, self.vocab_size, self.gloo = rank, tp, vocab_size, gloo
-        self.seconds = 0.0
-        self.calls = 0
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        t = time.perf_counter()
-        if self.gloo and x.dtype in (torch.bfloat16, torch.float16):
-            y = x.float()
-            dist.all_reduce(y)
-            x = y.to(x.dtype)
-        else:
-            dist.all_reduce(x)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        return x
-
-    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: this rank's rows, zeros for the others' tokens, summed over ranks. [T, hidden]"""
-        n = weight.shape[0]
-        local = ids - self.rank * n
-        mine = (local >= 0) & (local < n)
-        h = F.embedding(local.clamp(0, n - 1), weight) * mine[:, None].to(weight.dtype)
-        return self.all_reduce(h)
-
-    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
-        """[S, vocab / tp] on every rank -> [S, vocab] on rank 0 (the others get their own part back, unused)."""
-        t = time.perf_counter()
-        parts = [torch.empty_like(local) for _ in range(self.tp)] if self.rank == 0 else None
-        dist.gather(local.contiguous(), parts, dst=0)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size] if self.rank == 0 else local
+def start_ranks(cfg, device: torch.device, max_positions: int, timeline) -> TPGroup | NoRanks:
+    """The other tensor-parallel ranks, started now so that they load their shards while this one loads its own;
+    NoRanks at tensor_parallel_size 1."""
+    if cfg.tensor_parallel_size == 1:
+        return NoRanks()
+    group = TPGroup(cfg, device, max_positions)
+    timeline.mark("tensor-parallel ranks", f"{cfg.tensor_parallel_size} ranks, {backend_for(device)}")
+    return group
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+class NoRanks:
+    """Tensor parallelism off: no other rank to tell, wait for or stop."""
+
+    send_seconds = 0.0
+
+    def expect(self, what: str, timeout_s: float) -> None:
+        pass
+
+    def send(self, msg: tuple) -> None:
+        pass
+
+    def starting(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def wrap(self, runner):
+        return runner
+
+    def shutdown(self) -> None:
+        pass
 
 
-def rank_model(spec, rank: int, tp: int, dtype, device: torch.device, max_positions: int, quantization):
-    """Rank `rank`'s model, not loaded yet: the shapes of its shard, and (tp > 1) the shard its checkpoint stream is
-    cut to and its collectives. At tp 1, the whole model."""
-    from engine.models import model_class
-    from engine.parallel.shard import Shard, local_spec
+class TPRunner:
+    """Rank 0's runner under tensor parallelism: each forward pass and LM-head call goes to the other ranks first
+    (the FlatBatch, or the rows), then runs here; they run the same on their shards, in step. A failure on the way
+    stops every rank: the ranks may be out of step now, and the error names the rank that died."""
 
-    lspec = local_spec(spec, tp)
-    model = model_class(lspec)(lspec, dtype, device, max_positions, quantization)
-    if tp > 1:
-        model.shard = Shard(spec, rank, tp)
-        model.tp = TPComm(rank, tp, spec.vocab_size, backend_for(device) == "gloo")
-    return model
+    def __init__(self, runner, group: TPGroup):
+        self.runner, self.group = runner, group
+        self.block_size = runner.block_size
+
+    def forward(self, batch) -> torch.Tensor:
+        try:
+            self.group.send(("forward", batch))
+            return self.runner.forward(batch)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        try:
+            self.group.send(("logits", None if rows is None or len(rows) == hidden.shape[0] else rows))
+            return self.runner.logits(hidden, rows)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _fail(self, e: BaseException) -> None:
+        """Stop every rank and raise a fault naming the one that died; an interrupt, or a fault already raised on
+        the way (a rank found dead), goes on as it is."""
+        if isinstance(e, EngineFault):
+            return
+        why = f"a collective failed: {e}" if isinstance(e, RuntimeError) else f"a step was interrupted: {e!r}"
+        fault = self.group.fault(why)
+        if isinstance(e, Exception):
+            raise fault from e
 
 
 class TPGroup:
     """Rank 0's handle on the other ranks. Made before rank 0 loads its own shard; `setup` then `wait_ready`."""
 
     def __init__(self, cfg, device: torch.device, max_positions: int):
-        from engine.parallel.worker import worker_main
-
         if dist.is_initialized():
             raise ConfigError(
                 "EngineConfig.tensor_parallel_size: another tensor-parallel engine is running in this process; "
@@ -184,7 +195,22 @@ class TPGroup:
                 raise self.fault(f"failed while starting: {msg[1]}", rank)
             assert msg[0] == what, msg
 
+    @contextlib.contextmanager
+    def starting(self):
+        """No rank outlives a failed start: every rank is stopped; a collective's error becomes a fault naming the
+        rank that died."""
+        try:
+            yield
+        except BaseException as e:
+            fault = self.fault(f"the start failed: {e!r}")
+            if isinstance(e, RuntimeError):
+                raise fault from e
+            raise
+
     # ---- steps ----------------------------------------------------------------------------------------------
+    def wrap(self, runner) -> TPRunner:
+        return TPRunner(runner, self)
+
     def send(self, msg: tuple) -> None:
         """The same message to every other rank; a rank that has exited fails the engine here."""
         t = time.perf_counter()

@@ -2,8 +2,8 @@
 so they are the same on every rank), replaying rank 0's forward passes. Messages, in order:
 
     ("setup", plan, calibration ids or None)  rank 0's MemoryPlan (per rank): allocate the KV pool, build attention
-    ("forward", step)   run the model over the step rank 0 runs (ModelRunner.replay)
-    ("logits", rows)    the LM head over those rows of the last hidden states; gathered to rank 0
+    ("forward", batch)  run the model over the FlatBatch rank 0 runs (ModelRunner.forward)
+    ("logits", rows)    the LM head over those rows of the last hidden states (None: all); gathered to rank 0
     ("lora", slot, a, b)  this rank's part of an adapter, into a LoRA slot (before the step that uses it)
     ("stop",)
 
@@ -11,19 +11,26 @@ It reports ("loaded",), then ("ready",), or ("error", text) on its pipe."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import sys
 import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.model_runner import ModelRunner
+from engine.parallel.rank import backend_for
+from engine.startup import build_rank, load_rank, resolve
 
 log = logging.getLogger("engine")
 
 
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when rank 0 dies, however it dies (no orphaned ranks)."""
-    import ctypes
-
     try:
         failed = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0  # PR_SET_PDEATHSIG
         why = f"errno {ctypes.get_errno()}" if failed else ""
@@ -45,57 +52,25 @@ def worker_main(rank: int, tp: int, init_method: str, cfg, max_positions: int, c
     _serve(runner, conn)
 
 
-def _start(rank, tp, init_method, cfg, max_positions, conn):
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from engine.device import model_dtype
-    from engine.kv_cache import allocate, kv_scales
-    from engine.layers.attention import build_attention
-    from engine.model_runner import ModelRunner
-    from engine.models.spec import ModelSpec
-    from engine.parallel.group import backend_for, rank_model
-    from engine.weights import iter_weights, read_json, resolve_model_path
-
-    cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+def _start(rank: int, tp: int, init_method: str, cfg, max_positions: int, conn) -> ModelRunner:
+    """This rank's runner, built as rank 0 builds its own (engine/startup.py), with rank 0's memory plan."""
+    facts = resolve(cfg, rank)
+    if facts.device.type == "cuda":
+        torch.cuda.set_device(facts.device)
     torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // tp))
     dist.init_process_group(
-        backend_for(device), init_method=init_method, rank=rank, world_size=tp,
+        backend_for(facts.device), init_method=init_method, rank=rank, world_size=tp,
         timeout=timedelta(seconds=cfg.distributed_timeout_s),
     )  # fmt: skip
-    path = resolve_model_path(cfg)
-    hf = read_json(path / "config.json")
-    spec = ModelSpec.from_hf(hf, read_json(path / "generation_config.json"))
-    dtype = model_dtype(cfg.dtype, hf, device.type)
-    model = rank_model(spec, rank, tp, dtype, device, max_positions, cfg.quantization)
-    lspec = model.spec
-    model.load_weights(iter_weights(path, device))
+    model, _ = load_rank(cfg, facts, max_positions)
     conn.send(("loaded",))
     msg = conn.recv()
     assert msg[0] == "setup", msg
     _, plan, calibration = msg
-    kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else dtype
-    kv = allocate(lspec, plan, kv_dtype, device)
-    backend = cfg.kernel_backend if cfg.kernel_backend != "auto" else ("triton" if cuda else "torch")
-    attn = build_attention(lspec, cfg.block_size, backend)
-    if kv_dtype == torch.float8_e4m3fn:  # rank 0's rule; a calibration runs in step with rank 0's
-        attn.set_kv_scales(*kv_scales(model, calibration, device))
-    lora = None
-    if cfg.enable_lora:
-        from engine.lora.manager import LoRASlots
-
-        lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, lspec, dtype, device)
-    return ModelRunner(model, kv, attn, cfg.block_size, device, backend, lora, cfg.max_num_seqs, plan.max_model_len)
+    return build_rank(cfg, facts, model, plan, calibration)  # its fp8 KV calibration runs in step with rank 0's
 
 
-def _serve(runner, conn) -> None:
-    import torch
-
+def _serve(runner: ModelRunner, conn) -> None:
     hidden = None
     with torch.inference_mode():
         while True:
@@ -104,10 +79,9 @@ def _serve(runner, conn) -> None:
             except EOFError:  # rank 0 is gone
                 return
             if msg[0] == "forward":
-                hidden = runner.replay(msg[1])
+                hidden = runner.forward(msg[1])
             elif msg[0] == "logits":
-                rows = msg[1]
-                runner.logits_local(hidden if rows is None else hidden[torch.tensor(rows, device=hidden.device)])
+                runner.logits(hidden, msg[1])
             elif msg[0] == "lora":
                 runner.lora.load(msg[1], msg[2], msg[3])
             elif msg[0] == "stop":

@@ -16,6 +16,13 @@ METHODS = ("ngram", "draft_model")
 NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min and _max when neither is given
 
 
+def _refused(name: str | None, rest: str) -> ConfigError:
+    """An error on `speculative_config.<name>` (the whole config when None): the message starts with that path,
+    and ConfigError.field is it, so the worker names SPECULATIVE_CONFIG without reading the message."""
+    field = f"speculative_config.{name}" if name else "speculative_config"
+    return ConfigError(field + rest, field=field)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int
@@ -27,7 +34,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
             if not ok:
-                raise ConfigError(f"speculative_config.{name}={getattr(self, name)!r}: {why}")
+                raise _refused(name, f"={getattr(self, name)!r}: {why}")
 
         k = self.num_speculative_tokens
         need(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16, "num_speculative_tokens",
@@ -62,17 +69,17 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+                raise _refused(None, f" is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, not {type(value).__name__}")
+            raise _refused(None, f" must be a JSON object, not {type(value).__name__}")
         if not value:
             return None
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ConfigError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+            raise _refused(unknown[0], f": unknown key (known: {', '.join(sorted(known))})")
         if "num_speculative_tokens" not in value:
-            raise ConfigError("speculative_config.num_speculative_tokens: required")
+            raise _refused("num_speculative_tokens", ": required")
         value = dict(value)
         if value.get("method") in ("[ngram]", "ngram"):
             value["method"] = "ngram"

@@ -18,14 +18,18 @@ import weakref
 
 import torch
 
-import kernels
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_cache import allocate
 from engine.layers.attention import build_attention
-from engine.model_runner import ModelRunner
+from engine.memory import MemoryPlan
+from engine.model_runner import ModelRunner, flat_batch
 from engine.models import model_class
 from engine.models.spec import ModelSpec
 from engine.sampler import Sampler
+from engine.startup import ModelFacts
+from engine.tokenizer import Tokenizer
 from engine.types import Request
 from engine.weights import iter_weights
 
@@ -33,37 +37,40 @@ log = logging.getLogger("engine")
 
 
 class DraftProposer:
-    def __init__(self, engine, path, spec: ModelSpec):
-        """`engine`: the target LLMEngine, built up to its block manager; path and spec: the draft checkpoint's."""
-        cfg = engine.cfg
-        self.path, self.spec = path, spec
-        check_vocab(engine, spec, path)
+    def __init__(self, cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan, bm: BlockManager, tok: Tokenizer):
+        """facts: the target's (the draft's checkpoint is facts.draft_path); plan: the target's KV pool, whose block
+        ids the draft shares; bm: the target's block manager; tok: the target's tokenizer."""
+        self.path, self.spec = path, s = facts.draft_path, facts.draft_spec
+        check_vocab(facts.spec.vocab_size, tok, s, path)
         self.block_size = cfg.block_size
         self.max_tokens = cfg.max_num_batched_tokens  # the most tokens one draft forward takes
-        self.bm = engine.block_manager
-        self.device = engine.device
-        m = model_class(self.spec)(self.spec, engine.dtype, engine.device, engine.max_model_len, None)
-        m.load_weights(iter_weights(self.path, engine.device))
-        s = self.spec
-        kv = allocate(s, engine.memory, engine.dtype, engine.device)  # the target's block count and size
-        attn = build_attention(s, cfg.block_size, engine.kernel_backend)
+        self.bm = bm
+        self.device = dev = facts.device
+        m = model_class(s)(s, facts.dtype, dev, plan.max_model_len, None)
+        m.load_weights(iter_weights(path, dev))
+        kv = allocate(s, plan, facts.dtype, dev)  # the target's block count and size
+        attn = build_attention(s, cfg.block_size, facts.kernel_backend)
         self.runner = ModelRunner(
-            m, kv, attn, cfg.block_size, engine.device, engine.kernel_backend, None,
-            max_num_seqs=cfg.max_num_seqs, max_model_len=engine.max_model_len,
+            m, kv, attn, cfg.block_size, dev, facts.kernel_backend, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=plan.max_model_len,
         )  # fmt: skip
         self.kv_bytes = kv.numel() * kv.element_size()
-        # per sequence: (tokens whose draft KV is valid, the preemption count it was computed under)
+        # per sequence: the position its draft run started at, the preemption count it ran under, and the drafts it
+        # fed back in (their KV is valid as far as the sequence kept them)
         self._computed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.num_catchup_tokens = 0  # tokens of the sequences themselves the draft has run (not its own drafts)
-        log.info("draft model %s (%s): %d layers, KV %.0f MiB", self.path, s.architecture, s.num_layers,
+        log.info("draft model %s (%s): %d layers, KV %.0f MiB", path, s.architecture, s.num_layers,
                  self.kv_bytes / 2**20)  # fmt: skip
 
     def _start(self, req: Request) -> int:
-        """The first position whose draft KV is missing: where its own last run left it, else past the leading
-        blocks some earlier draft run filled (prefix-cache hits)."""
-        n, pre = self._computed.get(req, (0, -1))
+        """The first position whose draft KV is missing: after its last run, and the drafts of that run the sequence
+        kept (the run wrote KV for drafts 1..k-1; a rejected draft never equals the token that replaced it, so the
+        kept ones are the accepted run); else past the leading blocks some earlier draft run filled (prefix-cache
+        hits)."""
+        n, pre, fed = self._computed.get(req, (0, -1, ()))
         if pre == req.num_preemptions:
-            return n
+            kept = req.token_slice(n, min(n + len(fed), req.num_tokens))
+            return n + next((j for j, (a, b) in enumerate(zip(kept, fed)) if a != b), len(kept))
         bs, ready, full = self.block_size, 0, (req.num_tokens - 1) // self.block_size
         while ready < min(full, len(req.block_ids)) and self.bm.draft_ready[req.block_ids[ready]]:
             ready += 1
@@ -80,16 +87,16 @@ class DraftProposer:
             if step == 0:  # the tokens the draft has not seen yet, in forwards of at most the step budget
                 active, logits = list(reqs), self._catch_up(reqs, starts)
             else:
-                hidden, qsl = self.runner.forward(items)
                 active = [r for r, _, _ in items]
-                logits = self._last_logits(hidden, qsl)
+                logits = self._last_logits(items)
             for r, t in zip(active, self._pick(logits, active, probs)):
                 drafts[r].append(t)
             if step == 0:
                 for r, s in zip(reqs, starts):
-                    self._computed[r] = (r.num_tokens, r.num_preemptions)
                     self._mark_ready(r, s)
             items = [(r, r.num_tokens + step, [drafts[r][-1]]) for r, k in zip(reqs, ks) if k > step + 1]
+        for r, k in zip(reqs, ks):
+            self._computed[r] = (r.num_tokens, r.num_preemptions, drafts[r][: k - 1])
         return drafts, {r: torch.stack(q) for r, q in probs.items()}
 
     def _catch_up(self, reqs: list[Request], starts: list[int]) -> torch.Tensor:
@@ -108,16 +115,16 @@ class DraftProposer:
                     room -= take
                 if take < len(toks):
                     rest.append((r, s + take, toks[take:]))
-            hidden, qsl = self.runner.forward(batch)
-            for (r, _, _), row in zip(batch, self._last_logits(hidden, qsl)):
+            for (r, _, _), row in zip(batch, self._last_logits(batch)):
                 last[r] = row
             pending = rest
         return torch.stack([last[r] for r in reqs])
 
-    def _last_logits(self, hidden: torch.Tensor, qsl: list[int]) -> torch.Tensor:
-        rows = torch.tensor([e - 1 for e in qsl[1:]], device=self.device)
-        with kernels.backend(self.runner.kernel_backend):
-            return self.runner.model.compute_logits(hidden[rows])  # [B, vocab] fp32
+    def _last_logits(self, items) -> torch.Tensor:
+        """The draft over `items` (request, first position, token ids): each one's last token's logits. [B, vocab]"""
+        batch = flat_batch(items, self.block_size)
+        hidden = self.runner.forward(batch)
+        return self.runner.logits(hidden, [e - 1 for e in batch.query_start_loc[1:]])  # fp32
 
     def _pick(self, logits: torch.Tensor, reqs: list[Request], probs: dict) -> list[int]:
         tokens = logits.argmax(dim=-1)
@@ -134,25 +141,17 @@ class DraftProposer:
         for b in range(start // self.block_size, req.num_tokens // self.block_size):
             self.bm.draft_ready[req.block_ids[b]] = 1
 
-    def verified(self, req: Request, granted: int, accepted: int) -> None:
-        """After verification: the KV of accepted drafts is valid (the draft wrote drafts 1..granted-1)."""
-        n, pre = self._computed.get(req, (0, -1))
-        self._computed[req] = (n + min(accepted, granted - 1), pre)
 
-
-def check_vocab(engine, spec: ModelSpec, path) -> None:
+def check_vocab(target_vocab_size: int, target_tok: Tokenizer, spec: ModelSpec, path) -> None:
     """The draft proposes token ids the target verifies: both must mean the same tokens."""
-    if spec.vocab_size != engine.spec.vocab_size:
+    if spec.vocab_size != target_vocab_size:
         raise ConfigError(
             f"speculative_config.model={str(path)!r}: the draft's vocabulary has {spec.vocab_size} tokens, the "
-            f"target's {engine.spec.vocab_size}; a draft model must share the target's tokenizer"
+            f"target's {target_vocab_size}; a draft model must share the target's tokenizer"
         )
-    tok = path / "tokenizer.json"
-    if tok.exists():
-        from engine.tokenizer import Tokenizer
-
+    if (path / "tokenizer.json").exists():
         theirs = Tokenizer(path).backend
-        ours = engine.tok.backend
+        ours = target_tok.backend
         if theirs is not None and ours is not None and theirs.get_vocab() != ours.get_vocab():
             raise ConfigError(
                 f"speculative_config.model={str(path)!r}: the draft's tokenizer maps tokens to different ids than "

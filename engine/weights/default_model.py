@@ -114,7 +114,7 @@ def _convert(src: Path, dst: Path) -> None:
     del model
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tok.save_pretrained(str(dst))
-    # Pitfalls (DESIGN.md §5): eos = pad = <|im_end|>, no BOS added, and a tokenizer class name
+    # Pitfalls: eos = pad = <|im_end|>, no BOS added, and a tokenizer class name
     # that transformers 4.57 and 5.x both load.
     cfg_path = dst / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -24,7 +24,7 @@ def to_device(*tensors):
     return out[0] if len(out) == 1 else out
 
 
-# vLLM's tolerances (DESIGN.md §6)
+# vLLM's tolerances
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1.3e-6),
     torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2),

@@ -264,7 +264,7 @@ def test_scaled_mm_path(out_dtype):
 
 
 def test_scaled_mm_writes_fp16_where_cublaslt_can():
-    """[gpu-review] F10, with simulated devices: fp16 straight out of the GEMM on sm90 with CUDA 12.9+ (cuBLASLt's
+    """With simulated devices: fp16 straight out of the GEMM on sm90 with CUDA 12.9+ (cuBLASLt's
     rowwise path), bf16 then a cast where only CUTLASS's rowwise kernel runs (sm89, sm100, older CUDA), and on CPU."""
     f16, bf16 = torch.float16, torch.bfloat16
     assert scaled_mm_out_dtype(f16, (9, 0), "13.0") == f16

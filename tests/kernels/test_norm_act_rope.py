@@ -113,7 +113,7 @@ def test_silu_and_mul(t, inter, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,inter", [(1, 96), (5, 123)])
 def test_gelu_tanh_and_mul(t, inter, dtype):
-    """[models] Gemma's GeGLU: F.gelu(gate, approximate="tanh") * up, and not the exact-erf GELU or SiLU."""
+    """Gemma's GeGLU: F.gelu(gate, approximate="tanh") * up, and not the exact-erf GELU or SiLU."""
     g = _gen("gelu", t, inter, dtype)
     x = to_device(_randn((t, 2 * inter), dtype, g, scale=3.0))
     out = gelu_tanh_and_mul(x)

@@ -211,7 +211,7 @@ def test_no_scale_tensor_is_built_per_call_for_a_16bit_cache(monkeypatch):
 
 
 def test_batch_shapes_share_compiled_variants(monkeypatch):
-    """[gpu-review] F5: what Triton compiles a variant for (constexprs, and the value class of every int argument
+    """What Triton compiles a variant for (constexprs, and the value class of every int argument
     it specializes: == 1, % 16 == 0, other) must not change with the batch. Across 1..40 sequences, decode and
     mixed batches, split counts 1..32 and block-table widths, only {decode, full tiles} x {split, not} remain."""
     pa = sys.modules["kernels.paged_attention"]  # the package exports a function of the same name
@@ -279,7 +279,7 @@ def _dense(args, window, softcap):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (3, 1.5), (1, None)])
 def test_sliding_window_and_softcap(window, softcap, splits):
-    """[models] Gemma's and Mistral's attention: windows shorter than the contexts (a window of 1: each query sees
+    """Gemma's and Mistral's attention: windows shorter than the contexts (a window of 1: each query sees
     itself), soft-caps that clip (q scaled up so |scores| >> softcap), with flash-decoding splits over the window."""
     args = make_batch(MIXED + [(1, 23), (6, 20)], h=4, kvh=2, seed=17)
     args["q"] = args["q"] * 4

@@ -1,0 +1,162 @@
+"""Checkpoint tensors into our parameters, by table (nano-vllm's packed_modules_mapping plus per-parameter loaders).
+
+A model class declares two tables:
+- WEIGHTS: checkpoint module -> (our parameter, part), or None for a tensor we skip. Inside a layer the module is
+  named after `model.layers.{i}.`, with a stacked expert's index written `*` (`mlp.experts.*.gate_proj`); the
+  model's own tensors by their full module name (`model.embed_tokens`). `part` is a key of the layer's `parts`
+  (the rows of a fused parameter that module fills: q, k, v of qkv; 0, 1 of gate_up), None for all of it.
+- LOADERS: `{parameter}.{suffix}` or `{suffix}` -> loader; the last component of the checkpoint name (weight,
+  bias, weight_scale, k_scale, ...) picks it, a parameter's own loader first.
+
+Tensors arrive in file order (engine/weights/reader.py) and each is written, and with QUANTIZATION=fp8 quantized,
+as it arrives, so the checkpoint is never held twice."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import UnsupportedModelError
+from kernels.fp8 import quant_per_channel
+
+OPTIONAL = {"qkv_bias"}  # zeros unless the checkpoint has them; every other parameter must be filled whole
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)(\..*)")
+
+
+@dataclass(frozen=True)
+class Dest:
+    """Where one checkpoint tensor goes: rows `part` of expert `expert` of parameter `param` of layer `layer`
+    (None: the model's own embed / norm / lm_head); `suffix` is the checkpoint name's last component."""
+
+    layer: int | None
+    param: str
+    part: str | int | None
+    expert: int | None
+    suffix: str
+
+
+# (model, dest, tensor, checkpoint name) -> parameter elements filled (0 for scales), for the completeness check
+Loader = Callable[[torch.nn.Module, Dest, torch.Tensor, str], int]
+
+
+def locate(name: str, table: dict) -> Dest | None:
+    """model.layers.{i}.{module}.{suffix} or {module}.{suffix} -> its Dest through `table`; None: skipped."""
+    (module, _, suffix), layer, expert = name.rpartition("."), None, None
+    if m := _LAYER.fullmatch(module):
+        layer, module = int(m[1]), m[2]
+        if m := _EXPERT.fullmatch(module):
+            module, expert = f"{m[1]}.*{m[3]}", int(m[2])
+    if module not in table:
+        raise UnsupportedModelError(f"unexpected weight {name!r}")
+    row = table[module]
+    return None if row is None else Dest(layer, *row, expert, suffix)
+
+
+def load_weight(model, d: Dest, t: torch.Tensor, name: str) -> int:
+    """A weight, copied; with QUANTIZATION=fp8 a linear or expert weight is quantized per output channel as it
+    streams in, from the model dtype (rows are independent, so this equals quantizing the fused 16-bit weight)."""
+    owner, dst = _owner(model, d), target(model, d, name)
+    scales = owner.quant_scales(d.param) if d.layer is not None and model.quantization == "fp8" else None
+    load_into(dst, None if scales is None else _rows(owner, d, scales), t, name, model.embed.dtype)
+    return dst.numel()
+
+
+def load_bias(model, d: Dest, t: torch.Tensor, name: str) -> int:
+    """A bias: the rows of `{param}_bias` that its weight fills in `param` (OPTIONAL: not counted)."""
+    owner = _owner(model, d)
+    copy_weight(_rows(owner, d, _param(owner, f"{d.param}_bias", name)), t, name)
+    return 0
+
+
+def load_weight_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:
+    """A prequantized (compressed-tensors) linear's scales: per channel [N, 1], or per tensor (a scalar)
+    broadcast to the rows of that projection."""
+    owner = _owner(model, d)
+    scales = owner.fp8_scales.get(d.param) if d.layer is not None and model.spec.prequantized else None
+    if scales is None:
+        raise UnsupportedModelError(f"unexpected weight {name!r}")
+    dst = _rows(owner, d, scales)
+    dst.copy_(t.float().reshape(-1, 1).expand_as(dst) if t.numel() == 1 else t.float().reshape(dst.shape))
+    return 0
+
+
+def load_kv_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:
+    """self_attn.k_scale / v_scale: the fp8 KV cache scales the checkpoint calibrated (engine/kv_cache.py)."""
+    model.checkpoint_kv_scales.setdefault(d.layer, {})[d.suffix[0]] = float(t.float().reshape(-1)[0])
+    return 0
+
+
+def refuse_static_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:
+    raise UnsupportedModelError(f"{name}: static activation scales are not supported (dynamic only)")
+
+
+LOADERS: dict[str, Loader] = {
+    "weight": load_weight,
+    "bias": load_bias,
+    "weight_scale": load_weight_scale,
+    "k_scale": load_kv_scale,
+    "v_scale": load_kv_scale,
+    "input_scale": refuse_static_scale,
+}
+
+
+def check_complete(model, filled: Counter, table: dict) -> None:
+    """Every parameter but the OPTIONAL ones was filled whole: filled[(layer, param)] counts elements written."""
+    missing = []
+    for i, owner in [(None, model), *enumerate(model.layers)]:
+        for attr, p in owner.named_parameters(recurse=False):
+            if attr not in OPTIONAL and filled[i, attr] != p.numel():
+                sources = "|".join(k for k, v in table.items() if v and v[0] == attr)  # the names that fill it
+                where = "" if i is None else f"model.layers.{i}."
+                missing.append(f"{where}{sources} ({filled[i, attr]} of {p.numel()} values)")
+    if missing:
+        raise UnsupportedModelError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def load_into(dst: torch.Tensor, scales: torch.Tensor | None, t: torch.Tensor, name: str, dtype) -> None:
+    """Checkpoint tensor `t` into parameter rows `dst`: copied, or with `scales` (online fp8) quantized per output
+    channel from `dtype` (the model's) into dst's e4m3 and scales' [N, 1] fp32."""
+    if scales is None:
+        return copy_weight(dst, t, name)
+    if dst.shape != t.shape:
+        copy_weight(dst, t, name)  # raises with the shapes
+    wq, scale = quant_per_channel(t.to(device=dst.device, dtype=dtype))
+    dst.copy_(wq)
+    scales.copy_(scale)
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """dst.copy_(src), refusing a shape the config does not give."""
+    if dst.shape != src.shape:
+        raise UnsupportedModelError(
+            f"weight {name}: shape {tuple(src.shape)} does not match config ({tuple(dst.shape)})"
+        )
+    dst.copy_(src)
+
+
+def target(model, d: Dest, name: str) -> torch.Tensor:
+    """The rows of our parameter that checkpoint tensor `name` fills."""
+    owner = _owner(model, d)
+    return _rows(owner, d, _param(owner, d.param, name))
+
+
+def _owner(model, d: Dest):
+    return model if d.layer is None else model.layers[d.layer]
+
+
+def _param(owner, attr: str, name: str) -> torch.Tensor:
+    p = getattr(owner, attr, None)
+    if not isinstance(p, torch.Tensor):  # a bias this model has not, a module named in the wrong place
+        raise UnsupportedModelError(f"unexpected weight {name!r}")
+    return p
+
+
+def _rows(owner, d: Dest, x: torch.Tensor) -> torch.Tensor:
+    """Of x (the parameter, or its scales): expert d.expert of a stacked one, then rows d.part of a fused one."""
+    x = x if d.expert is None else x[d.expert]
+    return x if d.part is None else x.narrow(0, *owner.parts[d.param][d.part])

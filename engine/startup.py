@@ -1,0 +1,276 @@
+"""The cold start as functions that return values, in the order LLMEngine.__init__ calls them: what the config
+files say (`resolve` -> ModelFacts), the memory plan (`device_plan` -> MemoryPlan; engine/memory.py does the
+arithmetic), one rank's weights (`load_rank`), then its runner (`build_rank`: KV pool, attention with fp8 KV scales,
+LoRA slots, CUDA graphs). Every tensor-parallel rank starts with the same resolve, load_rank and build_rank
+(engine/parallel/worker.py). `plan_memory`, `memory_needs` and `draft_model` are also what `python -m warmup.plan`
+calls, with simulated numbers."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import memory
+from engine.config import EngineConfig
+from engine.cuda_graphs import cuda_graph_factory
+from engine.device import check_fp8_support, cuda_driver_version, gpu_line, model_dtype
+from engine.errors import ConfigError
+from engine.kv_cache import CALIBRATION_TEXT, allocate, kv_scales
+from engine.layers.attention import build_attention
+from engine.lora.manager import LoRASlots
+from engine.memory import MemoryPlan
+from engine.model_runner import ModelRunner
+from engine.models.spec import ModelSpec
+from engine.parallel import shard
+from engine.parallel.rank import rank_model
+from engine.tokenizer import Tokenizer
+from engine.weights import LoadedWeights, load_model, read_json, resolve_model_path, safetensors_files
+
+log = logging.getLogger("engine")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What one rank's start knows from the config files alone, before a weight is read."""
+
+    path: Path  # the model's folder
+    spec: ModelSpec  # the whole model
+    rank_spec: ModelSpec  # the shapes this rank holds (all of them at tensor_parallel_size 1)
+    rank: int
+    device: torch.device
+    dtype: torch.dtype  # the model's
+    kv_dtype: torch.dtype  # the KV pool's: fp8 e4m3 with KV_CACHE_DTYPE=fp8, else the model's
+    kernel_backend: str  # "triton" or "torch"
+    draft_path: Path | None = None  # speculative decoding's draft model (rank 0's only); its bytes are planned too
+    draft_spec: ModelSpec | None = None
+
+
+def resolve(cfg: EngineConfig, rank: int = 0) -> ModelFacts:
+    """Rank `rank`'s ModelFacts; refuses a pickle-only checkpoint and a tensor-parallel size the model or the
+    machine cannot take, before anything is loaded."""
+    device = rank_device(cfg, rank)
+    path = resolve_model_path(cfg)
+    safetensors_files(path)  # refuse pickle-only checkpoints before anything else
+    hf_cfg = read_json(path / "config.json")
+    spec = ModelSpec.from_hf(hf_cfg, read_json(path / "generation_config.json"))
+    cuda = device.type == "cuda"
+    shard.check(spec, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None)
+    if cuda and rank == 0:  # configs read, nothing loaded yet
+        props = torch.cuda.get_device_properties(device)
+        cap = (props.major, props.minor)
+        log.info("%s", gpu_line(props.name, cap, props.total_memory, torch.version.cuda, cuda_driver_version()))
+    dtype = model_dtype(cfg.dtype, hf_cfg, device.type)
+    draft_path, draft_spec = draft_model(cfg) if rank == 0 else (None, None)  # the draft runs on rank 0
+    return ModelFacts(
+        path=path,
+        spec=spec,
+        rank_spec=shard.local_spec(spec, cfg.tensor_parallel_size),
+        rank=rank,
+        device=device,
+        dtype=dtype,
+        kv_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype.startswith("fp8") else dtype,
+        # triton on CUDA; on CPU only when forced (it then needs TRITON_INTERPRET=1, as the tests set)
+        kernel_backend=cfg.kernel_backend if cfg.kernel_backend != "auto" else ("triton" if cuda else "torch"),
+        draft_path=draft_path,
+        draft_spec=draft_spec,
+    )
+
+
+def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
+    """EngineConfig.device ("auto": CUDA when there is one); under tensor parallelism rank r runs on cuda:r."""
+    dev = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.tensor_parallel_size == 1 or dev.type != "cuda":
+        return dev
+    if dev.index not in (None, 0):
+        raise ConfigError(
+            f"EngineConfig.device={cfg.device!r}: with tensor_parallel_size={cfg.tensor_parallel_size} rank r runs "
+            "on cuda:r; use device cuda (or cuda:0), and CUDA_VISIBLE_DEVICES to choose the GPUs",
+            field="device",
+        )
+    return torch.device("cuda", rank) if rank else dev
+
+
+def claim_threads(cfg: EngineConfig, device: torch.device) -> int | None:
+    """Rank 0's share of the machine: the current CUDA device (Triton launches on it, not on the tensors'), and
+    torch's threads. Returns the thread count to give back at shutdown when it took fewer (tensor-parallel ranks on
+    CPU share the cores), else None."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    elif cfg.tensor_parallel_size > 1 and device.type == "cpu":
+        before = torch.get_num_threads()
+        torch.set_num_threads(max(1, before // cfg.tensor_parallel_size))
+        return before
+    return None
+
+
+def open_tokenizer(cfg: EngineConfig, facts: ModelFacts) -> tuple[Tokenizer, frozenset[int]]:
+    """The engine's tokenizer (Rust; transformers only if asked for), and the tokens that end a sequence: the
+    generation config's EOS ids and the tokenizer's."""
+    tok = Tokenizer(cfg.tokenizer or facts.path)
+    eos = set(facts.spec.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    return tok, frozenset(eos)
+
+
+def device_plan(cfg: EngineConfig, facts: ModelFacts, loaded_len: int | None = None) -> MemoryPlan:
+    """The KV pool and context length on this device (plan_memory). CPU: from KV_CACHE_MEMORY, the same plan before
+    and after the load. CUDA: before the load (loaded_len None), refuse what cannot fit and predict the rest; after
+    it (loaded_len: the context the model was built for), plan from the memory measured now."""
+    if loaded_len is None:
+        _say_what_is_ignored(cfg, facts)
+    gpu = None
+    if facts.device.type == "cuda":
+        if loaded_len is not None:  # blocks freed while loading stay in torch's cache and would count as used
+            torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(facts.device)
+        props = torch.cuda.get_device_properties(facts.device)
+        gpu = memory.GPU(total, free, (props.major, props.minor), props.name)
+    plan = plan_memory(
+        cfg,
+        facts.spec,
+        gpu,
+        facts.dtype,
+        draft_spec=facts.draft_spec,
+        kernel_backend=facts.kernel_backend,
+        loaded_len=loaded_len,
+    )
+    if gpu is not None:
+        log.info("memory plan (%s): %s", "predicted" if loaded_len is None else "measured", plan.as_dict())
+    return plan
+
+
+def _say_what_is_ignored(cfg: EngineConfig, facts: ModelFacts) -> None:
+    """Settings for another kind of device, or that cannot work here: said once, at start."""
+    default, kind = EngineConfig(), facts.device.type
+    if kind != "cuda" and cfg.gpu_memory_utilization != default.gpu_memory_utilization:
+        log.warning("GPU_MEMORY_UTILIZATION is ignored on %s: the KV pool is KV_CACHE_MEMORY", facts.device)
+    if kind == "cuda" and cfg.kv_cache_memory != default.kv_cache_memory:
+        log.warning("KV_CACHE_MEMORY is ignored on CUDA: the pool is sized by GPU_MEMORY_UTILIZATION")
+    if not cfg.enforce_eager and (why := memory.graphs_unusable(cfg, kind, facts.kernel_backend)):
+        log.warning("ENFORCE_EAGER=false is ignored: %s; decode steps run eagerly", why)
+
+
+def load_rank(cfg: EngineConfig, facts: ModelFacts, max_positions: int) -> tuple[torch.nn.Module, LoadedWeights]:
+    """This rank's model, built for contexts up to `max_positions`, and filled: its shard of the checkpoint, or
+    the fp8 snapshot (engine/weights/load.py)."""
+    build = functools.partial(
+        rank_model, facts.spec, facts.rank, cfg.tensor_parallel_size, facts.dtype, facts.device, max_positions,
+        cfg.quantization,
+    )  # fmt: skip
+    return load_model(cfg, facts.path, facts.spec.prequantized, build, facts.device, facts.dtype)
+
+
+def calibration_ids(facts: ModelFacts, model, tok: Tokenizer, max_len: int) -> list[int] | None:
+    """The tokens fp8 KV scales are calibrated on; None when the checkpoint has every layer's (or KV is 16-bit)."""
+    ck = model.checkpoint_kv_scales
+    if facts.kv_dtype != torch.float8_e4m3fn or (
+        len(ck) == facts.spec.num_layers and all(set(v) == {"k", "v"} for v in ck.values())
+    ):
+        return None
+    return tok.encode(CALIBRATION_TEXT)[:max_len]
+
+
+def build_rank(
+    cfg: EngineConfig, facts: ModelFacts, model, plan: MemoryPlan, calibration: list[int] | None
+) -> ModelRunner:
+    """This rank's runner around its loaded model: the KV pool the plan sized, attention with fp8 KV scales (the
+    checkpoint's, or calibrated on `calibration`: under tensor parallelism in one forward with the other ranks),
+    LoRA slots when LoRA is on, and CUDA graphs where they run (captured later, in idle gaps)."""
+    kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device)
+    attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend)
+    if facts.kv_dtype == torch.float8_e4m3fn:
+        attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
+    lora = None
+    if cfg.enable_lora:
+        lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, facts.rank_spec, facts.dtype, facts.device)
+    graphs = cuda_graph_factory() if memory.cuda_graphs(cfg, facts.device.type, facts.kernel_backend) else None
+    return ModelRunner(
+        model, kv, attn, cfg.block_size, facts.device, facts.kernel_backend, lora, cfg.max_num_seqs,
+        plan.max_model_len, graphs,
+    )  # fmt: skip
+
+
+def log_ready(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan, seconds: float) -> None:
+    """The start's last line: the model, the pool's capacity, and what the other KV dtype would hold."""
+    other_dtype = facts.dtype if facts.kv_dtype != facts.dtype else torch.float8_e4m3fn
+    other = plan.tokens_with(memory.kv_bytes_per_token(facts.rank_spec, other_dtype.itemsize))
+    log.info(
+        "model %s (%s, %s) on %s in %.1fs; %s [KV %s]%s",
+        facts.path,
+        facts.spec.architecture,
+        str(facts.dtype).removeprefix("torch."),
+        facts.device,
+        seconds,
+        plan.describe(),
+        str(facts.kv_dtype).removeprefix("torch."),
+        f"; with KV {'fp8' if facts.kv_dtype == facts.dtype else 'auto'} it would be {other} tokens, "
+        f"{other / plan.max_model_len:.1f} sequences"
+        if cfg.num_kv_blocks is None
+        else "",
+    )
+
+
+def draft_model(cfg: EngineConfig) -> tuple[Path | None, ModelSpec | None]:
+    """The draft model's folder and spec (its config.json alone), or (None, None) without one."""
+    sc = cfg.speculative_config
+    if sc is None or sc.method != "draft_model":
+        return None, None
+    path = resolve_model_path(cfg.replace(model=sc.model, speculative_config=None))
+    return path, ModelSpec.from_hf(read_json(path / "config.json"), {})
+
+
+def memory_needs(
+    cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device_type: str, *, draft_spec=None, kernel_backend=None
+) -> memory.Needs:
+    """One rank's weights, KV bytes per token and reserve (memory.engine_needs), with the CUDA graph pool counted
+    by the rule build_rank follows. kernel_backend: the engine's (None: cfg.kernel_backend)."""
+    graphs = memory.cuda_graphs(cfg, device_type, kernel_backend or cfg.kernel_backend)
+    return memory.engine_needs(cfg, spec, dtype.itemsize, graphs=graphs, draft_spec=draft_spec)
+
+
+def plan_memory(
+    cfg: EngineConfig,
+    spec: ModelSpec,
+    gpu: memory.GPU | None,
+    dtype: torch.dtype,
+    *,
+    draft_spec: ModelSpec | None = None,
+    kernel_backend: str | None = None,
+    loaded_len: int | None = None,
+) -> MemoryPlan:
+    """The memory plan of one rank for the engine's whole configuration: the engine's start calls it (twice on
+    CUDA) and so does `python -m warmup.plan`. `spec`: the full model (sharded by cfg.tensor_parallel_size);
+    `gpu` None: CPU, the pool is KV_CACHE_MEMORY. Before the load (loaded_len None): refuse fp8 below capability
+    8.9 and weights that cannot fit, then predict the pool with the weights (the draft's too) and the CUDA context
+    counted as in use. After it (loaded_len: the context the model was built for): gpu.free is measured with the
+    target's weights resident, and the draft's, loaded after the pool, are held back from it."""
+    device_type = "cpu" if gpu is None else "cuda"
+    needs = memory_needs(cfg, spec, dtype, device_type, draft_spec=draft_spec, kernel_backend=kernel_backend)
+    kv = dict(
+        kv_bytes_per_token=needs.kv_bytes_per_token,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        num_blocks=cfg.num_kv_blocks,
+        weights=needs.weight_bytes,
+    )
+    if gpu is None:
+        budget = cfg.kv_cache_memory
+        return memory.plan(kv_budget=budget, budget=budget, model_max_len=spec.max_position_embeddings, **kv)
+    kv |= dict(total=gpu.total, utilization=cfg.gpu_memory_utilization)
+    if loaded_len is not None:
+        reserve = needs.reserve_bytes + needs.draft_weight_bytes
+        return memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len, **kv)
+    if gpu.capability is not None:
+        check_fp8_support(cfg, spec.prequantized, gpu.name, gpu.capability)
+    return memory.plan_gpu_start(
+        free=gpu.free,
+        reserve=needs.reserve_bytes,
+        quantization=cfg.quantization,
+        model_max_len=spec.max_position_embeddings,
+        **kv,
+    )
