@@ -87,7 +87,6 @@ def build(tiny: bool, ctx: int, batches: tuple[int, ...]):
 def measure(tiny: bool, ctx: int = CTX, batches: tuple[int, ...] = BATCHES, reps: int = 3) -> list[dict]:
     import kernels
     from engine.cuda_graphs import ReplayGraph, cuda_graph_factory
-
     from engine.sampler import Sampler
     from engine.spec_decode.speculator import NO_DRAFTS
     from engine.step_runner import StepInput, StepRunner
