@@ -10,6 +10,8 @@ import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 
+pytestmark = pytest.mark.slow  # the real SmolLM2
+
 
 async def _collect(eng: AsyncEngine, prompt, params, request_id=None):
     text, ids, last = "", [], None

@@ -13,6 +13,8 @@ import requests
 
 from bench.procs import Emulator, emulator_env
 
+pytestmark = pytest.mark.slow  # the emulator and the worker as processes, on the real SmolLM2
+
 REPO = Path(__file__).resolve().parents[1]
 
 

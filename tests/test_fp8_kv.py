@@ -3,9 +3,12 @@ close to the unquantized cache on the real SmolLM2 weights."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # the real SmolLM2 with an fp8 KV cache
 
 PROMPTS = [
     "The capital of France is",

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # fp8 snapshots written and read back
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 7, 21]}, {"prompt_token_ids": [40, 41, 42]}]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from tests.test_fp8_kv import PROMPTS, _first_step, _gap
+
+pytestmark = pytest.mark.slow  # the real SmolLM2 in fp8
 
 W8A8_BOUND = 0.5  # mean |delta logprob| over the first token's top-5, in nats, fp32 against fp32
 

@@ -10,6 +10,8 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.conftest import hf_greedy
 
+pytestmark = pytest.mark.slow  # HF transformers parity for Gemma 2 / 3
+
 PROMPTS = [[5 + (7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate((7, 16, 33))]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
 

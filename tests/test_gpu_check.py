@@ -8,6 +8,8 @@ import pytest
 
 from bench import decode_step, gpu_engine
 
+pytestmark = pytest.mark.slow  # the GPU check's tiny CPU forms, under the Triton interpreter
+
 
 def test_decode_steps_eager_vs_graphs():
     rows = decode_step.measure(tiny=True, ctx=24, batches=(1, 2), reps=1)

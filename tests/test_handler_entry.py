@@ -12,9 +12,13 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from engine import AsyncEngine, EngineConfig
 from handler.settings import load_settings
 from handler.worker import Worker
+
+pytestmark = pytest.mark.slow  # the worker's entry point as a process
 
 JOB = {
     "input": {

@@ -8,10 +8,13 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import build_tiny_model
+
+pytestmark = pytest.mark.slow  # whole engines under the Triton interpreter
 
 KERNEL_MODULES = ("rmsnorm", "activation", "rotary", "cache_write", "paged_attention", "fp8")
 ENGINE = dict(

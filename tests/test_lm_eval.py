@@ -17,6 +17,8 @@ import pytest
 
 from bench.procs import Emulator, emulator_env
 
+pytestmark = pytest.mark.slow  # lm-eval-harness against the emulator
+
 DOCS = [
     ("The capital of France is", [" Berlin", " Paris", " Banana"], 1),
     ("The capital of Germany is", [" Berlin", " Madrid", " Pencil"], 0),

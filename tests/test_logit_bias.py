@@ -21,6 +21,8 @@ from engine.types import MAX_LOGIT_BIAS_TOKENS, Request
 from handler.settings import load_settings
 from handler.worker import Worker
 
+pytestmark = pytest.mark.slow  # the real SmolLM2
+
 PROMPT = [{"prompt_token_ids": [5, 40, 77, 120, 33, 9]}]
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

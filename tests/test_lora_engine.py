@@ -14,6 +14,8 @@ from engine import LLM, AsyncEngine, EngineConfig, InvalidRequestError, LoRARequ
 from engine.lora import LoRALoadError
 from tests.lora_fixtures import make_peft_adapter, upload_adapter
 
+pytestmark = pytest.mark.slow  # adapters from moto's S3 server, against PEFT
+
 PROMPTS = [[5, 17, 42, 99, 7, 64, 33, 120, 8], [200, 3, 77, 150, 12], [9, 9, 31, 250, 180, 44, 71]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

@@ -17,6 +17,8 @@ from handler.worker import Worker
 from tests.lora_fixtures import make_peft_adapter, upload_adapter
 from tests.test_lora_engine import peft_greedy
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 with adapters from moto's S3 server
+
 PROMPT = "The three primary colors are"
 N = 12
 

@@ -14,6 +14,8 @@ import torch
 from engine import LLM, InvalidRequestError, LoRARequest, SamplingParams, memory
 from tests.conftest import hf_greedy
 
+pytestmark = pytest.mark.slow  # HF transformers parity and the fused-MoE kernel under the Triton interpreter
+
 PROMPTS = [[5 + (7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate((7, 16, 33))]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 ARCHS = ("mixtral", "qwen2-moe", "qwen3-moe")

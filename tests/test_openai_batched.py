@@ -17,6 +17,8 @@ from bench.procs import Emulator, emulator_env
 from handler import openai_compat as oa
 from handler.settings import load_settings
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 behind the handler
+
 PROMPTS = ["The capital of France is", "One, two, three,", "My favourite colour is"]
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
 

@@ -17,6 +17,8 @@ import pytest
 
 from bench.procs import Emulator, emulator_env
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 behind the handler
+
 KEYS = {"message", "type", "param", "code"}
 CHAT = [{"role": "user", "content": "Count from one to twenty."}]
 

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 
 from bench.procs import Emulator, emulator_env
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 behind the handler
+
 TOOL = {
     "type": "function",
     "function": {

@@ -7,6 +7,8 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.conftest import TINY_ARCHS, check_logprobs_close, hf_greedy
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 and HF transformers, token for token
+
 SMOL_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -9,9 +9,12 @@ import os
 import signal
 import time
 
+import pytest
 import requests
 
 from bench.procs import Emulator
+
+pytestmark = pytest.mark.slow  # the worker as a process, on the real SmolLM2
 
 N = 8
 

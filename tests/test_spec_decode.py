@@ -21,6 +21,8 @@ from engine.spec_decode.rejection import verify
 from engine.types import Request, StructuredOutputsParams
 from tests.conftest import build_tiny_model
 
+pytestmark = pytest.mark.slow  # draft models and the real SmolLM2
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # prompts whose greedy continuations repeat (a random tiny model loops), plus one that does not
 PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [100, 101, 102, 103], list(range(20, 60)), [7] * 10, [42, 17, 99]]
@@ -193,7 +195,6 @@ def test_greedy_equality_with_n_and_a_lora_request(models, tmp_path):
     assert got[0].metrics.spec_decode["acceptance_rate"] < got[1].metrics.spec_decode["acceptance_rate"]
 
 
-@pytest.mark.slow
 def test_smollm2_self_draft_and_ngram(smollm2_path):
     prompt = "Rewrite this function with a docstring:\ndef add(a, b):\n    total = a + b\n    return total\n"
     sp = SamplingParams(temperature=0, max_tokens=48)

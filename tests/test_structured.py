@@ -13,6 +13,8 @@ import torch
 
 from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 under grammars
+
 S = StructuredOutputsParams
 OBJ = dict(type="object", additionalProperties=False)
 # Strings are bounded: a 135M model inside an open string can repeat itself until max_tokens (so can any model

@@ -17,6 +17,8 @@ import requests
 from bench.procs import Emulator, emulator_env
 from tests.test_structured import SCHEMAS
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 behind the handler, with grammars compiled
+
 
 @pytest.fixture(scope="module")
 def emu(smollm2_path):

@@ -8,6 +8,8 @@ import pytest
 
 from engine.tokenizer import PROBE, Tokenizer, compare_with_transformers
 
+pytestmark = pytest.mark.slow  # the real SmolLM2's tokenizer against transformers' chat templates
+
 TEXTS = [
     PROBE,
     "The capital of France is",

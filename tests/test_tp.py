@@ -17,6 +17,8 @@ from engine import LLM, ConfigError, EngineFault, SamplingParams, startup
 from engine.parallel import shard
 from tests.conftest import build_tiny_model
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks as processes
+
 PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [100, 101, 102, 103], list(range(20, 60)), [7] * 10]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 TOL = 2e-4  # fp32 logprobs: the reductions add partial sums in another order
@@ -95,7 +97,6 @@ def test_sampling_and_seed_under_tp2(models):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
-@pytest.mark.slow
 def test_smollm2_three_ranks(smollm2_path):
     """SmolLM2 has 9 heads and 3 KV heads: 3 ranks shard it (2 cannot, and say why)."""
     prompt = "The capital of France is"

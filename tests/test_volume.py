@@ -18,6 +18,8 @@ import requests
 
 from bench.procs import Emulator
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 from a volume
+
 REPO = Path(__file__).resolve().parents[1]
 VOLUME = Path("/runpod-volume")
 JOB = {"input": {"prompt": "hello there", "sampling_params": {"temperature": 0, "max_tokens": 4, "ignore_eos": True}}}

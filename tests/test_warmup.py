@@ -13,6 +13,8 @@ import pytest
 from engine.timeline import Timeline
 from tests.conftest import build_tiny_model
 
+pytestmark = pytest.mark.slow  # python -m warmup on the real SmolLM2, in subprocesses
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -50,8 +50,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     LOADERS = LlamaForCausalLM.LOADERS | {f"{n}.weight": load_norm for n in NORMS}
     act_and_mul = staticmethod(gelu_tanh_and_mul)
 
-    def __init__(self, spec, dtype, device, max_positions: int, quantization: str | None = None):
-        super().__init__(spec, dtype, device, max_positions, quantization)
+    def __init__(self, spec, dtype, device, max_positions: int, quantization: str | None = None, shard=None, tp=None):
+        super().__init__(spec, dtype, device, max_positions, quantization, shard, tp)
         self.local_rotary = None
         if spec.local_rope is not None:
             self.local_rotary = RotaryCache(spec.head_dim, max_positions, *spec.local_rope, device)

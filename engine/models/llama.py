@@ -101,8 +101,17 @@ class LlamaForCausalLM(nn.Module):
     LOADERS = loading.LOADERS
 
     def __init__(
-        self, spec: ModelSpec, dtype: torch.dtype, device, max_positions: int, quantization: str | None = None
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device,
+        max_positions: int,
+        quantization: str | None = None,
+        shard=None,
+        tp=None,
     ):
+        """shard, tp: under tensor parallelism (engine/parallel/rank.py), this rank's part of the checkpoint and
+        its collectives; None for the whole model."""
         super().__init__()
         s = self.spec = spec
         self.quantization = None if spec.prequantized else quantization  # a fp8 checkpoint is already quantized
@@ -117,9 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryCache(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
         # fp8 KV scales found in the checkpoint (self_attn.k_scale / v_scale): {layer: {"k": s, "v": s}}
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
-        # tensor parallelism (engine/parallel/): this rank's part of the checkpoint, and its collectives
-        self.shard = None
-        self.tp = None
+        self.shard, self.tp = shard, tp
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, attn, meta, lora=None

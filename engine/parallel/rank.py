@@ -62,8 +62,9 @@ def rank_model(
     """Rank `rank`'s model, not loaded yet: the shapes of its shard, and (tp > 1) the shard its checkpoint stream is
     cut to and its collectives. At tp 1, the whole model."""
     lspec = local_spec(spec, tp)
-    model = model_class(lspec)(lspec, dtype, device, max_positions, quantization)
+    parallel = {}
     if tp > 1:
-        model.shard = Shard(spec, rank, tp)
-        model.tp = TPComm(rank, tp, spec.vocab_size, backend_for(device) == "gloo")
-    return model
+        parallel = dict(
+            shard=Shard(spec, rank, tp), tp=TPComm(rank, tp, spec.vocab_size, backend_for(device) == "gloo")
+        )
+    return model_class(lspec)(lspec, dtype, device, max_positions, quantization, **parallel)

@@ -3,8 +3,12 @@ gives the torch path's tokens."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine import LLM, SamplingParams
 from tests.kernels.conftest import DEVICE
+
+pytestmark = pytest.mark.slow  # a whole engine under the Triton interpreter
 
 
 def test_tiny_llama_triton_path_matches_torch_path(tiny_models):
