@@ -75,13 +75,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
         out = SchedulerOutput(requests=[], num_scheduled_tokens=[])
         if self.admission is not None:
             for req, err in self.admission.refused(self.waiting).items():
                 self.finish(req, "abort")
                 out.failed[req] = err
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if self.lookahead is not None:
+            budget = self._grant_lookahead(out, budget)
+        # Admit waiting requests only when nothing was preempted this step: otherwise the
+        # freed blocks would be handed straight to a newcomer and the victim would starve.
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        out.sampling = [
+            r
+            for r, n in zip(out.requests, out.num_scheduled_tokens)
+            if r.num_computed_tokens + n - out.spec.get(r, 0) == r.num_tokens
+        ]
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first, in admission order; out of blocks, the most recently admitted is preempted.
+        Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -98,13 +113,13 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
             i += 1
-        if self.lookahead is not None:
-            budget = self._grant_lookahead(out, budget)
+        return budget
 
-        # Admit waiting requests only when nothing was preempted this step: otherwise the
-        # freed blocks would be handed straight to a newcomer and the victim would starve.
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting requests in order while the budget, max_num_seqs and the pool allow, each from its first
+        uncached token."""
         held = []  # waiting requests that cannot start yet (their adapter is loading): they keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self.admission is not None and not self.admission.can_start(req, self.running):
                 held.append(self.waiting.popleft())
@@ -130,12 +145,6 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
         self.waiting.extendleft(reversed(held))
-        out.sampling = [
-            r
-            for r, n in zip(out.requests, out.num_scheduled_tokens)
-            if r.num_computed_tokens + n - out.spec.get(r, 0) == r.num_tokens
-        ]
-        return out
 
     def _grant_lookahead(self, out: SchedulerOutput, budget: int) -> int:
         for j, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
