@@ -3,10 +3,13 @@
 #
 # Base: torch==2.13.0's default PyPI wheel (manylinux_2_28_x86_64) is built for CUDA 13.0; it requires
 # cuda-toolkit[cudart,cublas,...]==13.0.3 and nvidia-*-cu13 wheels, so the CUDA user-space libraries come
-# from pip. The base image gives the matching 13.0 runtime and NVIDIA_REQUIRE_CUDA=cuda>=13.0, so the
+# from pip. The base image gives the matching 13.0 cudart and NVIDIA_REQUIRE_CUDA=cuda>=13.0, so the
 # container runtime refuses a host whose driver is too old (CUDA 13.0 needs driver >= 580) instead of torch
-# failing later. tests/test_dockerfile.py checks that this tag's CUDA version matches the torch pin.
-FROM nvidia/cuda:13.0.3-runtime-ubuntu24.04
+# failing later. -base, not -runtime: runtime adds the CUDA math libraries and NCCL, which torch does not load
+# (it brings its own wheels of them), several GB more per cold pull; Triton needs only the driver's libcuda and
+# what its wheel ships (ptxas, headers, libdevice). tests/test_dockerfile.py checks that this tag's CUDA version
+# matches the torch pin.
+FROM nvidia/cuda:13.0.3-base-ubuntu24.04
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 

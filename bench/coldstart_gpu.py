@@ -1,6 +1,6 @@
 """Cold start on a GPU for an 8B-shaped model read from local disk, against the `cat` read floor.
 
-bench/gpu_check.sh runs this last, in the time the 8-minute check has left. Steps:
+bench/gpu_check.sh runs this last, in the share of the 8-minute check held back for it. Steps:
 1. Write a Llama-3-8B-shaped model with random bf16 weights (made on the GPU, moved to the CPU, saved shard by
    shard as HF-named safetensors + model.safetensors.index.json + config.json + a tiny BPE tokenizer) to local
    disk. Full 32 layers would be 16 GB; to fit the check's budget the default is 8 of the 32 layers (~5.6 GB:
@@ -16,8 +16,9 @@ bench/gpu_check.sh runs this last, in the time the 8-minute check has left. Step
      the snapshot; cold page cache and an empty TRITON_CACHE_DIR;
    - fp8 from snapshot: a second start on the same cache root and kernel cache, cold page cache;
    - bf16: no quantization, cold page cache, warm kernel cache.
-Writes a section of docs/kernels.md (gpu-coldstart) after each step, so a timeout keeps what was measured.
-`--tiny`: a 2-layer toy model on CPU with the torch kernels (a smoke test; writes nothing).
+Writes a section of docs/kernels.md (gpu-coldstart) after each step, so a timeout keeps what was measured. Ends
+with one PASS / FAIL line (FAIL, and exit 1, when any step failed, a start read its weights from the wrong source,
+or the loader spy saw the wrong calls). `--tiny`: a 2-layer toy model on CPU with the torch kernels (CI; no docs).
 """
 
 from __future__ import annotations
@@ -99,19 +100,19 @@ def cuda_path_matches(model_dir: Path) -> tuple[int, list[str]]:
 # ---- an engine start, in a fresh process -----------------------------------------------------------------------
 def engine_child(spec: dict) -> None:
     """Build LLMEngine (timeline from T0), run one greedy token, print one JSON line."""
-    import engine.llm_engine as le
+    import engine.weights.load as load  # load_model reads the checkpoint through this module's iter_weights
     from engine import EngineConfig, LLMEngine, SamplingParams, Timeline
 
     tl = Timeline(start=T0)
     tl.mark("imports")
     devices = []  # what the engine asked the loader for
-    orig = le.iter_weights
+    orig = load.iter_weights
 
     def spy(path, device="cpu", **kw):
         devices.append(str(device))
         return orig(path, device, **kw)
 
-    le.iter_weights = spy
+    load.iter_weights = spy
     eng = LLMEngine(EngineConfig(**spec), timeline=tl)
     eng.add_request("first", PROMPT, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     while eng.has_unfinished():
@@ -133,28 +134,21 @@ def engine_child(spec: dict) -> None:
 
 def run_engine(spec: dict, env: dict, timeout: float) -> dict:
     t = now()
-    p = subprocess.run(
-        [sys.executable, "-m", "bench.coldstart_gpu", "--child", json.dumps(spec)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", "bench.coldstart_gpu", "--child", json.dumps(spec)]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     wall = now() - t
     if p.returncode != 0:
-        raise RuntimeError(f"engine child exited {p.returncode}:\n{p.stderr[-3000:]}")
+        print(p.stderr[-3000:], flush=True)  # the whole traceback in the log; its last line in the doc
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"engine child exited {p.returncode}: {last}")
     return json.loads(p.stdout.strip().splitlines()[-1]) | {"wall": wall}
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
 def _is_weights(phase: str) -> bool:
-    return phase in (
-        "weight read",
-        "weight read + fp8 quantization",
-        "fp8 snapshot load",
-        "weight read (fp8 checkpoint)",
-    )
+    from engine.weights.load import PHASES  # the timeline's name for each way the weights came in
+
+    return phase in PHASES.values()
 
 
 def render(info: dict, reads: list, check, starts: dict) -> str:
@@ -242,6 +236,26 @@ def render(info: dict, reads: list, check, starts: dict) -> str:
     return "\n".join(lines)
 
 
+# where each start's weights must come from, and whether it reads the checkpoint through iter_weights
+EXPECTED = {
+    "fp8, first start": ("checkpoint, quantized online", True),
+    "fp8 from snapshot": ("fp8 snapshot", False),
+    "bf16": ("checkpoint", True),
+}
+
+
+def start_problem(name: str, r: dict, device: str) -> str | None:
+    """Why a start that ran is still wrong (weights from the wrong source, or the loader spy saw the wrong calls:
+    a spy patched where load_model does not look sees none); None when it is right."""
+    source, reads = EXPECTED[name]
+    if r["source"] != source:
+        return f"engine start '{name}': weights from {r['source']!r}, expected {source!r}"
+    seen, want = r["loader_device"], device if reads else "nothing"
+    if reads != bool(seen) or not all(d.startswith(device) for d in seen):
+        return f"engine start '{name}': the loader was asked for {seen or 'nothing'}, expected {want}"
+    return None
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         return engine_child(json.loads(sys.argv[2]))
@@ -252,40 +266,39 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=150)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # `timeout` sends TERM: still clean up the files
+    line = run(args.tiny, args.layers, args.dir, args.child_timeout)
+    if line.startswith("FAIL"):  # the doc keeps what was measured; the check must not read this as a pass
+        raise SystemExit(1)
 
+
+def run(tiny: bool, layers: int = 8, where: str | None = None, child_timeout: float = 150) -> str:
+    """The whole measurement; returns its one PASS / FAIL line (FAIL when any step recorded an error)."""
     import torch
 
-    from bench._common import cat_seconds, producer, write_section
+    from bench._common import cat_seconds, gpu_summary, producer, write_section
 
-    if not args.tiny:
+    if not tiny:
         assert torch.cuda.is_available(), "bench/coldstart_gpu.py needs a CUDA device (or --tiny)"
-    device = "cpu" if args.tiny else "cuda"
-    shape = dict(TINY) if args.tiny else LLAMA3_8B | {"num_hidden_layers": args.layers}
+    device = "cpu" if tiny else "cuda"
+    shape = dict(TINY) if tiny else LLAMA3_8B | {"num_hidden_layers": layers}
     what = (
         "toy model (2 layers, hidden 256) on CPU"
-        if args.tiny
-        else f"Llama-3-8B shape, {args.layers} of 32 layers"
-        + (" (shrunk to fit the 8-minute GPU check; embeddings and lm_head full size)" if args.layers < 32 else "")
+        if tiny
+        else f"Llama-3-8B shape, {layers} of 32 layers"
+        + (" (shrunk to fit the 8-minute GPU check; embeddings and lm_head full size)" if layers < 32 else "")
     )
-    root = Path(tempfile.mkdtemp(prefix="coldstart-gpu-", dir=args.dir))
+    root = Path(tempfile.mkdtemp(prefix="coldstart-gpu-", dir=where))
     env = {k: v for k, v in os.environ.items() if k not in ("QUANTIZATION", "MODEL_NAME")}
-    env |= {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "TRITON_CACHE_DIR": str(root / "triton"),
-    }  # empty: the first start compiles
+    env |= dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env["TRITON_CACHE_DIR"] = str(root / "triton")  # empty: the first start compiles
     try:
         model_dir, cache_root = root / "model", root / "volume"
         model_dir.mkdir()
         t = now()
-        shards = write_model(model_dir, shape, device, shard_bytes=(4 << 20) if args.tiny else (2 << 30))
+        shards = write_model(model_dir, shape, device, shard_bytes=(4 << 20) if tiny else (2 << 30))
         nbytes = sum(f.stat().st_size for f in shards)
         info = {
-            "machine": producer(
-                "python -m bench.coldstart_gpu" + " --tiny" * args.tiny, "cpu" if args.tiny else "cuda"
-            ),
+            "machine": producer("python -m bench.coldstart_gpu" + " --tiny" * tiny, "cpu" if tiny else "cuda"),
             "what": what,
             "bytes": nbytes,
             "shards": len(shards),
@@ -300,7 +313,7 @@ def main() -> None:
 
         def publish(reads, check, starts) -> None:
             md = render(info, reads, check, starts)
-            if not args.tiny:
+            if not tiny:
                 write_section(DOC, "gpu-coldstart", md)
             return md
 
@@ -330,6 +343,8 @@ def main() -> None:
             if got is not None:
                 reads.append((label, got))
         check = attempt("CUDA path check", lambda: cuda_path_matches(model_dir)) if device == "cuda" else None
+        if check is not None and check[1]:
+            errors.append(f"the CUDA loader path differs from the CPU path in {len(check[1])} tensors")
         if device == "cuda":
             torch.cuda.empty_cache()
         print(publish(reads, check, {}), flush=True)
@@ -338,7 +353,7 @@ def main() -> None:
         base = dict(
             model=str(model_dir), dtype="bfloat16", cache_root=str(cache_root), log_stats_interval=0.0, device=device
         )
-        if args.tiny:
+        if tiny:
             base["num_kv_blocks"] = 64
         from engine.weights.default_model import sha256_file
 
@@ -349,7 +364,7 @@ def main() -> None:
         ):
             snaps = sorted(cache_root.glob("fp8-snapshots/*/*.safetensors"))
             drop_cache(shards + snaps)
-            r = attempt(f"engine start '{name}'", lambda spec=spec: run_engine(spec, env, args.child_timeout))
+            r = attempt(f"engine start '{name}'", lambda spec=spec: run_engine(spec, env, child_timeout))
             if r is None:
                 publish(reads, check, starts)
                 continue
@@ -357,6 +372,8 @@ def main() -> None:
             r["read_bytes"] = sum(f.stat().st_size for f in snaps) if r["source"] == "fp8 snapshot" else nbytes
             starts[name] = r
             print(f"{name}: {r['timeline']['total_s']:.2f} s to first token ({r['source']})", flush=True)
+            if problem := start_problem(name, r, device):
+                errors.append(problem)
             if name == "fp8, first start" and snaps:
                 t = now()
                 sha256_file(snaps[0])
@@ -364,8 +381,12 @@ def main() -> None:
             publish(reads, check, starts)
         md = publish(reads, check, starts)
         print("\n" + md)
-        if not args.tiny:
+        if not tiny:
             print(f"\nwrote {DOC} (gpu-coldstart)")
+        if errors:
+            return gpu_summary(False, f"coldstart: {len(errors)} error(s), the first: {errors[0][:400]}", tiny)
+        times = ", ".join(f"{n} {r['timeline']['total_s']:.1f} s" for n, r in starts.items())
+        return gpu_summary(True, f"coldstart: to first token {times}", tiny)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -13,6 +13,8 @@
   complete, torch.cuda.max_memory_reserved() stays within the budget. Then the same checkpoint with
   QUANTIZATION=fp8: weight bytes (planned and measured) and agreement with the bf16 tokens (random weights: the
   agreement shows the path works, not fp8's quality, which bench/fp8_quality.py measures on SmolLM2).
+- `versions`: torch, Triton, CUDA, Python, the GPU and its driver, beside the torch / Triton pins of the image
+  (one INFO line: the check machine's own image may carry another pair, which a pass there does not cover).
 
 Each writes its section of docs/gpu.md and appends PASS/FAIL lines to .gpu-results/summary.txt, which the check
 prints last. `--tiny`: the same code on CPU with a 2-layer toy model (CI runs it; writes nothing)."""
@@ -309,15 +311,46 @@ def compiles(tiny: bool, workdir: Path, tokens: int = 4096) -> list[str]:
     return [line]
 
 
+def versions(tiny: bool) -> list[str]:
+    """What this check runs on, beside what the image pins (pyproject.toml): a pass with another torch / Triton
+    pair does not cover the image's. One INFO line (not a check: the device's own image may differ)."""
+    import platform
+    import subprocess
+
+    import tomllib
+    import triton
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {d.split("==")[0].strip(): d.split("==")[1].split(";")[0].strip() for d in deps if "==" in d}
+    have = {"torch": torch.__version__, "triton": triton.__version__}
+    same = all(have[n].split("+")[0] == pins.get(n) for n in have)
+    try:
+        smi = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+        gpu = subprocess.run(smi, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        gpu = "no nvidia-smi"
+    ran = ", ".join(f"{n} {v}" for n, v in have.items())
+    line = (
+        f"INFO versions: {ran}, CUDA {torch.version.cuda or 'none'} (torch's build), Python "
+        f"{platform.python_version()}, GPU and driver: {gpu}; the image pins torch {pins.get('torch')} / triton "
+        f"{pins.get('triton')}" + ("" if same else ", so this run does not cover the image's pair")
+    )
+    report("gpu-versions", ["## Versions this check ran with", "", line.removeprefix("INFO versions: ") + "."], tiny)
+    print(line, flush=True)  # bench/gpu_check.sh puts it at the top of the summary
+    return [line]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="the GPU check's engine parts -> docs/gpu.md")
-    ap.add_argument("part", choices=["parity", "start", "compiles"])
+    ap.add_argument("part", choices=["parity", "start", "compiles", "versions"])
     ap.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model (start)")
     ap.add_argument("--tiny", action="store_true", help="a toy model on CPU: the same code, for CI")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as d:
         d = Path(d)
-        if args.part == "parity":
+        if args.part == "versions":
+            lines = versions(args.tiny)
+        elif args.part == "parity":
             lines = parity(args.tiny, d)
         else:
             lines = start(args.tiny, d, args.layers) if args.part == "start" else compiles(args.tiny, d)

@@ -15,6 +15,8 @@ crosses a binade with an odd exponent, returns half the value (127.8 -> 64 inste
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -197,9 +199,16 @@ def _check_operands(xq, x_scale, wq, w_scale, bias) -> None:
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be [N] contiguous"
 
 
+@functools.cache
+def device_capability(index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked of the driver once per device: every eager fp8 linear needs it
+    (twice), hundreds of times per step otherwise."""
+    return torch.cuda.get_device_capability(index)
+
+
 def scaled_mm_supported(x: torch.Tensor, n: int, k: int) -> bool:
     """torch._scaled_mm with rowwise scales: CUDA sm89+, and K and N multiples of 16."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
+    return x.is_cuda and k % 16 == 0 and n % 16 == 0 and device_capability(x.device.index) >= (8, 9)
 
 
 def scaled_mm_out_dtype(out_dtype: torch.dtype, capability: tuple[int, int] | None, cuda: str | None) -> torch.dtype:
@@ -210,6 +219,12 @@ def scaled_mm_out_dtype(out_dtype: torch.dtype, capability: tuple[int, int] | No
         if tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9):
             return torch.float16
     return torch.bfloat16
+
+
+@functools.cache
+def _device_gemm_dtype(out_dtype: torch.dtype, index: int) -> torch.dtype:
+    """scaled_mm_out_dtype for a CUDA device, worked out once per (dtype, device) rather than per linear."""
+    return scaled_mm_out_dtype(out_dtype, device_capability(index), torch.version.cuda)
 
 
 def fp8_gemm_scaled_mm(
@@ -224,8 +239,10 @@ def fp8_gemm_scaled_mm(
     [N, K]), scale_a [M, 1] and scale_b [1, N] fp32. The GEMM writes out_dtype when it can (scaled_mm_out_dtype),
     else bf16; the bias is fused when the GEMM writes out_dtype itself."""
     _check_operands(xq, x_scale, wq, w_scale, bias)
-    cap = torch.cuda.get_device_capability(xq.device) if xq.is_cuda else None
-    gemm_dtype = scaled_mm_out_dtype(out_dtype, cap, torch.version.cuda)
+    if xq.is_cuda:
+        gemm_dtype = _device_gemm_dtype(out_dtype, xq.device.index)
+    else:
+        gemm_dtype = scaled_mm_out_dtype(out_dtype, None, None)
     fuse_bias = bias is not None and out_dtype == gemm_dtype
     out = torch._scaled_mm(
         xq,

@@ -280,7 +280,10 @@ def paged_attention_triton(
         native_dot = q.is_cuda and q.dtype != torch.float32
     m_buf = l_buf = acc_buf = out  # scratch, unused when IS_SPLIT is False
     if num_splits > 1:
-        m_buf, l_buf = torch.empty((2, num_splits, t, h), dtype=torch.float32, device=q.device)
+        # separate tensors: a view at num_splits * t * h floats into one buffer is 16-byte aligned only when that
+        # product is a multiple of 4, and Triton compiles another variant for an unaligned pointer
+        m_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device)
+        l_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device)
         acc_buf = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
     _paged_attn_kernel[(num_tiles, kvh, num_splits)](

@@ -182,8 +182,8 @@ def test_no_secret_in_env_or_arg_and_token_comes_from_a_build_secret():
 def test_base_image_cuda_matches_the_torch_pin():
     torch_pin = PROJECT_PINS["torch"]
     assert torch_pin in TORCH_PYPI_WHEEL, f"torch=={torch_pin}: add its wheel's CUDA/triton to TORCH_PYPI_WHEEL"
-    m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)(?:\.\d+)?-(?:cudnn\d*-)?runtime-ubuntu[\d.]+", of("FROM")[0])
-    assert m, f"base {of('FROM')[0]!r} is not an nvidia/cuda runtime image"
+    m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)(?:\.\d+)?-(?:cudnn\d*-)?(?:base|runtime)-ubuntu[\d.]+", of("FROM")[0])
+    assert m, f"base {of('FROM')[0]!r} is not an nvidia/cuda base or runtime image"
     assert m[1] == TORCH_PYPI_WHEEL[torch_pin]["cuda"]
 
 

@@ -3,6 +3,7 @@ torch reference and against the engine's TorchAttention backend, on tiny mixed b
 NaN. Batches are drawn on CPU, then moved to DEVICE."""
 
 import inspect
+import itertools
 import sys
 
 import pytest
@@ -211,9 +212,11 @@ def test_no_scale_tensor_is_built_per_call_for_a_16bit_cache(monkeypatch):
 
 
 def test_batch_shapes_share_compiled_variants(monkeypatch):
-    """What Triton compiles a variant for (constexprs, and the value class of every int argument
-    it specializes: == 1, % 16 == 0, other) must not change with the batch. Across 1..40 sequences, decode and
-    mixed batches, split counts 1..32 and block-table widths, only {decode, full tiles} x {split, not} remain."""
+    """What Triton compiles a variant for (constexprs, the value class of every int argument it specializes:
+    == 1, % 16 == 0, other, and whether each tensor argument's address is 16-byte aligned) must not change with the
+    batch. Across 1..40 sequences, decode and mixed batches, split counts 1..32, block-table widths and 4 or 9
+    heads (9: SmolLM2's, where split scratch sized splits x tokens x heads floats can end off a 16-byte boundary),
+    only {decode, full tiles} x {split, not} remain."""
     pa = sys.modules["kernels.paged_attention"]  # the package exports a function of the same name
     seen = set()
     for kernel in (pa._paged_attn_kernel, pa._reduce_splits_kernel):
@@ -231,22 +234,25 @@ def test_batch_shapes_share_compiled_variants(monkeypatch):
                 def launch(*args, **constexprs):
                     ints = {n: a for n, a in zip(self.names, args) if type(a) is int and n not in self.skip}
                     key = tuple(sorted((n, a == 1, a % 16 == 0) for n, a in ints.items()))
+                    ptrs = {n: a for n, a in zip(self.names, args) if isinstance(a, torch.Tensor)}
+                    key += tuple(sorted((n, a.data_ptr() % 16 == 0) for n, a in ptrs.items()))
                     seen.add((self.kernel.__name__, key, tuple(sorted(constexprs.items()))))
 
                 return launch
 
         monkeypatch.setattr(pa, kernel.__name__, Recorder(kernel, names, skip))
-    for n_seqs in (1, 2, 3, 16, 17, 40):
+    for (heads, kv_heads), n_seqs in itertools.product(((4, 2), (9, 3)), (1, 2, 3, 16, 17, 40)):
         for decode in (True, False):
             spec = [(1 if decode else 3, 5 + i) for i in range(n_seqs)]
-            args = make_batch(spec, poison=False)
+            args = make_batch(spec, h=heads, kvh=kv_heads, poison=False)
             for splits in (1, 2, 7, 16, 32):
                 pa.paged_attention_triton(**args, max_query_len=1 if decode else 3, num_splits=splits)
                 wide = dict(args, block_tables=torch.cat([args["block_tables"]] * 3, 1))  # another width
                 pa.paged_attention_triton(**wide, max_query_len=1 if decode else 3, num_splits=splits)
     attn = {(k, c) for name, k, c in seen if name == "_paged_attn_kernel"}
     reduce = {(k, c) for name, k, c in seen if name == "_reduce_splits_kernel"}
-    assert len(attn) == 4, attn  # BLOCK_Q in {1, full} x IS_SPLIT
+    geometries = {dict(c)["REP"] for _, c in attn}  # query heads per KV head: fixed per model
+    assert len(geometries) == 2 and len(attn) == 4 * 2, attn  # per model: BLOCK_Q in {1, full} x IS_SPLIT
     assert len(reduce) == 1, reduce
 
 
