@@ -281,7 +281,7 @@ def compiles(tiny: bool, workdir: Path, tokens: int = 4096) -> list[str]:
     variants = _Specializations() if tiny else contextlib.nullcontext()
     with variants:
         t = time.perf_counter()
-        for shape in runner.warm_shapes():  # what the worker's step loop does in its idle gaps after ready
+        for shape in runner.warm_shapes():  # what the worker's step loop does after ready (IdleWork)
             runner.warm(*shape)
         warm_s = time.perf_counter() - t
         cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))

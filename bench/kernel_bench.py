@@ -3,6 +3,8 @@
 Run on a CUDA machine (bench/gpu_check.sh does): each kernel is timed with triton.testing.do_bench (median),
 its bytes moved are counted, and achieved bandwidth is compared with a plain D2D copy of a large buffer
 measured in the same run. Targets: decode attention >= 70 % of copy bandwidth; RMSNorm and SiLU-mul >= 80 %.
+Compute-bound prefill work (4k- and 16k-token attention, a 2048-token MoE) is reported as TFLOP/s against the
+device's bf16 tensor-core peak.
 Writes the tables to docs/kernels.md (between markers) and prints them last. Whole decode steps (eager and CUDA
 graphs) are bench/decode_step.py's."""
 
@@ -132,6 +134,63 @@ def moe_rows(dtype):
     return out
 
 
+# dense bf16 tensor-core TFLOP/s with fp32 accumulation, from the datasheets; the first name that matches wins
+TC_PEAK_TFLOPS = (
+    ("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("B200", 2250), ("A100", 312),
+    ("L40S", 362), ("L4", 121), ("A40", 150), ("A10", 125), ("RTX 4090", 165), ("RTX 3090", 71),
+)  # fmt: skip
+
+
+def tensor_core_peak() -> tuple[float, str]:
+    """The device's bf16 tensor-core peak in FLOP/s, and where it comes from (a datasheet, or a GEMM measured here
+    for a device not in the table)."""
+    name = torch.cuda.get_device_name()
+    for key, tflops in TC_PEAK_TFLOPS:
+        if key in name:
+            return tflops * 1e12, f"{name}, datasheet"
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench(lambda: a @ a), f"{name}: a bf16 8192^3 GEMM measured here"
+
+
+def compute_rows(dtype=torch.bfloat16):
+    """Compute-bound prefill work, as (name, fn, flop): one causal prompt of 4k and 16k tokens through the flash-tiled
+    prefill kernel and through the unified kernel's 16-row tiles (Llama-3-8B heads), and the fused MoE at a
+    2048-token prefill (Mixtral-8x7B; 2 GEMMs of 3 x 14336 x 4096 per token and expert, top-2)."""
+    from kernels.fused_moe import fused_moe
+    from kernels.paged_attention import paged_attention
+    from kernels.prefill_attention import prefill_attention
+
+    out = []
+    for n in (4096, 16384):
+        nblk = n // BS
+        kc = torch.randn(KVH, nblk + 8, BS, D, device="cuda", dtype=dtype)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(nblk, device="cuda", dtype=torch.int32)[None]  # [1, nblk]
+        q = torch.randn(n, H, D, device="cuda", dtype=dtype)
+        lens = torch.tensor([n], device="cuda", dtype=torch.int32)
+        qsl = torch.tensor([0, n], device="cuda", dtype=torch.int32)
+        flops = 2 * H * D * n * (n + 1)  # QK^T and PV over the causal triangle
+        for name, op in (
+            ("prefill attention (flash tiles)", prefill_attention),
+            ("unified (16-row tiles)", paged_attention),
+        ):
+
+            def fn(op=op, q=q, kc=kc, vc=vc, table=table, lens=lens, qsl=qsl, n=n):
+                return op(q, kc, vc, table, lens, qsl, D**-0.5, max_query_len=n)
+
+            out.append((f"{name}, {n // 1024}k-token prompt", fn, flops))
+    e, h, inter, k, t = 8, 4096, 14336, 2, 2048
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=dtype) * 0.02
+    w2 = torch.randn(e, h, inter, device="cuda", dtype=dtype) * 0.02
+    x = torch.randn(t, h, device="cuda", dtype=dtype)
+    ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)])
+    w = torch.rand(t, k, device="cuda").softmax(-1).to(dtype)
+    out.append(
+        (f"fused_moe Mixtral-8x7B, {t}-token prefill", lambda: fused_moe(x, w13, w2, w, ids), 2 * t * k * 3 * inter * h)
+    )
+    return out
+
+
 def fp8_linear_rows(dtype=torch.bfloat16):
     """FP8 W8A8 vs bf16 linear at Llama-3-8B shapes: TFLOP/s and the share of the bf16 matmul rate."""
     from kernels.fp8 import fp8_linear, quant_per_channel
@@ -183,6 +242,17 @@ def main() -> None:
     ]
     for m, name, bf16, fp8, speedup in fp8_linear_rows():
         lines.append(f"| {m} | {name} | {bf16:,.1f} | {fp8:,.1f} | {speedup:.2f}x |")
+    peak, source = tensor_core_peak()
+    lines += [
+        "",
+        f"Prefill, compute-bound (bf16), against the tensor-core peak: **{peak / 1e12:,.0f} TFLOP/s** ({source}):",
+        "",
+        "| kernel | ms | TFLOP/s | % of peak |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, fn, flops in compute_rows():
+        s = bench(fn)
+        lines.append(f"| {name} | {s * 1e3:,.2f} | {flops / s / 1e12:,.0f} | {flops / s / peak:.0%} |")
     md = "\n".join(lines)
     write_section(DOC, "gpu", md)
     print(md)

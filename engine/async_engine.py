@@ -2,7 +2,8 @@
 
 The event loop never runs model code. Requests and aborts reach the engine thread through an inbox
 that it drains between steps, so only that thread touches LLMEngine state. With no work, the thread
-blocks on the inbox instead of spinning."""
+blocks on the inbox instead of spinning, once the work after ready (IdleWork: kernel warm-up, graph captures) is
+done; that work runs one piece per idle gap, and between busy steps within its share of the loop's time."""
 
 from __future__ import annotations
 
@@ -178,6 +179,8 @@ class AsyncEngine:
             self._stalled = not outputs and not self._stats["running"]
             for out in outputs:
                 self._send(out.request_id, out.error if out.error is not None else out)
+            # a busy worker warms up too: one piece within its share of the loop, after this step's tokens went out
+            eng.idle.busy()
             interval = eng.cfg.log_stats_interval
             if interval and time.monotonic() - last_log >= interval:
                 now, s = time.monotonic(), self._stats

@@ -8,8 +8,9 @@ without a graph the GPU waits on Python between them; a graph replays them all w
 - What runs eagerly: a step with a prefill chunk, a step with a LoRA adapter, a step larger than every captured
   bucket, and everything until its bucket is captured. The Triton attention's metadata lives in device tensors,
   so only that backend can be captured (the torch backend plans its gathers on the host).
-- When: never on the cold-start path. `capture_next()` captures one bucket, smallest first; AsyncEngine calls it
-  in the step loop's idle gaps after the worker is ready, LLM.generate before its first step.
+- When: never on the cold-start path. `capture_next()` captures one bucket, smallest first, as one piece of
+  IdleWork (below): after the worker is ready, in the step loop's idle gaps and, while it is busy, within a share
+  of its time; LLM.generate before its first step.
 - Memory: every bucket's graph shares one pool, sized by memory.graph_pool_bytes in the plan.
 
 The graph object is injected (`new_graph`): CudaGraph on a GPU; the tests pass a stand-in that replays by
@@ -23,7 +24,6 @@ import time
 
 import torch
 
-from engine.block_table import h2d
 from engine.memory import graph_buckets
 
 log = logging.getLogger("engine")
@@ -79,11 +79,13 @@ class DecodeGraphs:
         self.pending = list(graph_buckets(max_num_seqs))
         self.graphs: dict[int, object] = {}
         self.captured: list[int] = []  # sorted
-        b = max_num_seqs
-        # token ids, positions, cache slots; rows padded to 16 bytes so each row's pointer is aligned like the
-        # eager path's (Triton specializes on it: another alignment would be another compile)
-        self.inputs = torch.zeros((3, b + b % 2), dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        b, w = max_num_seqs, max_num_seqs + max_num_seqs % 2
+        # token ids, positions, cache slots (int64 rows padded to 16 bytes, so each row's pointer is aligned like
+        # the eager path's: Triton specializes on it, another alignment would be another compile), then the context
+        # lengths (int32, 16-byte aligned too): views of one device buffer, so a replay sends its inputs in one copy
+        self._packed = torch.zeros(24 * w + 4 * b, dtype=torch.uint8, device=device)
+        self.inputs = self._packed[: 24 * w].view(torch.int64).view(3, w)
+        self.seq_lens = self._packed[24 * w :].view(torch.int32)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token per sequence
         self.replays = 0  # decode steps served by a graph
 
@@ -118,33 +120,90 @@ class DecodeGraphs:
 
     def run(self, b: int, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int]):
         """Replay bucket b for n = len(ids) decodes (the block table already holds their rows): hidden [n, hidden]."""
-        n, pad = len(ids), b - len(ids)
-        dev = self.inputs.device
-        self.inputs[:, :b].copy_(h2d([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], torch.int64, dev))
-        self.seq_lens[:b].copy_(h2d(seq_lens + [0] * pad, torch.int32, dev))
+        n, split = len(ids), self.inputs.numel() * 8
+        # staged whole in pinned memory (torch's caching host allocator keeps it until the copy is done): one
+        # non-blocking copy straight into the static buffers; columns past b are read by no graph of bucket b
+        host = torch.zeros(self._packed.shape, dtype=torch.uint8, pin_memory=self._packed.is_cuda)
+        rows = host[:split].view(torch.int64).view(self.inputs.shape)
+        rows[:, :n] = torch.tensor([ids, positions, slots], dtype=torch.int64)
+        rows[2, n:] = -1  # padding rows: token 0 at position 0, no cache slot (writes nothing), context 0
+        host[split:].view(torch.int32)[:n] = torch.tensor(seq_lens, dtype=torch.int32)
+        self._packed.copy_(host, non_blocking=True)
         self.replays += 1
         return self.graphs[b].replay()[:n]
 
 
-class IdleWork:
-    """What the step loop does in its idle gaps after ready, one piece per gap so a request never waits for more
-    than one: compile the Triton variants a step can need (ModelRunner.warm: padding-only steps; CUDA only), then
-    capture the pending CUDA graphs. A failure is logged and ends that kind of work: steps stay correct without it."""
+# While requests run, idle work takes at most this share of the loop's time (docs/decisions.md). A quarter: until
+# it is done, requests may hit compiles and decodes run eagerly, so ending sooner is worth a larger share
+BUSY_SHARE = 0.25
+MASK_WARM_ROWS = (1, 2, 16)  # xgrammar's CUDA mask kernel specializes its row count: == 1, other, % 16 == 0
 
-    def __init__(self, runner, warm_kernels: bool):
-        self.runner = runner
-        self.warm_shapes = runner.warm_shapes() if warm_kernels else []
+
+class IdleWork:
+    """Off-request work after ready, in pieces: compile the Triton variants a step can need (ModelRunner.warm:
+    padding-only steps, with LoRA's too when it is on; then, once a grammar exists, xgrammar's mask kernel over 1, 2
+    and 16 rows; CUDA only), then capture the pending CUDA graphs, smallest bucket first.
+
+    When (docs/decisions.md): the step loop runs one piece per idle gap, so a request that arrives waits for at
+    most one; and while requests run, one piece after a step once the time since the last piece ended is at least
+    (1 - share) / share times that piece's duration, so pieces take at most `share` of the busy loop and all of
+    them are done within their own total time / share of serving, however busy. Every piece is safe between
+    steps: it writes no KV (cache slot -1), reads none (context 0) and touches only the graphs' static buffers.
+    A failure is logged and ends that kind of work: steps stay correct without it."""
+
+    def __init__(self, runner, warm_kernels: bool, grammar=None, share: float = BUSY_SHARE, clock=time.perf_counter):
+        """grammar: the engine's StructuredOutputs (its mask pieces wait for its first compiled grammar)."""
+        self.runner, self.grammar, self.share, self.clock = runner, grammar, share, clock
+        self.warm_shapes = runner.warm_shapes() if warm_kernels else []  # ModelRunner.warm's arguments
+        self.mask_rows: list[int] = []
+        # True: the mask pieces are queued once the first grammar has compiled; None: queued already
+        self._masks_due: bool | None = warm_kernels and grammar is not None
+        self._next_busy = 0.0  # the clock reading after which a busy loop may run the next piece
+        self.pieces = 0  # pieces run, and their seconds: the time this work costs (the log's done line)
+        self.seconds = 0.0
 
     @property
     def pending(self) -> bool:
+        if self._masks_due and self.grammar.compiles:
+            self.warm_grammar()
         graphs = self.runner.graphs
-        return bool(self.warm_shapes) or (graphs is not None and bool(graphs.pending))
+        return bool(self.warm_shapes or self.mask_rows) or (graphs is not None and bool(graphs.pending))
+
+    def warm_grammar(self) -> None:
+        """Queue the mask pieces now, before any grammar exists (python -m warmup)."""
+        if self.grammar is not None and self._masks_due is not None:
+            self._masks_due, self.mask_rows = None, list(MASK_WARM_ROWS)
+
+    def busy(self) -> bool:
+        """After a step, with requests running: one piece if the busy share allows it now. True when one ran."""
+        if self.clock() < self._next_busy or not self.pending:
+            return False
+        self.step()
+        return True
 
     def step(self) -> None:
+        """One piece: a kernel warm step, a mask warm, or one graph capture."""
+        t0 = self.clock()
         if self.warm_shapes:
             self._warm()
+        elif self.mask_rows:
+            self._warm_mask()
         else:
             self.capture_next_graph()
+        end = self.clock()  # host time: a capture syncs first, a warm step's kernels may still be running on a GPU
+        self._next_busy = end + (end - t0) * (1 - self.share) / self.share
+        self.pieces += 1
+        self.seconds += end - t0
+        if not self.pending:
+            log.info("idle work done: %d pieces in %.2f s", self.pieces, self.seconds)
+
+    def drain(self, batch: int | None = None) -> None:
+        """Run the pieces now: every kernel piece, then the graph captures (up to one holding `batch` decodes when
+        given). LLM.generate before its first step; python -m warmup, so the volume's Triton cache holds them all."""
+        while self.pending and (self.warm_shapes or self.mask_rows or batch is None):
+            self.step()
+        if batch is not None:
+            self.capture_graphs(batch)
 
     def _warm(self) -> None:
         shape = self.warm_shapes.pop(0)
@@ -156,6 +215,21 @@ class IdleWork:
             self.warm_shapes.clear()
         if not self.warm_shapes:
             log.info("Triton kernels warm (the last shape took %.0f ms)", 1e3 * (time.perf_counter() - t0))
+
+    def _warm_mask(self) -> None:
+        """The grammar masks' kernel over `rows` rows, as GrammarMasks.apply launches it: fp32 logits [rows, vocab]
+        on the device, an all-allowed bitmask, every row indexed."""
+        rows = self.mask_rows.pop(0)
+        try:
+            import xgrammar as xgr  # imported already where a grammar was compiled
+
+            dev, vocab = self.runner.device, self.grammar.vocab_size
+            logits = torch.zeros(rows, vocab, dtype=torch.float32, device=dev)
+            mask = xgr.allocate_token_bitmask(rows, vocab)
+            xgr.apply_token_bitmask_inplace(logits, mask.to(dev, non_blocking=True), indices=list(range(rows)))
+        except Exception:
+            log.exception("grammar mask warmup over %d rows failed; it compiles on first use instead", rows)
+            self.mask_rows.clear()
 
     def capture_next_graph(self) -> int | None:
         """Capture the next decode bucket's graph (smallest first); None when there is nothing left to capture."""

@@ -45,7 +45,8 @@ class LLM:
             rid = f"llm-{next(self._ids)}"
             order[rid] = i
             self.engine.add_request(rid, v)
-        self.engine.idle.capture_graphs(sum(sp.n for sp in params))  # a batch API: the graphs it can use, first
+        # a batch API: the kernel warm-up, then the graphs this batch can use, before its first step
+        self.engine.idle.drain(batch=sum(sp.n for sp in params))
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             while self.engine.has_unfinished():

@@ -64,7 +64,7 @@ class LLMEngine:
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
             self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
             one_gpu = facts.device.type == "cuda" and cfg.tensor_parallel_size == 1  # warm steps run on rank 0 alone
-            self.idle = IdleWork(self.runner, warm_kernels=one_gpu)
+            self.idle = IdleWork(self.runner, warm_kernels=one_gpu, grammar=self.structured)
             tl.skip("kernel warmup", _warmup_note(facts.kernel_backend, len(self.idle.warm_shapes)))
             startup.log_ready(cfg, facts, plan, time.perf_counter() - t0)
 
@@ -219,7 +219,7 @@ class LLMEngine:
 
 def _warmup_note(kernel_backend: str, shapes: int) -> str:
     """Nothing optional runs before the first job: no profiling run (the KV pool is sized by formula) and no kernel
-    warmup before ready (it runs in the idle gaps after, into TRITON_CACHE_DIR on the volume)."""
+    warmup before ready (it runs after, into TRITON_CACHE_DIR on the volume: engine/cuda_graphs.py's IdleWork)."""
     if kernel_backend == "triton":
-        return f"after ready, in idle gaps: {shapes} padding-only steps compile the Triton variants"
+        return f"after ready, idle or busy: {shapes} padding-only steps compile the Triton variants"
     return "torch kernels on CPU: nothing to compile"

@@ -83,14 +83,20 @@ def _step_bytes(spec, tokens: int, rows: int, dtype_bytes: int) -> int:
     return per_layer + 32 * rows * spec.num_heads * (spec.head_dim + 2) * 4
 
 
-def tp_reserve(spec, full_vocab: int, tp: int, max_num_seqs: int) -> int:
+def tp_reserve(spec, full_vocab: int, tp: int, logits_rows: int) -> int:
     """What tensor parallelism adds to one rank's reserve: rank 0's logits are the full vocabulary's (gathered, then
     sampled), not its shard's (as activation_reserve counts logits: three copies, doubled), plus the gather's
-    buffers, and NCCL's buffers come after the pool is sized."""
+    buffers, and NCCL's buffers come after the pool is sized. logits_rows: as activation_reserve's."""
     if tp == 1:
         return 0
-    logits = 2 * 3 * max_num_seqs * (full_vocab - spec.vocab_size) * 4 + max_num_seqs * full_vocab * 4
+    logits = 2 * 3 * logits_rows * (full_vocab - spec.vocab_size) * 4 + logits_rows * full_vocab * 4
     return TP_COMM_BYTES + logits
+
+
+def sampled_rows(max_num_seqs: int, num_speculative_tokens: int) -> int:
+    """The most logits rows one step samples or verifies: one per sequence, or with speculation each sequence's k
+    drafts and the token after them. (Prompt logprobs are computed in slices of at most max_num_seqs rows.)"""
+    return max_num_seqs * (num_speculative_tokens + 1)
 
 
 def activation_reserve(
@@ -101,6 +107,7 @@ def activation_reserve(
     *,
     lora: tuple[int, int] | None = None,
     graph_pool_bytes: int = 0,
+    logits_rows: int | None = None,
 ) -> int:
     """Bytes a step may need beyond the weights and the KV pool, by formula (no profiling run: the cold start
     matters more). T = max_num_batched_tokens tokens through one layer at a time:
@@ -108,11 +115,12 @@ def activation_reserve(
     - the MLP: gate_up (2 x intermediate) and its activation (intermediate): 3 x intermediate x T;
     - fp8 activation copies and per-token scales (at most the widest input), and flash-decoding's fp32 split
       scratch (32 splits x max_num_seqs x heads x (head_dim + 2));
-    - the sampler: fp32 logits of max_num_seqs rows, three times over (logits, probabilities, a sorted copy);
+    - the sampler: fp32 logits of `logits_rows` rows (sampled_rows: max_num_seqs, or with speculation each
+      sequence's k + 1 verified rows), three times over (logits, probabilities, a sorted copy);
     - LoRA slots (lora = (max_loras, max_lora_rank)) and the CUDA graph pool.
     Doubled for the allocator's rounding and fragmentation."""
     t = max_num_batched_tokens
-    logits = 3 * max_num_seqs * spec.vocab_size * 4
+    logits = 3 * (logits_rows or max_num_seqs) * spec.vocab_size * 4
     lora_b = lora_bytes(spec, lora[0], lora[1], dtype_bytes) + t * 4 * lora[1] * 4 if lora else 0
     return 2 * (_step_bytes(spec, t, max_num_seqs, dtype_bytes) + logits) + lora_b + graph_pool_bytes
 
@@ -155,7 +163,8 @@ class Needs:
     weight_bytes: int  # the rank's shard of the target, plus the draft model (whole, on rank 0)
     draft_weight_bytes: int  # loaded after the pool is sized: held back from it once the target's are measured
     kv_bytes_per_token: int  # the rank's KV heads, plus the draft's KV (model dtype) under the same block ids
-    reserve_bytes: int  # activations, LoRA slots, the CUDA graph pool, TP's logits and NCCL, the draft's step
+    # activations, verified logits rows, LoRA slots, the CUDA graph pool, TP's logits and NCCL, the draft's step
+    reserve_bytes: int
     graph_pool_bytes: int
 
 
@@ -170,13 +179,18 @@ def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None) 
     per_token = kv_bytes_per_token(local, 1 if cfg.kv_cache_dtype.startswith("fp8") else dtype_bytes)
     graph_pool = graph_pool_bytes(local, seqs, dtype_bytes) if graphs else 0
     lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
-    reserve = activation_reserve(local, tokens, seqs, dtype_bytes, lora=lora, graph_pool_bytes=graph_pool)
-    reserve += tp_reserve(local, spec.vocab_size, tp, seqs)
+    k = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
+    rows = sampled_rows(seqs, k)
+    reserve = activation_reserve(
+        local, tokens, seqs, dtype_bytes, lora=lora, graph_pool_bytes=graph_pool, logits_rows=rows
+    )
+    reserve += tp_reserve(local, spec.vocab_size, tp, rows)
     draft_w = 0
     if draft_spec is not None:  # its KV for every token of the target's blocks, and a step of its own
         draft_w = weight_bytes(draft_spec, dtype_bytes, None)
         per_token += kv_bytes_per_token(draft_spec, dtype_bytes)
         reserve += activation_reserve(draft_spec, tokens, seqs, dtype_bytes)
+        reserve += seqs * k * draft_spec.vocab_size * 4  # sampled drafts' q rows, kept until they are verified
     return Needs(weights + draft_w, draft_w, per_token, reserve, graph_pool)
 
 

@@ -11,7 +11,10 @@ import torch
 import kernels
 from engine.block_table import DeviceBlockTable, h2d, h2d_rows
 from engine.cuda_graphs import DecodeGraphs
-from engine.layers.attention import StepLayout, TritonAttnMetadata
+from engine.layers.attention import PREFILL_TILE_MIN_QUERY, StepLayout, TritonAttnMetadata
+from kernels.fused_moe import LARGE_RUN
+
+LORA_WARM_TOKENS = (1, 17, 64)  # step sizes whose LoRA kernel tiles are 16, 32 and 64 rows (kernels/lora.py)
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class ModelRunner:
         new_graph=None,
     ):
         """lora: this rank's LoRASlots (None: LoRA off). new_graph: make decode steps replay CUDA graphs, captured
-        later in idle gaps (engine/cuda_graphs.py); None: every step runs eagerly."""
+        after ready by IdleWork, idle or busy (engine/cuda_graphs.py); None: every step runs eagerly."""
         self.model = model
         self.kernel_backend = kernel_backend
         self.kv_caches = kv_caches
@@ -127,24 +130,36 @@ class ModelRunner:
         with kernels.backend(self.kernel_backend):
             return self.model(ids, positions, self.kv_caches, self.attn, meta, None)
 
-    def warm_shapes(self) -> list[tuple[int, int, int]]:
-        """(tokens, tokens per sequence, block-table width) of the padding-only steps that compile every Triton
-        variant a step can ask for: tokens 1, 3 and 16 (Triton's int value classes: == 1, other, % 16 == 0), decode
-        and full query tiles, and a narrow and a full-width table (the split count: 1, or more on a GPU)."""
+    def warm_shapes(self) -> list[tuple]:
+        """(tokens, tokens per sequence, block-table width[, LoRA]) of the padding-only steps that compile every
+        Triton variant a step can ask for: tokens 1, 3 and 16 (Triton's int value classes: == 1, other, % 16 == 0),
+        decode and full query tiles, and a narrow and a full-width table (the split count: 1, or more on a GPU); and
+        one step of a chunk longer than PREFILL_TILE_MIN_QUERY (kernels/prefill_attention.py: one variant per model).
+        A mixture of experts also warms its prefill-sized blocks (kernels/fused_moe.py's 64-row blocks, which start at
+        LARGE_RUN slots per expert). With LoRA on, steps through slot 0 at 1, 17 and 64 tokens: the LoRA kernel's
+        token tile follows the step's token count (16, 32, 64 rows), one variant each for its shrink and its expand."""
         if self.block_table is None:
             return []
         widths = (1, self.block_table.max_blocks)
         shapes = [(t, q, w) for q in (1, 4) for t in (1, 3, 16) for w in widths]
-        return [(t, q, w) for t, q, w in shapes if -(-t // q) <= self.max_num_seqs]
+        shapes = [(t, q, w) for t, q, w in shapes if -(-t // q) <= self.max_num_seqs]
+        shapes.append((PREFILL_TILE_MIN_QUERY + 1, PREFILL_TILE_MIN_QUERY + 1, 1))  # the prefill kernel's one variant
+        spec = self.model.spec
+        if spec.num_experts:  # the fewest tokens whose (token, expert) slots take the MoE's 64-row blocks
+            t = -(-LARGE_RUN * spec.num_experts // spec.num_experts_per_tok)
+            shapes.append((t, t, 1))
+        return shapes + ([(t, t, 1, True) for t in LORA_WARM_TOKENS] if self.lora is not None else [])
 
-    def warm(self, tokens: int, per_seq: int, width: int) -> None:
+    def warm(self, tokens: int, per_seq: int, width: int, lora: bool = False) -> None:
         """One padding-only step (cache slot -1, context 0: nothing written or read) and its logits: Triton
-        compiles (or loads from its cache) what this shape needs, off the request path."""
+        compiles (or loads from its cache) what this shape needs, off the request path. lora: every token through
+        slot 0 (whatever it holds: the output is dropped)."""
         dev, b = self.device, -(-tokens // per_seq)
         zeros = torch.zeros(tokens, dtype=torch.int64, device=dev)
         qsl = torch.tensor([min(i * per_seq, tokens) for i in range(b + 1)], dtype=torch.int32, device=dev)
         seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-        bt = self.block_table.table[:b, :width]
-        hidden = self._forward(zeros, zeros, zeros - 1, bt, seq_lens, qsl, max_query_len=per_seq)
+        meta = TritonAttnMetadata(zeros - 1, self.block_table.table[:b, :width], seq_lens, qsl, per_seq)
+        delta = self.lora.delta(zeros) if lora else None  # int64 slots, as a step's h2d(token_slot) makes them
         with kernels.backend(self.kernel_backend):
+            hidden = self.model(zeros, zeros, self.kv_caches, self.attn, meta, delta)
             self.model.compute_logits(hidden)

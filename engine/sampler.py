@@ -11,6 +11,42 @@ from engine.block_table import h2d
 from engine.types import Request
 
 
+class Rows:
+    """A subset of a batch's rows (increasing indices), read with one index_select and written with one index_copy_
+    whose index went to the device once through pinned memory, or not indexed at all when it is every row (the
+    common case: every request samples randomly). Indexing a CUDA tensor with a Python list instead builds the
+    index on the host and copies it with a stream sync, on every read and every write."""
+
+    def __init__(self, rows: list[int], n: int, device: torch.device):
+        self.rows, self.every, self.device = rows, len(rows) == n, device
+        self._index: torch.Tensor | None = None
+
+    @classmethod
+    def where(cls, flags, device: torch.device) -> Rows:
+        flags = list(flags)
+        return cls([i for i, f in enumerate(flags) if f], len(flags), device)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def index(self) -> torch.Tensor:
+        if self._index is None:
+            self._index = h2d(self.rows, torch.int64, self.device)
+        return self._index
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """These rows of t: t itself when they are all of them (callers do not write into it)."""
+        return t if self.every else t.index_select(0, self.index)
+
+    def put(self, t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write `values` (one per row here) into these rows of t, in place; returns t."""
+        return t.copy_(values) if self.every else t.index_copy_(0, self.index, values)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -31,18 +67,18 @@ class Sampler:
         self._apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         tokens = logits.argmax(dim=-1)  # greedy rows keep these
-        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        rand = Rows.where((not r.params.greedy for r in reqs), self.device)
         if rand:
-            tokens[rand] = self._draw(logits[rand], [reqs[i] for i in rand])
+            rand.put(tokens, self._draw(rand.take(logits), [reqs[i] for i in rand.rows]))
         tokens = tokens.tolist()
         return tokens, self._pick_logprobs(logprobs, reqs, tokens)
 
     # ---- steps -----------------------------------------------------------------------------
     def _raw_logprobs(self, logits, reqs):
-        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        rows = Rows.where((r.params.logprobs is not None for r in reqs), self.device)
         if not rows:
             return None
-        return rows, torch.log_softmax(logits[rows], dim=-1)
+        return rows.rows, torch.log_softmax(rows.take(logits), dim=-1)
 
     def _pick_logprobs(self, logprobs, reqs, tokens):
         """Top-n and the sampled token's logprob for each row that asked: one batched topk and gather, one copy
@@ -64,11 +100,17 @@ class Sampler:
         return out
 
     def _mask_min_tokens(self, logits, reqs):
+        """Every (row, stop id) pair of the rows below their min_tokens in one copy and one indexed write (not a
+        list-indexed write per row, each a blocking copy)."""
+        rows, ids = [], []
         for i, r in enumerate(reqs):
             if len(r.output_token_ids) < r.params.min_tokens:
                 stop = list(r.eos_token_ids if not r.params.ignore_eos else ()) + r.params.stop_token_ids
-                if stop:
-                    logits[i, stop] = float("-inf")
+                rows += [i] * len(stop)
+                ids += stop
+        if rows:
+            at = h2d([rows, ids], torch.int64, self.device)  # [2, N]
+            logits[at[0], at[1]] = float("-inf")
 
     def _apply_logit_bias(self, logits, reqs):
         """Every biased row at once: (row, token id) pairs and their biases go to the device as two flat tensors
@@ -89,18 +131,18 @@ class Sampler:
         """All penalized rows at once: their output (and, for the repetition penalty, prompt) tokens go to the
         device in one padded tensor each, and the counts come from one scatter_add (not two copies, each a
         sync, and a full-vocab bincount per request)."""
-        rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+        rows = Rows.where((r.params.needs_penalties for r in reqs), self.device)
         if not rows:
             return
-        ps = [reqs[i].params for i in rows]
-        sub = logits[rows]
-        counts = self._counts([reqs[i].output_token_ids for i in rows], sub.dtype)
+        ps = [reqs[i].params for i in rows.rows]
+        sub = rows.take(logits)
+        counts = self._counts([reqs[i].output_token_ids for i in rows.rows], sub.dtype)
         if any(p.repetition_penalty != 1.0 for p in ps):
-            seen = (counts + self._counts([reqs[i].prompt_token_ids for i in rows], sub.dtype)) > 0
+            seen = (counts + self._counts([reqs[i].prompt_token_ids for i in rows.rows], sub.dtype)) > 0
             rep = self._column([p.repetition_penalty for p in ps])
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         freq, pres = self._column([p.frequency_penalty for p in ps]), self._column([p.presence_penalty for p in ps])
-        logits[rows] = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        rows.put(logits, sub - freq * counts - pres * (counts > 0).to(sub.dtype))
 
     def _counts(self, seqs: list[list[int]], dtype) -> torch.Tensor:
         """[len(seqs), vocab] occurrence counts; padding with id `vocab` lands in a dropped extra column."""
@@ -134,9 +176,12 @@ class Sampler:
         """One draw per row from `probs` (unnormalized is fine): the exponential race (as vLLM), argmax(p / q) with
         q ~ Exp(1). Seeded rows draw q from their own generator, so their tokens do not depend on the batch."""
         q = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
-        if unseeded:
-            q[unseeded] = torch.empty_like(probs[unseeded]).exponential_()
+        unseeded = Rows.where((r.generator is None for r in reqs), probs.device)
+        # the same draws from the device's generator, in the same order, whichever way the rows are written
+        if unseeded.every:
+            q.exponential_()
+        elif unseeded:
+            unseeded.put(q, probs.new_empty((len(unseeded), probs.shape[1])).exponential_())
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 q[i].exponential_(generator=r.generator)

@@ -180,7 +180,7 @@ def build_rank(
 ) -> ModelRunner:
     """This rank's runner around its loaded model: the KV pool the plan sized, attention with fp8 KV scales (the
     checkpoint's, or calibrated on `calibration`: under tensor parallelism in one forward with the other ranks),
-    LoRA slots when LoRA is on, and CUDA graphs where they run (captured later, in idle gaps)."""
+    LoRA slots when LoRA is on, and CUDA graphs where they run (captured after ready by IdleWork, idle or busy)."""
     kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend)
     if facts.kv_dtype == torch.float8_e4m3fn:

@@ -30,11 +30,14 @@ EMPTY = StepOutput({}, {})
 
 
 class StepRunner:
-    def __init__(self, runner, sampler: Sampler):
-        """runner: rank 0's ModelRunner, or the TPRunner that sends each call to the other ranks first."""
+    def __init__(self, runner, sampler: Sampler, max_rows: int | None = None):
+        """runner: rank 0's ModelRunner, or the TPRunner that sends each call to the other ranks first. max_rows: the
+        most logits rows one prompt-logprobs slice takes; by default max_num_seqs (rank 0's runner's), the rows the
+        memory planner's activation reserve counts (a chunk's prompt can be max_num_batched_tokens rows)."""
         self.runner = runner
         self.sampler = sampler
         self.block_size = runner.block_size
+        self.max_rows = max_rows or getattr(runner, "runner", runner).max_num_seqs
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -74,7 +77,8 @@ class StepRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, out: SchedulerOutput, qsl: list[int]) -> None:
         """For each request that asked: the logprobs of the prompt tokens this chunk predicts (row j of a chunk
         starting at position s predicts token s + j + 1), appended to req.prompt_logprobs. Positions already
-        there (a preempted request's recomputed prefill) are not done twice."""
+        there (a preempted request's recomputed prefill) are not done twice. The LM head and log_softmax run over
+        at most max_rows rows at a time, so their fp32 copies stay within the activation reserve."""
         for i, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
             top = req.params.prompt_logprobs
             if top is None:
@@ -87,10 +91,14 @@ class StepRunner:
                 continue
             rows = [qsl[i] + q - 1 - start for q in range(first, last + 1)]
             targets = req.prompt_token_ids[first : last + 1]
-            lp = torch.log_softmax(self.runner.logits(hidden, rows), dim=-1)  # [P, vocab] fp32
-            chosen = lp.gather(1, h2d([[t] for t in targets], torch.int64, lp.device))
-            v, idx = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0])
-            host = torch.cat([chosen, v, idx.to(lp.dtype)], 1).cpu().tolist()  # one copy to the host
+            parts = []
+            for a in range(0, len(rows), self.max_rows):
+                lp = torch.log_softmax(self.runner.logits(hidden, rows[a : a + self.max_rows]), dim=-1)  # fp32
+                ts = [[t] for t in targets[a : a + self.max_rows]]
+                chosen = lp.gather(1, h2d(ts, torch.int64, lp.device))
+                v, idx = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0])
+                parts.append(torch.cat([chosen, v, idx.to(lp.dtype)], 1))
+            host = torch.cat(parts).cpu().tolist()  # one copy to the host
             for t, row in zip(targets, host):
                 d = dict(zip(map(int, row[1 + top :]), row[1 : 1 + top]))
                 d.setdefault(t, row[0])

@@ -7,6 +7,7 @@ from kernels.cache_write import reshape_and_cache
 from kernels.fp8 import fp8_linear, quant_per_channel, quant_per_token
 from kernels.lora import add_lora, lora_expand, lora_shrink, slot_groups
 from kernels.paged_attention import paged_attention
+from kernels.prefill_attention import prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
 
@@ -19,6 +20,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "paged_attention",
+    "prefill_attention",
     "quant_per_channel",
     "quant_per_token",
     "reshape_and_cache",

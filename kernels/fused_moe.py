@@ -4,9 +4,12 @@ x [T, H]; w13 [E, 2I, H] (each expert's gate rows then up rows); w2 [E, H, I]; t
 out[t] = sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ x[t]), e = topk_ids[t, k].
 
 - Alignment (`moe_align`, device ops only, no host sync): the T*K (token, k) slots are sorted by expert and each
-  expert's run is padded to BLOCK_M with a sentinel slot, so every BLOCK_M rows of the sorted list belong to one
+  expert's run is padded to the block size with a sentinel slot, so every block of the sorted list belongs to one
   expert; `expert_of_block` names it (-1: past the end). The list has its worst-case length, so its size is
   known on the host without reading the counts back.
+- Block size (`block_size_for`, from the shapes alone): 16 rows while the experts' runs are short (decode), 64
+  when they are long (prefill), with wider tiles and more pipeline stages (`tiles`): a long run then reads each
+  weight tile once per 64 rows, not per 16, and tl.dot runs at M = 64.
 - GEMM (`_moe_gemm_kernel`): one program per (block of sorted slots, BLOCK_N output columns) multiplies the
   block's rows by its expert's weight tile, K-loop in fp32. The first GEMM reads x's row slot // K; the second
   reads the activation's row slot and multiplies by the slot's top-k weight in its epilogue. fp8 (e4m3) weights
@@ -26,7 +29,34 @@ import triton.language as tl
 from kernels._common import FP8, use_triton
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 
-BLOCK_M = 16  # tl.dot wants every block dim >= 16
+BLOCK_M = 16  # decode-sized blocks; tl.dot wants every block dim >= 16
+BLOCK_M_LARGE = 64  # prefill-sized blocks
+# The mean rows per expert (slots / experts) from which the large blocks are used. Padding each run to 64 rows then
+# costs at most about 2x the rows on average, while each weight tile is read a quarter as often: a decode step's
+# runs are a few rows and keep 16-row blocks. Known on the host from the shapes alone: no look at the routing.
+LARGE_RUN = 32
+
+
+def block_size_for(num_slots: int, num_experts: int) -> int:
+    """The rows per block for a step of `num_slots` (token, expert) slots: 16 while the mean run is short."""
+    return BLOCK_M if num_slots < LARGE_RUN * num_experts else BLOCK_M_LARGE
+
+
+def tiles(block: int, n: int, k: int, native_dot: bool) -> dict:
+    """The GEMMs' tile and launch configuration for blocks of `block` rows and a weight of shape [N, K]. 16-row
+    blocks: tiles up to 64 x 64, triton's default 4 warps and 3 stages (what decode steps always ran). 64-row
+    blocks: 64 x 128 output tiles with a K step of 32 and 4 warps, a tile Triton's matmul tutorial tunes, with 4
+    stages of 16-bit operands (48 KiB of shared memory) or 3 of fp32 ones (72 KiB), within the 99 KiB an sm89
+    block may use."""
+    small = block == BLOCK_M
+    cap_n, cap_k = (64, 64) if small else (128, 32)
+    return dict(
+        BLOCK=block,
+        BLOCK_N=min(cap_n, max(16, triton.next_power_of_2(n))),
+        BLOCK_K=min(cap_k, max(16, triton.next_power_of_2(k))),
+        num_warps=4,
+        num_stages=3 if small or not native_dot else 4,
+    )
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -116,9 +146,9 @@ def _moe_gemm_kernel(
 def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: bool) -> torch.Tensor:
     e, n, k = w.shape
     out = torch.empty((num_slots, n), dtype=a.dtype, device=a.device)
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
-    grid = (experts.numel(), triton.cdiv(n, block_n))
+    native = a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+    cfg = tiles(sorted_slots.numel() // experts.numel(), n, k, native)  # the block moe_align padded the runs to
+    grid = (experts.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemm_kernel[grid](
         a,
         w,
@@ -139,10 +169,8 @@ def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: 
         FIRST=first,
         MUL_WEIGHT=weights is not None,
         HAS_SCALE=scale is not None,
-        NATIVE_DOT=a.is_cuda and a.dtype in (torch.bfloat16, torch.float16),
-        BLOCK=BLOCK_M,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        NATIVE_DOT=native,
+        **cfg,
     )
     return out
 
@@ -154,8 +182,8 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=N
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     if t == 0:
         return torch.empty_like(x)
-    sorted_slots, experts = moe_align(topk_ids, w13.shape[0])
     s = t * top_k
+    sorted_slots, experts = moe_align(topk_ids, w13.shape[0], block_size_for(s, w13.shape[0]))
     inter = _gemm(x, w13, w13_scale, None, sorted_slots, experts, s, top_k, first=True)  # [S, 2I]
     act = gelu_tanh_and_mul(inter) if gelu else silu_and_mul(inter)  # [S, I]
     weights = topk_weights.to(torch.float32).flatten().contiguous()

@@ -228,3 +228,139 @@ def test_idle_work_warms_kernels_then_captures(tiny_llama):
         idle.step()
     assert graphs.captured == list(graph_buckets(8))
     assert not IdleWork(LLM(str(tiny_llama), **{**ENGINE, "kernel_backend": "torch"}).engine.runner, True).pending
+
+
+class Hooks:
+    """Counting hooks on one engine: each kernel warm step, graph capture and engine step is recorded in order
+    (with whether requests were running) and advances a fake clock by a power of two (exact sums)."""
+
+    STEP = PIECE = 1 / 64
+
+    def __init__(self, engine):
+        self.now, self.events, runner = 0.0, [], engine.runner
+        warm, step, capture = runner.warm, engine.step, runner.graphs.capture_next
+
+        def hooked(kind, fn, cost):
+            def call(*a, **kw):
+                self.events.append((kind, a, engine.has_unfinished()))
+                self.now += cost
+                return fn(*a, **kw)
+
+            return call
+
+        runner.warm = hooked("warm", warm, self.PIECE)
+        runner.graphs.capture_next = hooked("capture", capture, self.PIECE)
+        engine.step = hooked("step", step, self.STEP)
+
+    def kinds(self) -> list[str]:
+        return [e[0] for e in self.events]
+
+
+def test_a_busy_worker_warms_and_captures_within_its_share(tiny_llama):
+    """Under continuous load (a request always running, so the loop never has an idle gap) every warm shape runs
+    and every bucket is captured, one piece after a step whenever the share allows it: with share 1/4 a piece
+    that took d waits for 3d of steps, so piece k runs right after step 1 + 3k and the last one within
+    1 + 3 (pieces - 1) steps. Then decode steps replay the graphs."""
+    from engine.cuda_graphs import IdleWork
+
+    llm = LLM(str(tiny_llama), **ENGINE)
+    graphs = llm.engine.runner.enable_graphs(ReplayGraph)
+    hooks = Hooks(llm.engine)
+    idle = llm.engine.idle = IdleWork(llm.engine.runner, warm_kernels=True, share=0.25, clock=lambda: hooks.now)
+    shapes = list(idle.warm_shapes)
+    pieces = len(shapes) + len(graph_buckets(8))
+    # the load: running before the loop starts; its outputs go to no stream. 57 tokens outlast the 40 steps
+    load = SamplingParams(temperature=0, max_tokens=64 - len(PROMPTS[0]), ignore_eos=True)
+    llm.engine.add_request("load", {"prompt_token_ids": PROMPTS[0]}, load)
+
+    async def main():
+        eng = AsyncEngine(engine=llm.engine)
+        deadline = time.monotonic() + 300
+        while idle.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        done = list(hooks.events)
+        before = graphs.replays
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        out = [o async for o in eng.generate({"prompt_token_ids": PROMPTS[1]}, params)]
+        eng.shutdown()
+        return done, graphs.replays - before, out[-1]
+
+    done, replays, final = asyncio.run(main())
+    work = [(i, e) for i, e in enumerate(done) if e[0] != "step"]
+    assert [e[1] for _, e in work] == shapes + [()] * len(graph_buckets(8)), work
+    assert all(busy for _, (_, _, busy) in work)  # every piece ran while a request was running
+    steps_before = [sum(k == "step" for k, *_ in done[:i]) for i, _ in work]
+    assert steps_before == [1 + 3 * k for k in range(pieces)]  # the share, exactly; the last within the bound
+    assert graphs.captured == list(graph_buckets(8)) and not idle.warm_shapes
+    assert idle.pieces == pieces and idle.seconds == pieces * Hooks.PIECE
+    assert len(final.outputs[0].token_ids) == 4 and replays >= 3  # its decodes (with the load's) from graphs
+
+
+def test_lora_and_grammar_pieces(tiny_llama, tmp_path, monkeypatch):
+    """With LoRA on, the warm steps include slot-0 steps of 1, 17 and 64 tokens, which launch the LoRA kernel's
+    three token tiles for both its shrink and its expand; once the first grammar is compiled, the mask is warmed
+    over 1, 2 and 16 rows (xgrammar's CPU path here: its CUDA kernel is the Triton one), before any capture."""
+    import xgrammar
+
+    import kernels.lora
+    from engine import StructuredOutputsParams
+    from engine.cuda_graphs import IdleWork
+
+    llm = LLM(str(tiny_llama), enable_lora=True, max_lora_rank=8, cache_root=str(tmp_path), **ENGINE)
+    graphs = llm.engine.runner.enable_graphs(ReplayGraph)
+    hooks = Hooks(llm.engine)
+    masks, tiles, sgmv = [], set(), kernels.lora._sgmv_kernel
+
+    class Tiles:
+        def __getitem__(self, grid):
+            def launch(*a, **constexprs):
+                tiles.add((constexprs["BLOCK_M"], constexprs["ADD"]))
+                return sgmv[grid](*a, **constexprs)
+
+            return launch
+
+    monkeypatch.setattr(kernels.lora, "_sgmv_kernel", Tiles())
+    apply = xgrammar.apply_token_bitmask_inplace
+
+    def counted(logits, mask, **kw):
+        masks.append((tuple(logits.shape), logits.dtype, len(kw["indices"])))
+        return apply(logits, mask, **kw)
+
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", counted)
+    structured = llm.engine.structured
+    idle = IdleWork(llm.engine.runner, warm_kernels=True, grammar=structured)
+    lora_shapes = [s for s in idle.warm_shapes if len(s) == 4]
+    assert lora_shapes == [(1, 1, 1, True), (17, 17, 1, True), (64, 64, 1, True)]
+    while idle.warm_shapes:
+        idle.step()
+    assert tiles == {(m, add) for m in (16, 32, 64) for add in (False, True)}  # 3 tiles x (shrink, expand)
+    idle.step()  # no grammar yet: the next piece is a capture
+    assert graphs.captured == [1] and not masks and not idle.mask_rows
+    structured.compile(StructuredOutputsParams(choice=("yes", "no"))).result()
+    assert idle.pending and idle.mask_rows == [1, 2, 16]
+    for _ in range(3):
+        idle.step()
+    assert masks == [((r, 384), torch.float32, r) for r in (1, 2, 16)] and graphs.captured == [1]
+    while idle.pending:
+        idle.step()
+    assert graphs.captured == list(graph_buckets(8)) and len(masks) == 3  # once only
+    warm_calls = [e[1] for e in hooks.events if e[0] == "warm"]
+    assert warm_calls == llm.engine.runner.warm_shapes() and hooks.kinds().count("capture") == len(graph_buckets(8))
+
+
+def test_llm_generate_warms_kernels_before_its_first_step(tiny_llama):
+    """A batch API: every kernel warm step, then the captures its batch can use, before the first step; nothing
+    else while it runs."""
+    from engine.cuda_graphs import IdleWork
+
+    llm = LLM(str(tiny_llama), **ENGINE)
+    graphs = llm.engine.runner.enable_graphs(ReplayGraph)
+    hooks = Hooks(llm.engine)
+    llm.engine.idle = IdleWork(llm.engine.runner, warm_kernels=True)
+    shapes = llm.engine.runner.warm_shapes()
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    first = hooks.kinds().index("step")
+    assert hooks.kinds()[:first] == ["warm"] * len(shapes) + ["capture"] * 3
+    assert "warm" not in hooks.kinds()[first:] and "capture" not in hooks.kinds()[first:]
+    assert graphs.captured == [1, 2, 4] and graphs.replays >= 2

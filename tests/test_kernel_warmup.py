@@ -1,6 +1,6 @@
 """The GPU warm-up's promises, on CPU with the Triton kernels under the interpreter:
-- the padding-only warm steps (ModelRunner.warm, run after ready in the step loop's idle gaps on CUDA) launch every
-  compile variant that serving then asks for, so no request waits for a compile;
+- the padding-only warm steps (ModelRunner.warm, run after ready by the step loop's IdleWork on CUDA) launch every
+  compile variant that serving then asks for, LoRA's included, so no request waits for a compile;
 - a step's host-to-device traffic does not grow with the layer count (no per-layer copy or scalar tensor)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.conftest import build_tiny_model
 
 pytestmark = pytest.mark.slow  # whole engines under the Triton interpreter
 
-KERNEL_MODULES = ("rmsnorm", "activation", "rotary", "cache_write", "paged_attention", "fp8")
+KERNEL_MODULES = ("rmsnorm", "activation", "rotary", "cache_write", "paged_attention", "prefill_attention", "fp8")
 ENGINE = dict(
     dtype="float32",
     kernel_backend="triton",
@@ -57,8 +57,8 @@ class Recorder:
         return launch
 
 
-def record_kernels(monkeypatch, seen: set) -> None:
-    for mod_name in KERNEL_MODULES:
+def record_kernels(monkeypatch, seen: set, modules=KERNEL_MODULES) -> None:
+    for mod_name in modules:
         mod = importlib.import_module(f"kernels.{mod_name}")
         for name, obj in list(vars(mod).items()):
             if type(obj).__name__ in ("JITFunction", "InterpretedFunction") and name.startswith("_"):
@@ -71,11 +71,12 @@ def test_warm_steps_compile_what_serving_launches(tiny_llama, monkeypatch):
     warm, served = set(), set()
     record_kernels(monkeypatch, warm)
     shapes = runner.warm_shapes()
-    # tokens {1, 3, 16} x {decode, full tiles} x {narrow, full-width table}, less 16 decodes (max_num_seqs is 8)
-    assert len(shapes) == 10 and (16, 1, 1) not in shapes
+    # tokens {1, 3, 16} x {decode, full tiles} x {narrow, full-width table}, less 16 decodes (max_num_seqs is 8),
+    # and one 17-token chunk for the prefill kernel
+    assert len(shapes) == 11 and (16, 1, 1) not in shapes
     for shape in shapes:
         runner.warm(*shape)
-    assert {k[0] for k in warm} >= {"_paged_attn_kernel", "_reshape_and_cache_kernel"}
+    assert {k[0] for k in warm} >= {"_paged_attn_kernel", "_prefill_attn_kernel", "_reshape_and_cache_kernel"}
     monkeypatch.undo()
     record_kernels(monkeypatch, served)
     g = torch.Generator().manual_seed(0)
@@ -84,6 +85,37 @@ def test_warm_steps_compile_what_serving_launches(tiny_llama, monkeypatch):
             {"prompt_token_ids": torch.randint(3, 200, (int(n),), generator=g).tolist()} for n in (2, 30, 9, 17, 5)
         ]
         llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    new = served - warm
+    assert not new, f"{len(new)} variants compiled while serving, e.g. {sorted(new)[:2]}"
+
+
+def test_lora_warm_steps_compile_what_adapter_steps_launch(tiny_llama, tmp_path, monkeypatch):
+    """With LoRA on, the warm steps (slot 0 at 1, 17 and 64 tokens) launch every LoRA kernel variant that steps
+    with an adapter then ask for: the kernel's token tile follows the step's token count (16, 32 or 64 rows)."""
+    from engine import LoRARequest
+    from tests.lora_fixtures import make_peft_adapter
+
+    adapter, _ = make_peft_adapter(tiny_llama, tmp_path / "a1", r=4, seed=1)
+    llm = LLM(
+        str(tiny_llama), enable_lora=True, max_lora_rank=8, lora_modules=(("a1", str(adapter)),),
+        cache_root=str(tmp_path), **{**ENGINE, "max_num_batched_tokens": 64},
+    )  # fmt: skip
+    runner = llm.engine.runner
+    warm, served, modules = set(), set(), KERNEL_MODULES + ("lora",)
+    record_kernels(monkeypatch, warm, modules)
+    for shape in runner.warm_shapes():
+        runner.warm(*shape)
+    assert {k[0] for k in warm} >= {"_sgmv_kernel"}
+    monkeypatch.undo()
+    record_kernels(monkeypatch, served, modules)
+    g = torch.Generator().manual_seed(0)
+    for batch in (1, 3, 5):  # steps of 1 to 64 tokens, some rows without the adapter
+        prompts = [
+            {"prompt_token_ids": torch.randint(3, 200, (int(n),), generator=g).tolist()} for n in (2, 40, 9, 17, 5)
+        ]
+        loras = [LoRARequest("a1") if i % 2 == 0 else None for i in range(batch)]
+        llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora=loras)
+    assert {k[0] for k in served} >= {"_sgmv_kernel"}
     new = served - warm
     assert not new, f"{len(new)} variants compiled while serving, e.g. {sorted(new)[:2]}"
 

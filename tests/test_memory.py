@@ -231,3 +231,30 @@ def test_gpu_log_line_names_the_driver_floor():
     old = gpu_line("NVIDIA A10", (8, 6), 24 * GB, "13.0", 12040)
     assert "supports CUDA 12.4" in old and "TOO OLD for CUDA 13.0" in old
     assert "supports CUDA unknown" in gpu_line("GPU", (8, 9), GB, "13.0", None)
+
+
+def test_speculation_reserves_every_verified_row():
+    """With speculation a step's logits are each sequence's k + 1 verified rows, not one: the reserve counts
+    max_num_seqs x (k + 1) rows (three fp32 copies, doubled) for n-gram and draft proposals alike, rank 0's
+    gathered logits under TP too, and a draft model adds its own step and the q rows its sampled drafts keep."""
+    spec, vocab = ModelSpec.from_hf(LLAMA31_8B), LLAMA31_8B["vocab_size"]
+    draft = ModelSpec.from_hf(LLAMA31_8B | {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192})
+    seqs, k = 128, 5
+    row = vocab * 4  # one fp32 logits row
+
+    def reserve(tp=1, spec_cfg=None, draft_spec=None) -> int:
+        cfg = EngineConfig(max_num_seqs=seqs, tensor_parallel_size=tp, speculative_config=spec_cfg)
+        return memory.engine_needs(cfg, spec, 2, graphs=False, draft_spec=draft_spec).reserve_bytes
+
+    ngram = {"method": "ngram", "num_speculative_tokens": k}
+    plain = reserve()
+    assert memory.sampled_rows(seqs, 0) == seqs and memory.sampled_rows(seqs, k) == seqs * (k + 1)
+    assert reserve(spec_cfg=ngram) - plain == 2 * 3 * seqs * k * row
+    assert reserve(spec_cfg=ngram) - plain > 1.8 * 2**30  # 1.83 GiB more for an 8B model at k = 5
+    # under TP=2 rank 0's logits are the whole vocabulary's: its shard's three copies, the gathered rest, the gather
+    shard = vocab // 2 * 4
+    tp_extra = 2 * 3 * seqs * k * shard + 2 * 3 * seqs * k * (row - shard) + seqs * k * row
+    assert reserve(tp=2, spec_cfg=ngram) - reserve(tp=2) == tp_extra
+    with_draft = reserve(spec_cfg={"model": "d", "num_speculative_tokens": k}, draft_spec=draft)
+    draft_step = memory.activation_reserve(draft, 2048, seqs, 2)
+    assert with_draft - reserve(spec_cfg=ngram) == draft_step + seqs * k * row

@@ -74,6 +74,19 @@ def test_triton_kernels_match_hf(tiny_models, refs, arch):
     assert _tokens(llm) == refs[arch]
 
 
+def test_triton_prefill_sized_blocks_match_hf(tiny_models, refs, monkeypatch):
+    """Every step through the 64-row blocks the kernel takes for prefill-sized steps (a tiny model's steps are too
+    short to reach them, so the threshold is lowered to 0): still HF's tokens."""
+    from kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "LARGE_RUN", 0)
+    seen, real = [], fused_moe.moe_align
+    monkeypatch.setattr(fused_moe, "moe_align", lambda ids, e, block: seen.append(block) or real(ids, e, block))
+    llm = LLM(model=str(tiny_models["mixtral"]), dtype="float32", kernel_backend="triton", log_stats_interval=0)
+    assert _tokens(llm) == refs["mixtral"]
+    assert seen and set(seen) == {fused_moe.BLOCK_M_LARGE}
+
+
 def test_fp8_experts(tiny_models, tmp_path):
     path = tiny_models["qwen3-moe"]
     kw = dict(model=str(path), dtype="bfloat16", log_stats_interval=0, cache_root=str(tmp_path))
@@ -137,3 +150,17 @@ def test_decode_graphs_on_moe(tiny_models, refs):
     graphs = llm.engine.runner.enable_graphs(SyncCheckedGraph)
     assert _tokens(llm) == refs["mixtral"]
     assert graphs.captured and graphs.replays > 0, SyncCheckedGraph.errors
+
+
+def test_warm_steps_reach_the_prefill_sized_expert_blocks(tiny_models):
+    """The warm steps after ready include one whose (token, expert) slots take the fused MoE's 64-row blocks, so a
+    long prompt's first step compiles no new MoE variant."""
+    from kernels.fused_moe import BLOCK_M_LARGE, block_size_for
+
+    llm = LLM(model=str(tiny_models["mixtral"]), dtype="float32", kernel_backend="triton", log_stats_interval=0)
+    spec = llm.engine.spec
+    blocks = {
+        block_size_for(s[0] * spec.num_experts_per_tok, spec.num_experts) for s in llm.engine.runner.warm_shapes()
+    }
+    assert BLOCK_M_LARGE in blocks and len(blocks) == 2, blocks
+    llm.engine.runner.warm(*llm.engine.runner.warm_shapes()[-1][:3])  # the step itself runs

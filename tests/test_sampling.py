@@ -172,3 +172,60 @@ def test_host_round_trips_do_not_grow_with_the_batch(monkeypatch):
         return counted["n"]
 
     assert trips(2) == trips(16) <= 3
+
+
+def _mixed(batch: int) -> list[Request]:
+    """Every option a row can take, cycled over the batch: greedy, the default random row, seeded, penalties,
+    logprobs, min_tokens not yet reached, top-k / top-p / min-p."""
+    kinds = [
+        dict(temperature=0),
+        dict(),
+        dict(seed=3),
+        dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3),
+        dict(logprobs=2),
+        dict(min_tokens=4, stop_token_ids=[5, 6]),
+        dict(top_k=5, top_p=0.9, min_p=0.05, temperature=0.7),
+    ]
+    reqs = []
+    for i in range(batch):
+        r = _req([3, 4][: i % 3], prompt_ids=range(2, 6 + i), **kinds[i % len(kinds)])
+        if r.params.seed is not None:
+            r.generator = torch.Generator().manual_seed(r.params.seed)
+        reqs.append(r)
+    return reqs
+
+
+def test_sampling_indexes_no_device_tensor_with_a_list():
+    """On CUDA, indexing with a Python list is a blocking host-to-device copy: the default random step (temperature
+    1, nothing else) sends only its temperatures, through pinned memory, and a batch that mixes every option
+    sends a fixed number of pinned copies, none of them blocking."""
+    from tests.host_copies import count_host_copies
+
+    s = Sampler(32, torch.device("cpu"))
+    for batch in (1, 8):
+        reqs = [_req([], prompt_ids=[1, 2]) for _ in range(batch)]
+        with count_host_copies() as c:
+            tokens, _ = s(torch.randn(batch, 32), reqs)
+        assert len(tokens) == batch
+        assert (c["list_index"], c["tensor"], c["h2d"]) == (0, 0, 1)  # the temperature column
+
+    def copies(batch: int) -> tuple[int, int, int]:
+        with count_host_copies() as c:
+            tokens, lps = s(torch.randn(batch, 32), _mixed(batch))
+        assert len(tokens) == batch and sum(d is not None for d in lps) == batch // 7 + (batch % 7 > 4)
+        return c["list_index"], c["tensor"], c["h2d"]
+
+    assert copies(7)[:2] == (0, 0)
+    assert copies(7) == copies(21)
+
+
+def test_row_subsets_sample_as_each_row_alone():
+    """Random rows among greedy ones are read and written through one index: each row's token is the one the
+    same row gets alone, seeded, and greedy rows keep their argmax."""
+    logits = torch.randn(7, 32)
+    reqs = _mixed(7)
+    tokens, _ = Sampler(32, torch.device("cpu"))(logits.clone(), reqs)
+    for i, r in enumerate(_mixed(7)):
+        if r.params.greedy or r.generator is not None:
+            assert Sampler(32, torch.device("cpu"))(logits[i : i + 1].clone(), [r])[0] == [tokens[i]]
+    assert tokens[0] == int(logits[0].argmax())

@@ -433,3 +433,76 @@ def test_stop_string_inside_a_run_that_a_later_rule_ended(models):
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
             ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason
         )  # fmt: skip
+
+
+# ---- host-device copies -------------------------------------------------------------------------------------------
+def _reads(monkeypatch) -> dict:
+    """Counts device-to-host reads (.tolist(), .item(), .cpu()): each one waits for the device on a GPU."""
+    n = {"reads": 0}
+
+    def counted(real):
+        def read(self, *a, **k):
+            n["reads"] += 1
+            return real(self, *a, **k)
+
+        return read
+
+    for name in ("item", "tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    return n
+
+
+def test_verify_indexes_no_device_tensor_with_a_list(monkeypatch):
+    """Verification reads and writes its random rows through one pinned index (none when every row is random) and
+    comes to the host once, whatever the batch and its options."""
+    from tests.host_copies import count_host_copies
+
+    reads = _reads(monkeypatch)
+
+    def copies(batch: int, greedy_every: int) -> tuple[int, int, int, int]:
+        reqs, drafts = [], []
+        for i in range(batch):
+            t = 0 if greedy_every and i % greedy_every == 0 else 0.8
+            sp = SamplingParams(temperature=t, min_tokens=3, repetition_penalty=1.1, logprobs=1 if i % 2 else None)
+            reqs.append(Request(f"r{i}", [1, 2, 3], sp, eos_token_ids=frozenset({2})))
+            drafts.append([5, 6, 7][: i % 4])
+        probs = {r: torch.softmax(torch.randn(3, 16), -1) for r in reqs[::3]}
+        logits = torch.randn(sum(len(d) + 1 for d in drafts), 16)
+        reads["reads"] = 0
+        with count_host_copies() as c:
+            out, _ = verify(Sampler(16, torch.device("cpu")), logits, reqs, drafts, probs)
+        assert [len(o) for o in out] and all(1 <= len(o) <= len(d) + 1 for o, d in zip(out, drafts))
+        return c["list_index"], c["tensor"], c["h2d"], reads["reads"]
+
+    for greedy_every in (0, 3):  # every row random (no index at all), and random rows among greedy ones
+        small, large = copies(4, greedy_every), copies(16, greedy_every)
+        assert small[:2] == (0, 0) and small == large
+        assert small[3] == 3  # the tokens and acceptances (.tolist()), then the logprobs (.cpu().tolist())
+
+
+def test_draft_tokens_stay_on_the_device_until_one_copy(models, monkeypatch):
+    """The draft model's k steps feed each pick to the next forward on the device: one read to the host per
+    proposal, whatever k, and no list indexing; greedy and sampled drafts stay what they were."""
+    from tests.host_copies import count_host_copies
+
+    e = llm(models, {"model": str(models["random_draft"]), "num_speculative_tokens": 4}).engine
+    draft = e.speculator.draft
+    seen = []
+    real = draft.propose
+
+    def propose(reqs, ks):
+        reads["reads"] = 0
+        with count_host_copies() as c:
+            out = real(reqs, ks)
+        seen.append((c["list_index"], c["tensor"], reads["reads"], tuple(ks)))
+        return out
+
+    reads = _reads(monkeypatch)
+    monkeypatch.setattr(draft, "propose", propose)
+    params = [SamplingParams(temperature=t, max_tokens=9 + i, ignore_eos=True) for i, t in enumerate((0, 1, 0.7, 0))]
+    for i, p in enumerate(PROMPTS[:4]):
+        e.add_request(f"r{i}", {"prompt_token_ids": p}, params[i])
+    while e.has_unfinished():
+        e.step()
+    assert any(max(ks) == 4 for *_, ks in seen) and any(len(set(ks)) > 1 for *_, ks in seen)
+    assert all(s[:3] == (0, 0, 1) for s in seen), seen

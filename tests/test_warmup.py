@@ -167,3 +167,35 @@ def test_timeline_records_a_phase_that_raised_and_starts_where_told():
             raise RuntimeError("disk")
     assert [(p.name, p.start, p.seconds) for p in tl.phases] == [("weight read", 2.0, 2.0)]
     assert Timeline().table().splitlines()[-1].split() == ["total", "0.00", "-"]
+
+
+def test_warmup_drains_the_work_a_worker_does_after_ready(tiny_llama, monkeypatch):
+    """python -m warmup's kernel phase (on CUDA) runs one request and then all of the engine's IdleWork at once:
+    every warm step, the grammar mask pieces though no grammar exists, every graph capture; so the volume's
+    Triton cache holds what the worker would otherwise compile after ready. Here on CPU with the warm steps forced
+    on, the graph stand-in and a counting hook on xgrammar's mask (its CUDA path is the Triton kernel)."""
+    import xgrammar
+
+    from engine import LLM
+    from engine.cuda_graphs import IdleWork
+    from engine.memory import graph_buckets
+    from tests.graph_standin import SyncCheckedGraph
+    from warmup.__main__ import _warm_kernels
+
+    engine = LLM(
+        str(tiny_llama), dtype="float32", kernel_backend="triton", block_size=8, max_num_seqs=4, num_kv_blocks=64,
+        max_model_len=64, log_stats_interval=0,
+    ).engine  # fmt: skip
+    graphs = engine.runner.enable_graphs(SyncCheckedGraph)
+    engine.idle = IdleWork(engine.runner, warm_kernels=True, grammar=engine.structured)
+    warmed, masks = [], []
+    warm, apply = engine.runner.warm, xgrammar.apply_token_bitmask_inplace
+    monkeypatch.setattr(engine.runner, "warm", lambda *shape: warmed.append(shape) or warm(*shape))
+    monkeypatch.setattr(
+        xgrammar, "apply_token_bitmask_inplace", lambda lg, m, **kw: masks.append(lg.shape[0]) or apply(lg, m, **kw)
+    )
+    note = _warm_kernels(engine)
+    assert not engine.idle.pending and not engine.has_unfinished()
+    assert warmed == engine.runner.warm_shapes() and masks == [1, 2, 16]
+    assert graphs.captured == list(graph_buckets(4)), SyncCheckedGraph.errors
+    assert note == f"one request, then {len(warmed) + 3 + len(graph_buckets(4))} warm-up pieces"

@@ -4,7 +4,7 @@ Settings come from the environment through handler.settings (the only env reader
 so a volume prepared here is the one the worker looks for. Steps, each timed: resolve the model in the HF
 caches (download it when missing and a network is plausible), convert the default model, check the
 checkpoint (and that the worker's transformers-free tokenizer agrees with transformers' on it), build the fp8
-snapshot (QUANTIZATION=fp8), compile the Triton kernels (CUDA only).
+snapshot (QUANTIZATION=fp8), compile the Triton kernels the worker will need (CUDA only).
 
 --check writes nothing and uses no network: it says what is missing. Exit codes: 0 ready, 1 not ready or
 failed, 2 bad settings. User errors are one line on stderr, never a traceback."""
@@ -136,8 +136,8 @@ def prepare(settings, cfg, tl) -> int:
     elif engine.kernel_backend != "triton":  # KERNEL_BACKEND=torch
         tl.skip("kernel warmup", f"kernel backend is {engine.kernel_backend}")
     else:
-        with tl.phase("kernel warmup"):
-            _run_one_request(engine)  # JIT-compiles every kernel for these shapes into TRITON_CACHE_DIR
+        with tl.phase("kernel warmup") as p:
+            p.note = _warm_kernels(engine)  # into TRITON_CACHE_DIR, which the worker reads
     print(tl.table())
     _summary(cfg, path, snap)
     print("ready")
@@ -209,14 +209,18 @@ def _snapshot(cfg, path: Path, spec) -> Path | None:
     return weights.snapshot_for(cfg, path, str(dtype).removeprefix("torch."))  # the engine's own key
 
 
-def _run_one_request(engine) -> None:
+def _warm_kernels(engine) -> str:
+    """Every Triton variant this config's worker can ask for: one short request (a prefill and a decode step),
+    then, drained now, the work the worker does after ready (engine.idle: the padding-only warm steps, LoRA's when
+    it is on, the grammar masks, which a worker warms once its first grammar exists, and the CUDA graph captures)."""
     from engine import SamplingParams
 
-    # 2 tokens: the prefill and one decode step, which launch different kernel variants. Variants that depend
-    # on the batch (e.g. flash-decoding splits for long contexts) still compile on first use, into the same cache.
     engine.add_request("warmup", "Warm up the kernels.", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+    engine.idle.warm_grammar()
+    engine.idle.drain()
+    return f"one request, then {engine.idle.pieces} warm-up pieces"
 
 
 def _summary(cfg, path: Path, snap: Path | None) -> None:

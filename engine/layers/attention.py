@@ -19,6 +19,11 @@ import torch.nn.functional as F
 from engine.block_table import h2d, h2d_rows
 from kernels.cache_write import reshape_and_cache
 from kernels.paged_attention import paged_attention
+from kernels.prefill_attention import prefill_attention
+
+# A step with a longer query chunk runs the flash-tile prefill kernel (64-128 rows a tile, decodes riding along);
+# up to this, the unified kernel's 16-row tiles and flash-decoding splits fit better.
+PREFILL_TILE_MIN_QUERY = 16
 
 
 @dataclass
@@ -99,9 +104,10 @@ class _KVScales:
 
 
 class TritonAttention(_KVScales):
-    """The kernels path: one cache-write launch and one unified paged-attention launch per layer, for
-    prefill chunks and decodes alike (kernels/paged_attention.py). Used on CUDA, and on CPU under the
-    Triton interpreter when the config forces it (tests)."""
+    """The kernels path: one cache-write launch and one attention launch per layer, for prefill chunks and
+    decodes alike: the unified paged-attention kernel (kernels/paged_attention.py), or the flash-tile prefill
+    kernel (kernels/prefill_attention.py) when a chunk is longer than PREFILL_TILE_MIN_QUERY. Used on CUDA, and
+    on CPU under the Triton interpreter when the config forces it (tests)."""
 
     def __init__(self, block_size: int, scale: float):
         self.block_size = block_size
@@ -127,7 +133,8 @@ class TritonAttention(_KVScales):
         # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
         ks, vs = self._scales(layer)
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        return paged_attention(
+        attend = prefill_attention if meta.max_query_len > PREFILL_TILE_MIN_QUERY else paged_attention
+        return attend(
             q,
             k_cache,
             v_cache,

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import safetensors.torch
 import torch
 
 from engine.lora.adapter import load_adapter, max_adapter_bytes, module_shapes
@@ -63,11 +64,23 @@ class LoRASlots:
             self.a[lin][:, slot].copy_(a[lin], non_blocking=True)
             self.b[lin][:, slot].copy_(b[lin], non_blocking=True)
 
-    def host_tensors(self, ad, shard=None) -> tuple[dict, dict]:
+    @staticmethod
+    def pack(a: dict, b: dict) -> bytes:
+        """Another rank's part as bytes (safetensors: any dtype, bf16 included), to go through its pipe: tensors
+        would go through a shared-memory segment in /dev/shm, which is 64 MB in a default container, less than an
+        8B model's rank-16 part."""
+        return safetensors.torch.save({**{f"a.{k}": v for k, v in a.items()}, **{f"b.{k}": v for k, v in b.items()}})
+
+    def load_bytes(self, slot: int, blob: bytes) -> None:
+        """A part that `pack` made, on the rank it was cut for."""
+        parts = safetensors.torch.load(blob)
+        self.load(slot, *({lin: parts[f"{ab}.{lin}"] for lin in FUSED} for ab in "ab"))
+
+    def host_tensors(self, ad, shard=None, pin: bool | None = None) -> tuple[dict, dict]:
         """An adapter (full shapes) -> this layout's padded host tensors: A [L, R, in], B [L, out, R] * scaling,
-        cut to `shard`'s part under tensor parallelism."""
+        cut to `shard`'s part under tensor parallelism. Pinned on CUDA unless `pin` is False."""
         R, L = self.max_rank, self.spec.num_layers
-        pin = self.device.type == "cuda"
+        pin = self.device.type == "cuda" and pin is not False
         a, b, where = {}, {}, {}
         shapes = module_shapes(self.spec)
         for lin, (d_in, d_out, n) in self.fused_shapes().items():
@@ -168,10 +181,10 @@ class LoRAManager:
                 return None
             slot = self.slot_of.pop(victim)
             log.info("LoRA slot %d: evicting %r (least recently used)", slot, self.refs[victim].name)
-        parts = fut.result()  # per rank: (a, b)
+        parts = fut.result()  # rank 0's (a, b), then each other rank's bytes
         self.slots.load(slot, *parts[0])
-        for rank, part in enumerate(parts[1:], start=1):  # before the step that uses it: the pipe keeps the order
-            self.ranks.send_to(rank, ("lora", slot, *part))
+        for rank, blob in enumerate(parts[1:], start=1):  # before the step that uses it: the pipe keeps the order
+            self.ranks.send_to(rank, ("lora", slot, blob))
         del self._jobs[key]  # the disk cache keeps the files; a later reload reads them again
         self.slot_of[key] = slot
         self.num_loads += 1
@@ -226,11 +239,15 @@ class LoRAManager:
         }
 
     # ---- loader threads ----------------------------------------------------------------------
-    def _load(self, ref: AdapterRef) -> list[tuple[dict, dict]]:
-        """Fetch (once) and load an adapter into padded host tensors, one (a, b) per tensor-parallel rank."""
+    def _load(self, ref: AdapterRef) -> list:
+        """Fetch (once) and load an adapter into padded host tensors: rank 0's (a, b), then under tensor parallelism
+        each other rank's part packed as bytes (here, off the step loop)."""
         with self.disk.use(ref) as path:
             ad = load_adapter(path, self.spec, self.cfg.max_lora_rank, ref.name)
-        return [self.slots.host_tensors(ad, s) for s in self.shards] or [self.slots.host_tensors(ad)]
+        if not self.shards:
+            return [self.slots.host_tensors(ad)]
+        others = [LoRASlots.pack(*self.slots.host_tensors(ad, s, pin=False)) for s in self.shards[1:]]
+        return [self.slots.host_tensors(ad, self.shards[0]), *others]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

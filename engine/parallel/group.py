@@ -4,30 +4,38 @@ descriptors before it runs them itself (`TPRunner`).
 - Processes: one per extra rank (spawn), killed with rank 0 (PR_SET_PDEATHSIG) and on shutdown; a rank that
   exits, or a collective that waits past `distributed_timeout_s`, fails the engine with an error naming the rank.
 - Step inputs: one small pickled descriptor per message through a pipe to each rank (the token ids, positions,
-  cache slots, block tables of the flat batch: lists of ints), never a send per tensor. Waiting for the next step
-  is a pipe read, so an idle worker waits as long as it likes; collectives run only inside a step.
+  cache slots of the flat batch: lists of ints; the block tables as deltas, tables.py), never a send per tensor.
+  Waiting for the next step is a pipe read, so an idle worker waits as long as it likes; collectives run only
+  inside a step.
+- Messages are pickled once, on the sender's thread, with the standard pickler: torch's ForkingPickler (what
+  Connection.send uses) would move any tensor through a shared-memory segment in /dev/shm, which a container may
+  not have room for. A message that cannot be sent fails the engine, naming the rank.
 - Collectives: the default process group, NCCL on GPUs, gloo on CPU (bf16 is reduced in fp32 there)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import logging
 import os
+import pickle
 import queue
 import tempfile
 import threading
 import time
 import weakref
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.errors import ConfigError, EngineFault
-from engine.parallel.rank import backend_for
+from engine.parallel.rank import backend_for, join_group
+from engine.parallel.tables import TableSender
 from engine.parallel.worker import worker_main
 
 log = logging.getLogger("engine")
+_STOP = pickle.dumps(("stop",))
 
 
 def start_ranks(cfg, device: torch.device, max_positions: int, timeline) -> TPGroup | NoRanks:
@@ -44,6 +52,9 @@ class NoRanks:
     """Tensor parallelism off: no other rank to tell, wait for or stop."""
 
     send_seconds = 0.0
+
+    def __init__(self):
+        self.sent_bytes: collections.Counter[str] = collections.Counter()
 
     def expect(self, what: str, timeout_s: float) -> None:
         pass
@@ -69,10 +80,12 @@ class TPRunner:
     def __init__(self, runner, group: TPGroup):
         self.runner, self.group = runner, group
         self.block_size = runner.block_size
+        self.tables = TableSender()
 
     def forward(self, batch) -> torch.Tensor:
         try:
-            self.group.send(("forward", batch))
+            delta = self.tables.delta(batch.block_tables)
+            self.group.send(("forward", dataclasses.replace(batch, block_tables=[]), delta))
             return self.runner.forward(batch)
         except BaseException as e:
             self._fail(e)
@@ -132,14 +145,15 @@ class TPGroup:
         # one writer thread per rank: a rank that stops reading (hung) blocks its writer, not the step loop, which
         # then fails in the step's first collective after the timeout
         self._outboxes = [queue.SimpleQueue() for _ in self.conns]
+        self.send_errors: dict[int, BaseException] = {}  # rank -> why a message to it could not be written
         self._writers = [
-            threading.Thread(target=_write, args=(q, c), name=f"tp-send-{r}", daemon=True)
+            threading.Thread(target=self._write, args=(r, q, c), name=f"tp-send-{r}", daemon=True)
             for r, (q, c) in enumerate(zip(self._outboxes, self.conns), start=1)
         ]
         for t in self._writers:
             t.start()
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
-        self._init_group(backend_for(device), init, tp)
+        self._init_group(device, init, tp)
 
     def _watch(self) -> None:
         """Log a rank's death the moment it happens. On CPU the next collective fails with it; on GPUs an NCCL
@@ -152,16 +166,14 @@ class TPGroup:
                     return
             time.sleep(1.0)
 
-    def _init_group(self, backend: str, init: str, tp: int) -> None:
+    def _init_group(self, device: torch.device, init: str, tp: int) -> None:
         """Join the process group, watching the ranks: one that dies before it joins fails the start now, not
         after the timeout."""
         err: list[BaseException] = []
 
         def join() -> None:
             try:
-                dist.init_process_group(
-                    backend, init_method=init, rank=0, world_size=tp, timeout=timedelta(seconds=self.timeout_s)
-                )
+                join_group(device, init, 0, tp, self.timeout_s)
             except BaseException as e:  # raised below, on the caller's thread
                 err.append(e)
 
@@ -174,7 +186,8 @@ class TPGroup:
                     raise self.fault(f"exited while starting (code {p.exitcode})", rank)
         if err:
             raise self.fault(f"could not join the process group: {err[0]}")
-        self.send_seconds = 0.0  # time spent pickling and writing messages (bench/tp.py)
+        self.send_seconds = 0.0  # time spent pickling and queueing messages (bench/tp.py)
+        self.sent_bytes: collections.Counter[str] = collections.Counter()  # pickled bytes per kind, once per message
 
     # ---- start ---------------------------------------------------------------------------------------------
     def expect(self, what: str, timeout_s: float) -> None:
@@ -212,20 +225,54 @@ class TPGroup:
         return TPRunner(runner, self)
 
     def send(self, msg: tuple) -> None:
-        """The same message to every other rank; a rank that has exited fails the engine here."""
+        """The same message to every other rank, pickled once; a rank that has exited fails the engine here."""
         t = time.perf_counter()
-        for rank in range(1, len(self.procs) + 1):
-            self.send_to(rank, msg)
+        ranks = range(1, len(self.procs) + 1)
+        for rank in ranks:
+            self._check(rank)
+        payload = self._pickle(msg)
+        for rank in ranks:
+            self._outboxes[rank - 1].put((msg[0], payload))
         self.send_seconds += time.perf_counter() - t
 
     def send_to(self, rank: int, msg: tuple) -> None:
-        """A message for one rank (a step, or its part of a LoRA adapter), queued for its writer thread."""
-        p = self.procs[rank - 1]
+        """A message for one rank (its part of a LoRA adapter), queued for its writer thread."""
+        self._check(rank)
+        self._outboxes[rank - 1].put((msg[0], self._pickle(msg, rank)))
+
+    def _check(self, rank: int) -> None:
         if self.closed:
             raise EngineFault("tensor parallelism: the ranks were stopped after an earlier fault")
+        p = self.procs[rank - 1]
         if not p.is_alive():
             raise self.fault(f"exited (code {p.exitcode})", rank)
-        self._outboxes[rank - 1].put(msg)
+
+    def _pickle(self, msg: tuple, rank: int | None = None) -> bytes:
+        """The message as bytes; one that cannot be pickled would leave the ranks out of step: the engine fails."""
+        try:
+            payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise self.fault(f"could not pickle a {msg[0]!r} message: {e!r}", rank) from e
+        self.sent_bytes[msg[0]] += len(payload)
+        return payload
+
+    def _write(self, rank: int, outbox: queue.SimpleQueue, conn) -> None:
+        """A rank's writer: messages in order; ends after "stop" or when the rank's pipe breaks (it died). Any other
+        error leaves the rank without a message it needs, out of step: the rank is killed, so that rank 0's next
+        collective or send fails with a fault that says why, rather than waiting on a rank that waits for a step."""
+        while True:
+            kind, payload = outbox.get()
+            try:
+                conn.send_bytes(payload)
+            except (OSError, EOFError):
+                return
+            except Exception as e:
+                self.send_errors[rank] = e
+                log.error("tensor-parallel rank %d: writing a %r message failed (%r); stopping the rank", rank, kind, e)
+                _kill([self.procs[rank - 1]])
+                return
+            if kind == "stop":
+                return
 
     def fault(self, what: str, rank: int | None = None) -> EngineFault:
         """An EngineFault naming the rank (the first one found dead when `rank` is None); every rank is stopped."""
@@ -234,6 +281,8 @@ class TPGroup:
             dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
             rank = dead[0][0] if dead else None
             what = f"{what} (rank {rank} exited with code {dead[0][1]})" if dead else what
+        if rank in self.send_errors:
+            what = f"{what}; a message to it could not be written: {self.send_errors[rank]!r}"
         self.shutdown()
         who = f"tensor-parallel rank {rank}" if rank is not None else "tensor parallelism"
         return EngineFault(f"{who}: {what}")
@@ -243,7 +292,7 @@ class TPGroup:
             return
         self.closed = True
         for q in self._outboxes:
-            q.put(("stop",))
+            q.put(("stop", _STOP))
         for p in self.procs:
             p.join(timeout=5)
         _kill(self.procs)
@@ -256,18 +305,6 @@ class TPGroup:
             os.unlink(self.store)
         except OSError:
             pass
-
-
-def _write(outbox: queue.SimpleQueue, conn) -> None:
-    """A rank's writer: messages in order; ends after "stop" or when the rank's pipe breaks (it died)."""
-    while True:
-        msg = outbox.get()
-        try:
-            conn.send(msg)
-        except (OSError, EOFError):
-            return
-        if msg[0] == "stop":
-            return
 
 
 def _kill(procs) -> None:

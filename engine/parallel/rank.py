@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,17 @@ class TPComm:
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group(device: torch.device, init_method: str, rank: int, tp: int, timeout_s: float) -> None:
+    """Join the default process group. On CUDA with device_id: NCCL forms its communicator now, at start, rather
+    than at the first collective (the first request), so that an NCCL problem (P2P, shared memory) fails the start,
+    not the first job after the worker said it was ready."""
+    eager = {"device_id": torch.device("cuda", rank)} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend_for(device), init_method=init_method, rank=rank, world_size=tp, timeout=timedelta(seconds=timeout_s),
+        **eager,
+    )  # fmt: skip
 
 
 def rank_model(

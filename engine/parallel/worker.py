@@ -2,9 +2,11 @@
 so they are the same on every rank), replaying rank 0's forward passes. Messages, in order:
 
     ("setup", plan, calibration ids or None)  rank 0's MemoryPlan (per rank): allocate the KV pool, build attention
-    ("forward", batch)  run the model over the FlatBatch rank 0 runs (ModelRunner.forward)
+    ("forward", batch, delta)  run the model over the FlatBatch rank 0 runs (ModelRunner.forward), its block tables
+                        sent as a TableDelta and kept here, one list per table (tables.py)
     ("logits", rows)    the LM head over those rows of the last hidden states (None: all); gathered to rank 0
-    ("lora", slot, a, b)  this rank's part of an adapter, into a LoRA slot (before the step that uses it)
+    ("lora", slot, blob)  this rank's part of an adapter (LoRASlots.pack's bytes), into a LoRA slot (before the
+                        step that uses it)
     ("stop",)
 
 It reports ("loaded",), then ("ready",), or ("error", text) on its pipe."""
@@ -17,13 +19,13 @@ import os
 import signal
 import sys
 import traceback
-from datetime import timedelta
+from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 from engine.model_runner import ModelRunner
-from engine.parallel.rank import backend_for
+from engine.parallel.rank import join_group
+from engine.parallel.tables import TableMirror
 from engine.startup import build_rank, load_rank, resolve
 
 log = logging.getLogger("engine")
@@ -58,10 +60,7 @@ def _start(rank: int, tp: int, init_method: str, cfg, max_positions: int, conn) 
     if facts.device.type == "cuda":
         torch.cuda.set_device(facts.device)
     torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // tp))
-    dist.init_process_group(
-        backend_for(facts.device), init_method=init_method, rank=rank, world_size=tp,
-        timeout=timedelta(seconds=cfg.distributed_timeout_s),
-    )  # fmt: skip
+    join_group(facts.device, init_method, rank, tp, cfg.distributed_timeout_s)
     model, _ = load_rank(cfg, facts, max_positions)
     conn.send(("loaded",))
     msg = conn.recv()
@@ -71,7 +70,7 @@ def _start(rank: int, tp: int, init_method: str, cfg, max_positions: int, conn) 
 
 
 def _serve(runner: ModelRunner, conn) -> None:
-    hidden = None
+    hidden, mirror = None, TableMirror()
     with torch.inference_mode():
         while True:
             try:
@@ -79,10 +78,10 @@ def _serve(runner: ModelRunner, conn) -> None:
             except EOFError:  # rank 0 is gone
                 return
             if msg[0] == "forward":
-                hidden = runner.forward(msg[1])
+                hidden = runner.forward(replace(msg[1], block_tables=mirror.tables(msg[2])))
             elif msg[0] == "logits":
                 runner.logits(hidden, msg[1])
             elif msg[0] == "lora":
-                runner.lora.load(msg[1], msg[2], msg[3])
+                runner.lora.load_bytes(msg[1], msg[2])
             elif msg[0] == "stop":
                 return

@@ -18,16 +18,18 @@ import weakref
 
 import torch
 
+import kernels
 from engine.block_manager import BlockManager
+from engine.block_table import h2d, h2d_rows
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_cache import allocate
-from engine.layers.attention import build_attention
+from engine.layers.attention import StepLayout, build_attention
 from engine.memory import MemoryPlan
-from engine.model_runner import ModelRunner, flat_batch
+from engine.model_runner import FlatBatch, ModelRunner, flat_batch
 from engine.models import model_class
 from engine.models.spec import ModelSpec
-from engine.sampler import Sampler
+from engine.sampler import Rows, Sampler
 from engine.startup import ModelFacts
 from engine.tokenizer import Tokenizer
 from engine.types import Request
@@ -50,7 +52,7 @@ class DraftProposer:
         m.load_weights(iter_weights(path, dev))
         kv = allocate(s, plan, facts.dtype, dev)  # the target's block count and size
         attn = build_attention(s, cfg.block_size, facts.kernel_backend)
-        self.runner = ModelRunner(
+        self.runner = DraftRunner(
             m, kv, attn, cfg.block_size, dev, facts.kernel_backend, max_num_seqs=cfg.max_num_seqs,
             max_model_len=plan.max_model_len,
         )  # fmt: skip
@@ -78,23 +80,30 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], ks: list[int]) -> tuple[dict, dict]:
-        """ks[i] (>= 1) drafts for reqs[i]. Returns {req: drafts} and {req: q rows [k, vocab]} for sampled drafts."""
+        """ks[i] (>= 1) drafts for reqs[i]. Returns {req: drafts} and {req: q rows [k, vocab]} for sampled drafts.
+        Each step's picks stay on the device and are the next step's input ids; all of them come to the host in
+        one copy at the end (a copy per draft token would make the host wait for the device at every one)."""
         starts = [self._start(r) for r in reqs]
-        drafts: dict[Request, list[int]] = {r: [] for r in reqs}
         probs: dict[Request, list[torch.Tensor]] = {r: [] for r in reqs if not r.params.greedy}
-        items = []
-        for step in range(max(ks)):
+        k_of, last = dict(zip(reqs, ks)), max(ks)
+        active, ids, steps = list(reqs), None, []  # steps: (the requests drafting then, their picks on the device)
+        for step in range(last):
             if step == 0:  # the tokens the draft has not seen yet, in forwards of at most the step budget
-                active, logits = list(reqs), self._catch_up(reqs, starts)
-            else:
-                active = [r for r, _, _ in items]
-                logits = self._last_logits(items)
-            for r, t in zip(active, self._pick(logits, active, probs)):
-                drafts[r].append(t)
-            if step == 0:
+                logits = self._catch_up(reqs, starts)
                 for r, s in zip(reqs, starts):
                     self._mark_ready(r, s)
-            items = [(r, r.num_tokens + step, [drafts[r][-1]]) for r, k in zip(reqs, ks) if k > step + 1]
+            else:  # one token each: the previous step's pick, at the position after the sequence's last token
+                logits = self._last_logits([(r, r.num_tokens + step - 1, [0]) for r in active], ids)
+            picks = self._pick(logits, active, probs)
+            steps.append((active, picks))
+            if step + 1 < last:
+                going = Rows.where((k_of[r] > step + 1 for r in active), self.device)
+                active, ids = [active[i] for i in going.rows], going.take(picks)
+        host = iter(torch.cat([p for _, p in steps]).tolist())  # the one copy to the host
+        drafts: dict[Request, list[int]] = {r: [] for r in reqs}
+        for drafting, _ in steps:
+            for r in drafting:
+                drafts[r].append(next(host))
         for r, k in zip(reqs, ks):
             self._computed[r] = (r.num_tokens, r.num_preemptions, drafts[r][: k - 1])
         return drafts, {r: torch.stack(q) for r, q in probs.items()}
@@ -120,26 +129,47 @@ class DraftProposer:
             pending = rest
         return torch.stack([last[r] for r in reqs])
 
-    def _last_logits(self, items) -> torch.Tensor:
-        """The draft over `items` (request, first position, token ids): each one's last token's logits. [B, vocab]"""
+    def _last_logits(self, items, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft over `items` (request, first position, token ids): each one's last token's logits. [B, vocab].
+        ids: the items' token ids already on the device (their host ids are then placeholders)."""
         batch = flat_batch(items, self.block_size)
-        hidden = self.runner.forward(batch)
+        hidden = self.runner.forward(batch, ids)
         return self.runner.logits(hidden, [e - 1 for e in batch.query_start_loc[1:]])  # fp32
 
-    def _pick(self, logits: torch.Tensor, reqs: list[Request], probs: dict) -> list[int]:
+    def _pick(self, logits: torch.Tensor, reqs: list[Request], probs: dict) -> torch.Tensor:
+        """Each row's draft token, on the device: the argmax, or for random rows a draw from the softmax at the
+        sequence's temperature (its q rows appended to `probs`)."""
         tokens = logits.argmax(dim=-1)
-        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        rand = Rows.where((not r.params.greedy for r in reqs), self.device)
         if rand:
-            t = torch.tensor([[reqs[i].params.temperature] for i in rand], device=logits.device)
-            q = (logits[rand] / t).softmax(-1)
-            tokens[rand] = Sampler.race(q, [reqs[i] for i in rand])
-            for j, i in enumerate(rand):
-                probs[reqs[i]].append(q[j])
-        return tokens.tolist()
+            rr = [reqs[i] for i in rand.rows]
+            t = h2d([[r.params.temperature] for r in rr], torch.float32, self.device)
+            q = (rand.take(logits) / t).softmax(-1)
+            rand.put(tokens, Sampler.race(q, rr))
+            for j, r in enumerate(rr):
+                probs[r].append(q[j])
+        return tokens
 
     def _mark_ready(self, req: Request, start: int) -> None:
         for b in range(start // self.block_size, req.num_tokens // self.block_size):
             self.bm.draft_ready[req.block_ids[b]] = 1
+
+
+class DraftRunner(ModelRunner):
+    """The draft's ModelRunner: its one-token steps take their input ids from the device (the previous step's
+    picks), so the host never waits for a draft token before issuing the next forward. It has no LoRA and no
+    CUDA graphs, so such a step is ModelRunner.forward's eager path with the ids tensor in place of the copy."""
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
+        if ids is None:
+            return super().forward(batch)
+        bt = self.block_table.update(batch.block_tables) if self.block_table is not None else None
+        pos_t, slots_t = h2d_rows([batch.positions, batch.slots], torch.int64, self.device)  # one copy
+        layout = StepLayout(slots_t, batch.query_start_loc, batch.seq_lens, batch.block_tables, bt)
+        meta = self.attn.build(layout, self.device)
+        with kernels.backend(self.kernel_backend):
+            return self.model(ids, pos_t, self.kv_caches, self.attn, meta, None)  # [T, hidden]
 
 
 def check_vocab(target_vocab_size: int, target_tok: Tokenizer, spec: ModelSpec, path) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.block_table import h2d
-from engine.sampler import Sampler
+from engine.sampler import Rows, Sampler
 from engine.types import Request
 
 
@@ -63,19 +63,19 @@ def verify(
     tok = lg.argmax(dim=-1)  # greedy rows: the target's choice
     d = h2d(draft_tok, torch.int64, dev)
     accept = tok == d
-    rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+    rand = Rows.where((not r.params.greedy for r in rows), dev)
     if rand:
-        rr = [rows[i] for i in rand]
-        p = sampler.probs(lg[rand], rr)  # [Rr, vocab], what a plain step would draw from
-        dr = d[rand]
+        rr = [rows[i] for i in rand.rows]
+        p = sampler.probs(rand.take(lg), rr)  # [Rr, vocab], what a plain step would draw from
+        dr = rand.take(d)
         has = dr >= 0
-        q = _draft_q(p, rows, rand, draft_tok, draft_probs)
+        q = _draft_q(p, rows, rand.rows, draft_tok, draft_probs)
         di = dr.clamp(min=0)[:, None]
         p_d, q_d = p.gather(1, di)[:, 0], q.gather(1, di)[:, 0]
-        u = _uniform(rr, [draft_tok[i] >= 0 for i in rand], dev)
-        accept[rand] = has & (u * q_d < p_d)  # strict: a token with p = 0 is never accepted
+        u = _uniform(rr, [draft_tok[i] >= 0 for i in rand.rows], dev)
+        rand.put(accept, has & (u * q_d < p_d))  # strict: a token with p = 0 is never accepted
         residual = torch.where(has[:, None], (p - q).clamp_min(0), p)  # rows without a draft: p itself
-        tok[rand] = sampler.race(residual, rr)
+        rand.put(tok, sampler.race(residual, rr))
     host = torch.stack([tok, accept.to(tok.dtype)]).tolist()  # one copy to the host
     tokens, accepted = host[0], host[1]
     out_tokens, emitted_rows, row = [], [], 0
@@ -98,15 +98,20 @@ def _draft_q(p, rows, rand, draft_tok, draft_probs) -> torch.Tensor:
     (n-gram, a greedy draft, or no draft: then zeros, unused)."""
     q = torch.zeros_like(p)
     pos = [(k, i) for k, i in enumerate(rand) if draft_tok[i] >= 0]
-    if pos:
-        q[[k for k, _ in pos], [draft_tok[i] for _, i in pos]] = 1.0
+    if pos:  # one pinned copy of the (row, token) pairs, not a list-indexed write (a blocking copy on CUDA)
+        at = h2d([[k for k, _ in pos], [draft_tok[i] for _, i in pos]], torch.int64, p.device)
+        q[at[0], at[1]] = 1.0
+    where, sampled = [], []
     for k, i in enumerate(rand):
         row = rows[i]
         req = row.req if isinstance(row, Row) else row
         qs = draft_probs.get(req) if draft_probs else None
         j = len(row.output_token_ids) - len(req.output_token_ids)  # this row's position among the drafts
         if qs is not None and draft_tok[i] >= 0:
-            q[k] = qs[j]
+            where.append(k)
+            sampled.append(qs[j])
+    if where:  # the sampled drafts' rows in one write
+        q.index_copy_(0, h2d(where, torch.int64, p.device), torch.stack(sampled))
     return q
 
 

@@ -3,6 +3,8 @@ gives the torch path's tokens."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -35,3 +37,25 @@ def test_tiny_llama_triton_path_matches_torch_path(tiny_models):
         assert tri_llm.engine.kernel_backend == "triton"
         tri = tri_llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in tri] == [o.outputs[0].token_ids for o in ref], arch
+
+
+def test_long_chunks_take_the_prefill_kernel(tiny_models, monkeypatch):
+    """A 24-token budget: the 30-token prompt runs as chunks of 24 and 6, the 20-token one whole beside decodes, so
+    steps with a chunk longer than PREFILL_TILE_MIN_QUERY go through kernels/prefill_attention.py (its 16-row
+    interpreter tiles make several query tiles a chunk); the tokens are still the torch path's."""
+    pa = sys.modules["kernels.prefill_attention"]  # the package exports a function of the same name
+
+    calls = []
+    launcher = pa.prefill_attention_triton
+    monkeypatch.setattr(pa, "prefill_attention_triton", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    monkeypatch.setattr(pa, "pick_tiles", lambda *a: pa.Tiles(16, 16, 1, 4))
+    prompts = [{"prompt_token_ids": list(range(50, 70))}, {"prompt_token_ids": [40, 41]}]
+    prompts.append({"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(30)]})
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    kw = dict(device=str(DEVICE), dtype="float32", block_size=8, max_num_batched_tokens=24, num_kv_blocks=24)
+    kw.update(max_model_len=64, log_stats_interval=0)
+    path = str(tiny_models["llama3-rope-tied"])
+    ref = LLM(model=path, kernel_backend="torch", **kw).generate(prompts, params)
+    tri = LLM(model=path, kernel_backend="triton", **kw).generate(prompts, params)
+    assert calls, "no step ran the prefill kernel"
+    assert [o.outputs[0].token_ids for o in tri] == [o.outputs[0].token_ids for o in ref]
