@@ -94,14 +94,20 @@ class ModelRunner:
         return self.graphs
 
     @torch.inference_mode()
-    def forward(self, batch: FlatBatch) -> torch.Tensor:
-        """The model over `batch`: a captured decode graph's replay when one fits, else eagerly. [T, hidden]"""
+    def forward(self, batch: FlatBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over `batch`: a captured decode graph's replay when one fits, else eagerly. [T, hidden]
+        ids: the step's input ids already on the device (a draft model's previous picks: the host need not wait for
+        them), in place of batch.input_ids; such a step runs eagerly."""
         bt = self.block_table.update(batch.block_tables) if self.block_table is not None else None
-        bucket = self.graphs.bucket(batch.tokens_per_seq, bool(batch.token_slot)) if self.graphs is not None else None
+        graphs = self.graphs if ids is None else None
+        bucket = graphs.bucket(batch.tokens_per_seq, bool(batch.token_slot)) if graphs is not None else None
         if bucket is not None:
-            return self.graphs.run(bucket, batch.input_ids, batch.positions, batch.slots, batch.seq_lens)
+            return graphs.run(bucket, batch.input_ids, batch.positions, batch.slots, batch.seq_lens)
         dev = self.device
-        ids_t, pos_t, slots_t = h2d_rows([batch.input_ids, batch.positions, batch.slots], torch.int64, dev)  # one copy
+        if ids is None:
+            ids_t, pos_t, slots_t = h2d_rows([batch.input_ids, batch.positions, batch.slots], torch.int64, dev)
+        else:
+            ids_t, (pos_t, slots_t) = ids, h2d_rows([batch.positions, batch.slots], torch.int64, dev)  # one copy
         layout = StepLayout(
             slot_mapping=slots_t,
             query_start_loc=batch.query_start_loc,

@@ -18,15 +18,14 @@ import weakref
 
 import torch
 
-import kernels
 from engine.block_manager import BlockManager
-from engine.block_table import h2d, h2d_rows
+from engine.block_table import h2d
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.kv_cache import allocate
-from engine.layers.attention import StepLayout, build_attention
+from engine.layers.attention import build_attention
 from engine.memory import MemoryPlan
-from engine.model_runner import FlatBatch, ModelRunner, flat_batch
+from engine.model_runner import ModelRunner, flat_batch
 from engine.models import model_class
 from engine.models.spec import ModelSpec
 from engine.sampler import Rows, Sampler
@@ -52,7 +51,7 @@ class DraftProposer:
         m.load_weights(iter_weights(path, dev))
         kv = allocate(s, plan, facts.dtype, dev)  # the target's block count and size
         attn = build_attention(s, cfg.block_size, facts.kernel_backend)
-        self.runner = DraftRunner(
+        self.runner = ModelRunner(
             m, kv, attn, cfg.block_size, dev, facts.kernel_backend, max_num_seqs=cfg.max_num_seqs,
             max_model_len=plan.max_model_len,
         )  # fmt: skip
@@ -153,23 +152,6 @@ class DraftProposer:
     def _mark_ready(self, req: Request, start: int) -> None:
         for b in range(start // self.block_size, req.num_tokens // self.block_size):
             self.bm.draft_ready[req.block_ids[b]] = 1
-
-
-class DraftRunner(ModelRunner):
-    """The draft's ModelRunner: its one-token steps take their input ids from the device (the previous step's
-    picks), so the host never waits for a draft token before issuing the next forward. It has no LoRA and no
-    CUDA graphs, so such a step is ModelRunner.forward's eager path with the ids tensor in place of the copy."""
-
-    @torch.inference_mode()
-    def forward(self, batch: FlatBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
-        if ids is None:
-            return super().forward(batch)
-        bt = self.block_table.update(batch.block_tables) if self.block_table is not None else None
-        pos_t, slots_t = h2d_rows([batch.positions, batch.slots], torch.int64, self.device)  # one copy
-        layout = StepLayout(slots_t, batch.query_start_loc, batch.seq_lens, batch.block_tables, bt)
-        meta = self.attn.build(layout, self.device)
-        with kernels.backend(self.kernel_backend):
-            return self.model(ids, pos_t, self.kv_caches, self.attn, meta, None)  # [T, hidden]
 
 
 def check_vocab(target_vocab_size: int, target_tok: Tokenizer, spec: ModelSpec, path) -> None:
