@@ -60,6 +60,7 @@ class LLMEngine:
                 self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len,
                 cfg.long_prefill_token_threshold, admission=self.lora, lookahead=self.speculator.lookahead,
             )  # fmt: skip
+            self.intake = Intake(self.tok, facts.spec.vocab_size, plan.max_model_len, cfg)  # checks each request once
             self.structured = StructuredOutputs(self.tok, facts.spec.vocab_size, self.eos_token_ids)  # imports nothing
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
             self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
@@ -102,11 +103,6 @@ class LLMEngine:
         return self.tok.hf
 
     # ---- requests ---------------------------------------------------------------------------
-    @property
-    def intake(self) -> Intake:
-        """What checks a request (engine/intake.py): the tokenizer and this engine's fixed limits."""
-        return Intake(self.tok, self.spec.vocab_size, self.max_model_len, self.cfg)
-
     def validate(
         self,
         prompt: str | dict | ValidRequest,

@@ -1,9 +1,8 @@
 """Shared fixtures: the real SmolLM2 weights (converted once into the user cache) and tiny random
-models of each supported architecture, saved as real HF checkpoints."""
+models of each supported architecture, saved as real HF checkpoints (built by tests/utils.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -12,12 +11,12 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 # moto's S3 server and the PEFT adapter fixtures, for every test module that names them
 pytest_plugins = ["tests.lora_fixtures"]
 
 from engine.config import default_cache_root  # noqa: E402 - after TRITON_INTERPRET is set
+from tests.utils import TINY_ARCHS, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,165 +24,6 @@ def smollm2_path() -> Path:
     from engine.weights.default_model import ensure_default_model
 
     return ensure_default_model(Path(default_cache_root()))
-
-
-TINY_VOCAB = 384
-
-# name -> (transformers config class name, extra config)
-TINY_ARCHS = {
-    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama3-rope-tied": (
-        "LlamaConfig",
-        dict(
-            tie_word_embeddings=True,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            rope_theta=500000.0,
-        ),
-    ),
-    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
-    # a window shorter than most prompts: every layer attends to its last 6 positions only
-    "mistral-window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=6)),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=48)),  # head_dim != hidden/heads
-    # Gemma: soft-caps that clip, windows shorter than the prompts on alternate layers, a query scale that is not
-    # head_dim's, and (Gemma 3) another rope base on the sliding layers; 4 layers so both layer kinds repeat
-    "gemma2": (
-        "Gemma2Config",
-        dict(
-            tie_word_embeddings=False,  # tied, the scaled embedding dominates and the argmax is the input token
-            num_hidden_layers=4,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            sliding_window=6,
-            attn_logit_softcapping=2.0,
-            final_logit_softcapping=3.0,
-        ),
-    ),
-    # longrope with short factors that matter (prompts stay below original_max_position_embeddings, where
-    # transformers and the engine both use the short ones) and fused qkv_proj / gate_up_proj in the checkpoint
-    "phi3": (
-        "Phi3Config",
-        dict(
-            tie_word_embeddings=False,
-            original_max_position_embeddings=128,
-            rope_scaling={
-                "rope_type": "longrope",
-                "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
-                "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0],
-            },
-        ),
-    ),
-    # mixture of experts: routing that spreads over experts (random routers), top-2 of 4 / 5; Qwen2-MoE with its
-    # shared expert and a dense first layer (mlp_only_layers), Qwen3-MoE with renormalized top-k and q/k norms
-    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2-moe": (
-        "Qwen2MoeConfig",
-        dict(
-            tie_word_embeddings=False,
-            num_hidden_layers=3,
-            num_experts=5,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-            mlp_only_layers=[0],
-        ),
-    ),
-    "qwen3-moe": (
-        "Qwen3MoeConfig",
-        dict(
-            tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            norm_topk_prob=True,
-            head_dim=16,
-        ),
-    ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        dict(
-            tie_word_embeddings=False,
-            num_hidden_layers=4,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            sliding_window=6,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-            },
-        ),
-    ),
-}
-
-
-def _tiny_tokenizer(out: Path) -> None:
-    """A byte-level BPE trained on a few sentences: real merges, real multi-byte handling."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [
-        "The quick brown fox jumps over the lazy dog.",
-        "Paged attention keeps KV blocks in a pool.",
-        "Hello world! Bonjour le monde. Grüße, 世界 😀",
-        "def step(self): schedule, run, postprocess",
-    ] * 20
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
-    )
-    fast.save_pretrained(str(out))
-
-
-def build_tiny_model(out: Path, arch: str, *, seed: int = 0, init_range: float = 0.15, **overrides) -> Path:
-    import transformers
-
-    cls_name, extra = TINY_ARCHS[arch]
-    base = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        initializer_range=init_range,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        attention_bias=arch == "qwen2",
-    )
-    cfg = getattr(transformers, cls_name)(**{**base, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if arch == "qwen2":  # random biases, so that a model ignoring them would fail the parity test
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    if arch == "qwen3":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    model.save_pretrained(str(out), safe_serialization=True)
-    _tiny_tokenizer(out)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -195,24 +35,3 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, top_n: int = 5):
-    """HF transformers fp32 greedy, one prompt at a time (no padding). Returns (ids, [per-step top-N])."""
-    from bench._common import hf_greedy as run
-
-    return run(path, prompts, max_new_tokens, top_n)
-
-
-def check_logprobs_close(
-    ours: list[int], ours_lp: list[dict], ref: list[int], ref_lp: list[dict], name: str, atol: float = 1e-3
-) -> None:
-    """vLLM's rule (bench._common.logprobs_mismatch), asserted."""
-    from bench._common import logprobs_mismatch
-
-    why = logprobs_mismatch(ours, ours_lp, ref, ref_lp, atol)
-    assert why is None, f"{name}: {why}"
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj))

@@ -1,5 +1,5 @@
 """LoRA test fixtures: a real S3 endpoint (moto's server in its own process, on 127.0.0.1) that counts requests on
-the server side, and real PEFT adapters for the tiny models of tests/conftest.py.
+the server side, and real PEFT adapters for the tiny models of tests/utils.py.
 
 Requests are counted from the server's own access log (werkzeug writes one line per request before the response
 body), so a cache cannot fake a hit: a GET it made shows up there whatever the client does."""
@@ -110,7 +110,7 @@ def model_spec(base: Path):
 @pytest.fixture(scope="session")
 def lora_bases(tmp_path_factory) -> dict[str, Path]:
     """Tiny llama (head_dim = hidden/heads) and qwen3 (head_dim 48 != hidden/heads): only the two we need."""
-    from tests.conftest import build_tiny_model
+    from tests.utils import build_tiny_model
 
     root = tmp_path_factory.mktemp("lora-base")
     return {arch: build_tiny_model(root / arch, arch) for arch in ("llama", "qwen3")}

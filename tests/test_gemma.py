@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.utils import hf_greedy
 
 pytestmark = pytest.mark.slow  # HF transformers parity for Gemma 2 / 3
 

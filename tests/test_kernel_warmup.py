@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import build_tiny_model
+from tests.utils import build_tiny_model
 
 pytestmark = pytest.mark.slow  # whole engines under the Triton interpreter
 

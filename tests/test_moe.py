@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError, LoRARequest, SamplingParams, memory
-from tests.conftest import hf_greedy
+from tests.utils import hf_greedy
 
 pytestmark = pytest.mark.slow  # HF transformers parity and the fused-MoE kernel under the Triton interpreter
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import TINY_ARCHS, check_logprobs_close, hf_greedy
+from tests.utils import TINY_ARCHS, check_logprobs_close, hf_greedy
 
 pytestmark = pytest.mark.slow  # the real SmolLM2 and HF transformers, token for token
 

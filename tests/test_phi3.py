@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.layers.rotary import RotaryCache
-from tests.conftest import hf_greedy
+from tests.utils import hf_greedy
 
 PROMPTS = [[5 + (7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate((7, 16, 33))]
 

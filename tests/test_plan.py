@@ -132,7 +132,7 @@ CASES = {
 def checkpoints(tmp_path_factory):
     """Llama-3.1-8B and a Llama-3.2-1B-shaped draft as config-only checkpoints (the start reads no weights before
     the load, which is simulated), the target with a tokenizer, as the engine's start needs one."""
-    from tests.conftest import _tiny_tokenizer
+    from tests.utils import tiny_tokenizer as _tiny_tokenizer
 
     root = tmp_path_factory.mktemp("plan")
     for name, cfg in (("target", LLAMA31_8B), ("draft", LLAMA32_1B)):

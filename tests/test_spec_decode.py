@@ -19,7 +19,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.rejection import verify
 from engine.types import Request, StructuredOutputsParams
-from tests.conftest import build_tiny_model
+from tests.utils import build_tiny_model
 
 pytestmark = pytest.mark.slow  # draft models and the real SmolLM2
 

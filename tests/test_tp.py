@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, ConfigError, EngineFault, SamplingParams, startup
 from engine.parallel import shard
-from tests.conftest import build_tiny_model
+from tests.utils import build_tiny_model
 
 pytestmark = pytest.mark.slow  # tensor-parallel ranks as processes
 

@@ -16,8 +16,8 @@ from engine import EngineFault, SamplingParams
 from engine.block_table import DeviceBlockTable
 from engine.parallel import rank as rank_mod
 from engine.parallel.tables import TableMirror, TableSender
-from tests.conftest import build_tiny_model
 from tests.test_tp import GREEDY, assert_same, engine, generate
+from tests.utils import build_tiny_model
 
 
 def roundtrip(sender: TableSender, mirror: TableMirror, tables: list[list[int]]) -> tuple[list[list[int]], int]:

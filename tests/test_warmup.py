@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.timeline import Timeline
-from tests.conftest import build_tiny_model
+from tests.utils import build_tiny_model
 
 pytestmark = pytest.mark.slow  # python -m warmup on the real SmolLM2, in subprocesses
 
