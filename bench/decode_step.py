@@ -119,7 +119,7 @@ def measure(tiny: bool, ctx: int = CTX, batches: tuple[int, ...] = BATCHES, reps
             reqs = step.scheduled.requests
             eager[b] = ([execute(step)[r] for r in reqs], seconds(lambda s=step: execute(s)))
         graphs = runner.enable_graphs(ReplayGraph if tiny else cuda_graph_factory())
-        graphs.pending = sorted(steps)  # only the buckets measured
+        graphs.pending = [(b, 1) for b in sorted(steps)]  # only the decode buckets measured
         while graphs.capture_next() is not None:
             pass
         for b, step in steps.items():

@@ -44,6 +44,7 @@ class DeviceBlockTable:
         self._filled = [0] * max_rows
         self._copied = torch.cuda.Event() if on_cuda else None
         self.entries_written = 0  # host entries written so far (tests check the incremental update)
+        self.copies = 0  # updates that wrote rows: on CUDA each waits for the previous copy, then sends its own
 
     @property
     def max_blocks(self) -> int:
@@ -51,17 +52,22 @@ class DeviceBlockTable:
 
     def update(self, tables: list[list[int]]) -> torch.Tensor:
         """Mirror `tables` (row i = the batch's i-th sequence) and return the device table's first len(tables) rows,
-        full width: [B, max_blocks] int32. Entries past a row's table are stale; attention never reads them."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy may still read the host rows (a step need not sync)
+        full width: [B, max_blocks] int32. Entries past a row's table are stale; attention never reads them.
+        When no row changed (a draft model's one-token steps) nothing is written, copied or waited for: every row
+        written before was copied with it, and copies run in stream order."""
+        b, wrote = len(tables), False
         for row, ids in enumerate(tables):
             start = self._filled[row] if self._owner[row] is ids else 0
             if start < len(ids):
+                if not wrote and self._copied is not None:
+                    self._copied.synchronize()  # the last copy may still read the host rows (a step need not sync)
+                wrote = True
                 self.host[row, start : len(ids)] = torch.tensor(ids[start:], dtype=torch.int32)
                 self.entries_written += len(ids) - start
             self._owner[row], self._filled[row] = ids, len(ids)
-        b = len(tables)
-        if self.table is not self.host:
-            self.table[:b].copy_(self.host[:b], non_blocking=True)
-            self._copied.record()
+        if wrote:
+            self.copies += 1
+            if self.table is not self.host:
+                self.table[:b].copy_(self.host[:b], non_blocking=True)
+                self._copied.record()
         return self.table[:b]

@@ -65,7 +65,8 @@ class LLMEngine:
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
             self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
             one_gpu = facts.device.type == "cuda" and cfg.tensor_parallel_size == 1  # warm steps run on rank 0 alone
-            self.idle = IdleWork(self.runner, warm_kernels=one_gpu, grammar=self.structured)
+            draft = self.speculator.draft.runner if self.speculator.draft is not None else None
+            self.idle = IdleWork(self.runner, warm_kernels=one_gpu, grammar=self.structured, draft=draft)
             tl.skip("kernel warmup", _warmup_note(facts.kernel_backend, len(self.idle.warm_shapes)))
             startup.log_ready(cfg, facts, plan, time.perf_counter() - t0)
 
@@ -83,7 +84,8 @@ class LLMEngine:
 
     @property
     def graphs_enabled(self) -> bool:
-        """CUDA graphs for decode steps: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
+        """CUDA graphs for decode and verify steps (and a draft model's): ENFORCE_EAGER=false, on CUDA, with the Triton
+        kernels, on one GPU."""
         return memory.cuda_graphs(self.cfg, self.device.type, self.kernel_backend)  # the planner's rule too
 
     @property

@@ -1,11 +1,11 @@
 """The memory planner: how many bytes the weights, the KV pool and a step's activations take, and how large the KV
 pool may be. Pure arithmetic on plain numbers (no torch, no device calls). engine.startup.plan_memory applies it
 to the engine's whole configuration (engine_needs: LoRA slots, a draft model, tensor parallelism, fp8, the CUDA
-graph pool where cuda_graphs says graphs run); the engine's start calls it with the device's numbers and
-`python -m warmup.plan` with simulated ones, so both get the same answer.
+graph pools, the target's and a draft model's, where cuda_graphs says graphs run); the engine's start calls it with
+the device's numbers and `python -m warmup.plan` with simulated ones, so both get the same answer.
 
 GPU_MEMORY_UTILIZATION has vLLM's meaning: the fraction of the device's total memory this worker may use for
-everything (weights, KV, activations, sampler buffers, LoRA slots, the CUDA graph pool, workspace). The pool is
+everything (weights, KV, activations, sampler buffers, LoRA slots, the CUDA graph pools, workspace). The pool is
 what is left of that budget once the weights are resident and the activation reserve is set aside:
 
     kv = total x utilization - used (measured after the load: weights, CUDA context, other processes) - reserve
@@ -67,11 +67,30 @@ def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(small + list(range(16, max_num_seqs, 8)) + [max_num_seqs])
 
 
-def graph_pool_bytes(spec, max_num_seqs: int, dtype_bytes: int) -> int:
-    """The CUDA graph pool: all buckets share it, so it holds one decode step's activations at the largest bucket
-    (the activation_reserve terms at T = max_num_seqs) plus every bucket's output, doubled like the reserve."""
-    outputs = sum(graph_buckets(max_num_seqs)) * spec.hidden_size * dtype_bytes
-    return 2 * (_step_bytes(spec, max_num_seqs, max_num_seqs, dtype_bytes) + outputs)
+# The longest query a graph is captured for: engine/layers/attention.py's PREFILL_TILE_MIN_QUERY (tests/test_memory.py
+# checks they agree). Up to it a step takes the paged decode kernel, whose metadata a graph holds static; a verify
+# step of more tokens per sequence (k >= 16, unusual) runs eagerly
+GRAPH_MAX_QUERY = 16
+# A draft model's graphs: its one-token steps, and the catch-up of a sequence that speculated in the last step (the
+# target's token after the accepted drafts, and the last accepted draft when all k were: one or two tokens)
+DRAFT_GRAPH_QUERY_LENS = (1, 2)
+
+
+def graph_query_lens(cfg) -> tuple[int, ...]:
+    """The query lengths the target's graphs are captured for: 1 (decode), and with speculation k + 1 (verification:
+    each speculating sequence's last token and its k drafts; a sequence with fewer is padded), where k + 1 <=
+    GRAPH_MAX_QUERY."""
+    k = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
+    return (1, k + 1) if 0 < k < GRAPH_MAX_QUERY else (1,)
+
+
+def graph_pool_bytes(spec, max_num_seqs: int, dtype_bytes: int, query_lens: tuple[int, ...] = (1,)) -> int:
+    """One model's CUDA graph pool: all its graphs share it, so it holds the activations of the largest one (the
+    activation_reserve terms at T = max_num_seqs x the longest query, with the split scratch counted per token) plus
+    every graph's output (each bucket at each query length), doubled like the reserve."""
+    tokens = max_num_seqs * max(query_lens)
+    outputs = sum(graph_buckets(max_num_seqs)) * sum(query_lens) * spec.hidden_size * dtype_bytes
+    return 2 * (_step_bytes(spec, tokens, tokens, dtype_bytes) + outputs)
 
 
 def _step_bytes(spec, tokens: int, rows: int, dtype_bytes: int) -> int:
@@ -151,8 +170,8 @@ def graphs_unusable(cfg, device_type: str, kernel_backend: str) -> str | None:
 
 
 def cuda_graphs(cfg, device_type: str, kernel_backend: str) -> bool:
-    """Whether decode steps run from CUDA graphs (LLMEngine.graphs_enabled), and so whether their pool is planned:
-    ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
+    """Whether decode and verify steps (and a draft model's steps) run from CUDA graphs (LLMEngine.graphs_enabled),
+    and so whether their pools are planned: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
     return not cfg.enforce_eager and graphs_unusable(cfg, device_type, kernel_backend) is None
 
 
@@ -165,7 +184,7 @@ class Needs:
     kv_bytes_per_token: int  # the rank's KV heads, plus the draft's KV (model dtype) under the same block ids
     # activations, verified logits rows, LoRA slots, the CUDA graph pool, TP's logits and NCCL, the draft's step
     reserve_bytes: int
-    graph_pool_bytes: int
+    graph_pool_bytes: int  # the target's graph pool and the draft model's (in reserve_bytes already)
 
 
 def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None) -> Needs:
@@ -177,7 +196,7 @@ def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None) 
     local = shard.local_spec(spec, tp)
     weights = weight_bytes(local, dtype_bytes, cfg.quantization)
     per_token = kv_bytes_per_token(local, 1 if cfg.kv_cache_dtype.startswith("fp8") else dtype_bytes)
-    graph_pool = graph_pool_bytes(local, seqs, dtype_bytes) if graphs else 0
+    graph_pool = graph_pool_bytes(local, seqs, dtype_bytes, graph_query_lens(cfg)) if graphs else 0
     lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
     k = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
     rows = sampled_rows(seqs, k)
@@ -186,11 +205,13 @@ def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None) 
     )
     reserve += tp_reserve(local, spec.vocab_size, tp, rows)
     draft_w = 0
-    if draft_spec is not None:  # its KV for every token of the target's blocks, and a step of its own
+    if draft_spec is not None:  # its KV for every token of the target's blocks, a step of its own, its graphs
         draft_w = weight_bytes(draft_spec, dtype_bytes, None)
         per_token += kv_bytes_per_token(draft_spec, dtype_bytes)
-        reserve += activation_reserve(draft_spec, tokens, seqs, dtype_bytes)
+        draft_pool = graph_pool_bytes(draft_spec, seqs, dtype_bytes, DRAFT_GRAPH_QUERY_LENS) if graphs else 0
+        reserve += activation_reserve(draft_spec, tokens, seqs, dtype_bytes, graph_pool_bytes=draft_pool)
         reserve += seqs * k * draft_spec.vocab_size * 4  # sampled drafts' q rows, kept until they are verified
+        graph_pool += draft_pool
     return Needs(weights + draft_w, draft_w, per_token, reserve, graph_pool)
 
 

@@ -65,9 +65,11 @@ class ModelRunner:
         max_num_seqs: int = 128,
         max_model_len: int = 2048,
         new_graph=None,
+        graph_query_lens: tuple[int, ...] = (1,),
     ):
-        """lora: this rank's LoRASlots (None: LoRA off). new_graph: make decode steps replay CUDA graphs, captured
-        after ready by IdleWork, idle or busy (engine/cuda_graphs.py); None: every step runs eagerly."""
+        """lora: this rank's LoRASlots (None: LoRA off). new_graph: make steps replay CUDA graphs, captured
+        after ready by IdleWork, idle or busy (engine/cuda_graphs.py); None: every step runs eagerly.
+        graph_query_lens: the query lengths graphs are captured for (memory.graph_query_lens)."""
         self.model = model
         self.kernel_backend = kernel_backend
         self.kv_caches = kv_caches
@@ -76,6 +78,7 @@ class ModelRunner:
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.lora = lora
+        self.graph_query_lens = graph_query_lens
         # Triton attention reads block tables from a persistent device tensor; the torch backend plans on the host
         self.block_table = (
             DeviceBlockTable(max_num_seqs, -(-max_model_len // block_size), device)
@@ -87,22 +90,24 @@ class ModelRunner:
             self.enable_graphs(new_graph)
 
     def enable_graphs(self, new_graph) -> DecodeGraphs:
-        """Decode steps may replay CUDA graphs once their buckets are captured (engine/cuda_graphs.py)."""
+        """Steps may replay CUDA graphs once theirs are captured (engine/cuda_graphs.py)."""
         if self.block_table is None:
             raise ValueError("CUDA graphs need the Triton attention backend")
-        self.graphs = DecodeGraphs(self._forward, self.block_table, self.max_num_seqs, self.device, new_graph)
+        self.graphs = DecodeGraphs(
+            self._forward, self.block_table, self.max_num_seqs, self.device, new_graph, self.graph_query_lens
+        )
         return self.graphs
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The model over `batch`: a captured decode graph's replay when one fits, else eagerly. [T, hidden]
+        """The model over `batch`: a captured graph's replay when one fits, else eagerly. [T, hidden]
         ids: the step's input ids already on the device (a draft model's previous picks: the host need not wait for
-        them), in place of batch.input_ids; such a step runs eagerly."""
+        them), in place of batch.input_ids."""
         bt = self.block_table.update(batch.block_tables) if self.block_table is not None else None
-        graphs = self.graphs if ids is None else None
-        bucket = graphs.bucket(batch.tokens_per_seq, bool(batch.token_slot)) if graphs is not None else None
-        if bucket is not None:
-            return graphs.run(bucket, batch.input_ids, batch.positions, batch.slots, batch.seq_lens)
+        graphs = self.graphs
+        key = graphs.bucket(batch.tokens_per_seq, bool(batch.token_slot)) if graphs is not None else None
+        if key is not None:
+            return graphs.run(key, batch, ids)
         dev = self.device
         if ids is None:
             ids_t, pos_t, slots_t = h2d_rows([batch.input_ids, batch.positions, batch.slots], torch.int64, dev)
@@ -131,7 +136,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def _forward(self, ids, positions, slots, block_tables, seq_lens, query_start_loc, max_query_len=1):
-        """The model over one step's device tensors (a decode step is what a graph captures): hidden [T, hidden]."""
+        """The model over one step's device tensors (what a graph captures): hidden [T, hidden]."""
         meta = TritonAttnMetadata(slots, block_tables, seq_lens, query_start_loc, max_query_len)
         with kernels.backend(self.kernel_backend):
             return self.model(ids, positions, self.kv_caches, self.attn, meta, None)

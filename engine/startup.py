@@ -191,7 +191,7 @@ def build_rank(
     graphs = cuda_graph_factory() if memory.cuda_graphs(cfg, facts.device.type, facts.kernel_backend) else None
     return ModelRunner(
         model, kv, attn, cfg.block_size, facts.device, facts.kernel_backend, lora, cfg.max_num_seqs,
-        plan.max_model_len, graphs,
+        plan.max_model_len, graphs, memory.graph_query_lens(cfg),
     )  # fmt: skip
 
 

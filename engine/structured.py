@@ -30,6 +30,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.types import Request, StructuredOutputsParams
+from kernels.grammar_mask import apply_token_bitmask, new_bitmask
 
 log = logging.getLogger("engine")
 CACHE_ENTRIES = 512  # compiled grammars kept (LRU); each is small (a bitmask automaton over the vocabulary)
@@ -130,9 +131,7 @@ class GrammarMasks:
         """Disallowed tokens' logits become -inf, in place, in the constrained rows only. logits: [S, vocab] fp32."""
         if not self.reqs:
             return
-        import xgrammar as xgr  # imported by the compile thread already: a constrained request was compiled
-
-        mask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)  # [S, ceil(vocab / 32)], all allowed
+        mask = new_bitmask(logits.shape[0], self.vocab_size, logits.device)  # [S, ceil(vocab / 32)], all allowed
         rows, row = [], 0
         for req, ds in zip(self.reqs, self.drafts):
             m = req.matcher
@@ -149,7 +148,7 @@ class GrammarMasks:
                 if advanced:
                     m.rollback(advanced)
             row += len(ds) + 1
-        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=rows)
+        apply_token_bitmask(logits, mask, rows)
 
 
 NO_MASKS = GrammarMasks([], [], 0)  # no constrained row this step

@@ -7,12 +7,19 @@ uses `backend(name)`, a per-thread override, so two engines in one process canno
 
 `round_to` is the fp32 -> x.dtype rounding every kernel here uses: Triton's interpreter casts fp32 -> bf16 by
 truncation (even with fp_downcast_rounding="rtne"), while torch and the GPU round to nearest even, so bf16
-rounding is done with integer ops that give RNE everywhere."""
+rounding is done with integer ops that give RNE everywhere.
+
+GPU facts: what a launcher decides from the GPU (the capability for tile sizes and fp8, the SM count for
+flash-decoding splits, 16-bit tl.dot operands) it reads from `gpu_facts(t)`, never from `t.is_cuda` or
+torch.cuda directly, so that `target(facts)` can make CPU tensors answer as a chosen GPU would: under it, and a
+stand-in Triton driver, bench/compile_arch.py compiles every kernel for sm80-sm120 on a CPU-only machine, the
+launchers taking the same decisions they take on that GPU."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,6 +62,50 @@ def use_triton(t) -> bool:
     return mode == "triton" or t.is_cuda
 
 
+@dataclass(frozen=True)
+class GPUFacts:
+    capability: tuple[int, int]  # compute capability (8, 0) for sm80
+    sms: int  # streaming multiprocessors
+    max_shared: int  # bytes of shared memory a block may opt into
+
+
+_DEVICE_FACTS: dict[int, GPUFacts] = {}  # per CUDA device index: asked of the driver once, read every launch
+_TARGET: GPUFacts | None = None  # the stand-in's GPU (`target`), or None
+
+
+def gpu_facts(t: torch.Tensor | torch.device) -> GPUFacts | None:
+    """The GPU a kernel for `t` (a tensor or a device) is compiled for: its CUDA device's, else the stand-in's
+    `target` when one is set, else None (CPU: the Triton interpreter)."""
+    device = t if isinstance(t, torch.device) else t.device
+    if device.type != "cuda":
+        return _TARGET
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    facts = _DEVICE_FACTS.get(index)
+    if facts is None:
+        p = torch.cuda.get_device_properties(index)
+        facts = GPUFacts((p.major, p.minor), p.multi_processor_count, p.shared_memory_per_block_optin)
+        _DEVICE_FACTS[index] = facts
+    return facts
+
+
+@contextlib.contextmanager
+def target(facts: GPUFacts):
+    """CPU tensors report `facts` to the launchers inside the block (bench/compile_arch.py's stand-in, which
+    compiles and never launches). Process-wide, as the Triton driver it goes with is."""
+    global _TARGET
+    prev, _TARGET = _TARGET, facts
+    try:
+        yield
+    finally:
+        _TARGET = prev
+
+
+def native_dot_for(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether tl.dot takes 16-bit operands (`dtype`, default t's) as they are: on a GPU, where they run on the
+    tensor cores. In the CPU interpreter they are upcast to fp32 first: its bf16 tl.dot is wrong (triton#11584)."""
+    return gpu_facts(t) is not None and (dtype or t.dtype) in (torch.float16, torch.bfloat16)
+
+
 @triton.jit
 def round_to(x, DT: tl.constexpr):
     """fp32 `x` rounded to dtype DT (nearest even), returned as fp32; `.to(DT)` of the result is exact."""
@@ -67,3 +118,14 @@ def round_to(x, DT: tl.constexpr):
         return x
     else:
         return x.to(DT).to(tl.float32)  # fp16: the interpreter's numpy cast already rounds to nearest even
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}  # the 1.0 scale of 16-bit caches, made once per device
+
+
+def scale_tensor(x, device) -> torch.Tensor:
+    """An attention kernel's fp8 KV scale as a [1] fp32 tensor on `device`; None: 1.0 (a 16-bit cache). Made once
+    per device: a fresh 1.0 per call would be a blocking host-to-device copy per layer."""
+    if x is None:
+        return _ONES[device] if device in _ONES else _ONES.setdefault(device, torch.ones(1, device=device))
+    return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(1)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import round_to, use_triton
+from kernels._library import triton_op
 
 
 @triton.jit
@@ -34,6 +35,10 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU: tl.co
     tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dt).to(dt), mask=mask)
 
 
+@triton_op(
+    "act_and_mul(Tensor x, bool gelu=False) -> Tensor",
+    lambda x, gelu=False: x.new_empty((x.shape[0], x.shape[1] // 2)),
+)
 def silu_and_mul_triton(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2*I], got {tuple(x.shape)}"
     assert x.stride(1) == 1, "last dim must be contiguous"

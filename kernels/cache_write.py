@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import FP8, FP8_MAX, use_triton
+from kernels._library import no_output, triton_op
 from kernels.fp8 import fp8e4m3_rne
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8)
@@ -84,6 +85,11 @@ def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
     assert slot_mapping.shape == (t,) and slot_mapping.dtype == torch.int64, (slot_mapping.shape, slot_mapping.dtype)
 
 
+@triton_op(
+    "reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
+    no_output,
+)
 def reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     _check(k, v, k_cache, v_cache, slot_mapping)
     t, kvh, d = k.shape

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FP8, FP8_MAX, use_triton
+from kernels._common import FP8, FP8_MAX, gpu_facts, use_triton
+from kernels._library import triton_op
 
 MIN_SCALE = 1e-12  # floor of dynamic scales: an all-zero row quantizes to zeros instead of NaN
 
@@ -64,6 +65,10 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, BLOCK_K: tl.c
         tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=m)
 
 
+@triton_op(
+    "quant_rows(Tensor x) -> (Tensor, Tensor)",
+    lambda x: (x.new_empty(x.shape, dtype=FP8), x.new_empty((x.shape[0], 1), dtype=torch.float32)),
+)
 def quant_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32/fp16/bf16, last dim contiguous) -> (q [M, K] fp8, scale [M, 1] fp32)."""
     assert x.dim() == 2, f"expected [M, K], got {tuple(x.shape)}"
@@ -144,6 +149,10 @@ def _fp8_gemm_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton_op(
+    "fp8_gemm(Tensor xq, Tensor x_scale, Tensor wq, Tensor w_scale, Tensor? bias, ScalarType out_dtype) -> Tensor",
+    lambda xq, x_scale, wq, w_scale, bias, out_dtype: xq.new_empty((xq.shape[0], wq.shape[0]), dtype=out_dtype),
+)
 def fp8_gemm_triton(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -199,16 +208,11 @@ def _check_operands(xq, x_scale, wq, w_scale, bias) -> None:
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be [N] contiguous"
 
 
-@functools.cache
-def device_capability(index: int) -> tuple[int, int]:
-    """A CUDA device's compute capability, asked of the driver once per device: every eager fp8 linear needs it
-    (twice), hundreds of times per step otherwise."""
-    return torch.cuda.get_device_capability(index)
-
-
 def scaled_mm_supported(x: torch.Tensor, n: int, k: int) -> bool:
-    """torch._scaled_mm with rowwise scales: CUDA sm89+, and K and N multiples of 16."""
-    return x.is_cuda and k % 16 == 0 and n % 16 == 0 and device_capability(x.device.index) >= (8, 9)
+    """torch._scaled_mm with rowwise scales: CUDA sm89+, and K and N multiples of 16. A CUDA tensor, not only a
+    GPU's facts: under bench/compile_arch.py's stand-in (CPU tensors, an sm89+ target) cuBLASLt cannot be asked,
+    and the Triton GEMM, this path's only kernel of ours, is the one to compile."""
+    return x.is_cuda and k % 16 == 0 and n % 16 == 0 and gpu_facts(x).capability >= (8, 9)
 
 
 def scaled_mm_out_dtype(out_dtype: torch.dtype, capability: tuple[int, int] | None, cuda: str | None) -> torch.dtype:
@@ -222,9 +226,9 @@ def scaled_mm_out_dtype(out_dtype: torch.dtype, capability: tuple[int, int] | No
 
 
 @functools.cache
-def _device_gemm_dtype(out_dtype: torch.dtype, index: int) -> torch.dtype:
-    """scaled_mm_out_dtype for a CUDA device, worked out once per (dtype, device) rather than per linear."""
-    return scaled_mm_out_dtype(out_dtype, device_capability(index), torch.version.cuda)
+def _gemm_dtype(out_dtype: torch.dtype, capability: tuple[int, int] | None) -> torch.dtype:
+    """scaled_mm_out_dtype for this torch build, worked out once per (dtype, GPU) rather than per linear."""
+    return scaled_mm_out_dtype(out_dtype, capability, torch.version.cuda)
 
 
 def fp8_gemm_scaled_mm(
@@ -239,10 +243,7 @@ def fp8_gemm_scaled_mm(
     [N, K]), scale_a [M, 1] and scale_b [1, N] fp32. The GEMM writes out_dtype when it can (scaled_mm_out_dtype),
     else bf16; the bias is fused when the GEMM writes out_dtype itself."""
     _check_operands(xq, x_scale, wq, w_scale, bias)
-    if xq.is_cuda:
-        gemm_dtype = _device_gemm_dtype(out_dtype, xq.device.index)
-    else:
-        gemm_dtype = scaled_mm_out_dtype(out_dtype, None, None)
+    gemm_dtype = _gemm_dtype(out_dtype, gpu_facts(xq).capability if xq.is_cuda else None)  # CPU _scaled_mm: bf16
     fuse_bias = bias is not None and out_dtype == gemm_dtype
     out = torch._scaled_mm(
         xq,

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FP8, use_triton
+from kernels._common import FP8, native_dot_for, use_triton
+from kernels._library import triton_op
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 
 BLOCK_M = 16  # decode-sized blocks; tl.dot wants every block dim >= 16
@@ -146,7 +147,7 @@ def _moe_gemm_kernel(
 def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: bool) -> torch.Tensor:
     e, n, k = w.shape
     out = torch.empty((num_slots, n), dtype=a.dtype, device=a.device)
-    native = a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+    native = native_dot_for(a)
     cfg = tiles(sorted_slots.numel() // experts.numel(), n, k, native)  # the block moe_align padded the runs to
     grid = (experts.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemm_kernel[grid](
@@ -175,6 +176,11 @@ def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: 
     return out
 
 
+@triton_op(
+    "fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, bool gelu=False, "
+    "Tensor? w13_scale=None, Tensor? w2_scale=None) -> Tensor",
+    lambda x, *args, **kwargs: torch.empty_like(x),
+)
 def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None):
     t, h = x.shape
     top_k = topk_ids.shape[1]

@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import round_to, use_triton
+from kernels._common import native_dot_for, round_to, use_triton
+from kernels._library import no_output, triton_op
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def _slot_runs(token_slot: torch.Tensor, num_slots: int):
 
 def _dot_mode(x: torch.Tensor, w: torch.Tensor, native_dot: bool | None) -> str:
     if native_dot is None:
-        native_dot = x.is_cuda and w.dtype != torch.float32
+        native_dot = native_dot_for(x, w.dtype)
     if not native_dot:
         return "ieee"
     return "native" if x.dtype == w.dtype else "tf32"
@@ -305,9 +306,29 @@ def add_lora_bmm(out, x, lora_a, lora_b, g: SlotGroups, offset: int = 0) -> torc
     return out
 
 
+_shrink_op = triton_op(
+    "lora_shrink(Tensor x, Tensor lora_a, Tensor token_slot) -> Tensor",
+    lambda x, lora_a, token_slot: x.new_empty((x.shape[0], lora_a.shape[1]), dtype=torch.float32),
+)(lora_shrink_triton)
+
+
+@triton_op(
+    "lora_expand(Tensor y, Tensor lora_b, Tensor token_slot, Tensor(a!) out, int offset, bool add) -> ()", no_output
+)
+def _expand_op(y, lora_b, token_slot, out, offset: int, add: bool) -> None:
+    lora_expand_triton(y, lora_b, token_slot, out, offset, add)
+
+
+@triton_op(
+    "add_lora(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor token_slot, int offset) -> ()", no_output
+)
+def _add_lora_op(out, x, lora_a, lora_b, token_slot, offset: int) -> None:
+    add_lora_triton(out, x, lora_a, lora_b, token_slot, offset)
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
     """x [T, IN], lora_a [S, R, IN], token_slot [T] (-1: none) -> y [T, R] fp32, y[t] = A[slot[t]] @ x[t]."""
-    return lora_shrink_triton(x, lora_a, token_slot) if use_triton(x) else lora_shrink_ref(x, lora_a, token_slot)
+    return _shrink_op(x, lora_a, token_slot) if use_triton(x) else lora_shrink_ref(x, lora_a, token_slot)
 
 
 def lora_expand(
@@ -321,7 +342,8 @@ def lora_expand(
     """In place: out[t, offset:offset+OUT] += B[slot[t]] @ y[t] (add=False: =) for slot >= 0. lora_b [S, OUT, R],
     y [T, R]. Rows of slot -1 and columns outside the slice are not touched. Returns out."""
     if use_triton(y):
-        return lora_expand_triton(y, lora_b, token_slot, out, offset, add)
+        _expand_op(y, lora_b, token_slot, out, offset, add)
+        return out
     return lora_expand_ref(y, lora_b, token_slot, out, offset, add)
 
 
@@ -337,5 +359,6 @@ def add_lora(
     """In place: out[:, offset:offset+OUT] += the LoRA delta of x (shrink then expand). Returns out.
     Off CUDA: the gather-based bmm, with `groups` (slot_groups(token_slot), once per step) when given."""
     if use_triton(x):
-        return add_lora_triton(out, x, lora_a, lora_b, token_slot, offset)
+        _add_lora_op(out, x, lora_a, lora_b, token_slot, offset)
+        return out
     return add_lora_bmm(out, x, lora_a, lora_b, groups or slot_groups(token_slot), offset)

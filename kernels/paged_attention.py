@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import use_triton
+from kernels._common import gpu_facts, native_dot_for, scale_tensor, use_triton
+from kernels._library import ATTENTION_ARGS, attention_fake, triton_op
 
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 32
@@ -217,20 +218,12 @@ def _reduce_splits_kernel(
     )
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}  # the 1.0 scale of 16-bit caches, made once per device
-
-
-def _scale_tensor(x, device) -> torch.Tensor:  # per call, 1.0 was a blocking H2D copy (a sync) per layer
-    if x is None:
-        return _ONES[device] if device in _ONES else _ONES.setdefault(device, torch.ones(1, device=device))
-    return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(1)
-
-
 def _auto_num_splits(q: torch.Tensor, programs: int, max_ctx: int) -> int:
     """Flash-decoding split count: enough programs for ~2 per SM, <= one split per 256 context tokens."""
-    if not q.is_cuda:
+    facts = gpu_facts(q)
+    if facts is None:
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = facts.sms
     if programs >= sms:
         return 1
     return max(1, min(triton.cdiv(2 * sms, programs), max_ctx // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
@@ -255,7 +248,7 @@ def paged_attention_triton(
     block_n: int = 32,
 ) -> torch.Tensor:
     """Launcher. `max_query_len` is a hint (1: pure decode, one token per tile); any value stays correct.
-    `native_dot` None: 16-bit tl.dot operands on CUDA, fp32 operands elsewhere (interpreter)."""
+    `native_dot` None: native_dot_for(q) (16-bit tl.dot operands on a GPU, fp32 in the interpreter)."""
     t, h, d = q.shape
     kvh, _, bs, dk = k_cache.shape
     assert dk == d and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
@@ -277,7 +270,7 @@ def paged_attention_triton(
     num_splits = int(num_splits)
     assert 1 <= num_splits <= _MAX_SPLITS, num_splits
     if native_dot is None:
-        native_dot = q.is_cuda and q.dtype != torch.float32
+        native_dot = native_dot_for(q)
     m_buf = l_buf = acc_buf = out  # scratch, unused when IS_SPLIT is False
     if num_splits > 1:
         # separate tensors: a view at num_splits * t * h floats into one buffer is 16-byte aligned only when that
@@ -297,8 +290,8 @@ def paged_attention_triton(
         block_tables,
         seq_lens,
         query_start_loc,
-        _scale_tensor(k_scale, q.device),
-        _scale_tensor(v_scale, q.device),
+        scale_tensor(k_scale, q.device),
+        scale_tensor(v_scale, q.device),
         float(scale),
         b,
         t,
@@ -384,7 +377,17 @@ def paged_attention_ref(
     return out
 
 
-def paged_attention(q, *args, **kwargs) -> torch.Tensor:
+_paged_attention_op = triton_op("paged_attention" + ATTENTION_ARGS, attention_fake)(paged_attention_triton)
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=None, v_scale=None,
+    max_query_len=None, num_splits=None, window=None, softcap=None,
+) -> torch.Tensor:  # fmt: skip
     """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc); the
     arguments are paged_attention_ref's. The Triton kernel for CUDA tensors (or when forced), else the reference."""
-    return (paged_attention_triton if use_triton(q) else paged_attention_ref)(q, *args, **kwargs)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if not use_triton(q):
+        return paged_attention_ref(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)
+    k_scale, v_scale = (None if s is None else scale_tensor(s, q.device) for s in (k_scale, v_scale))
+    return _paged_attention_op(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)

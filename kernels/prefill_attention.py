@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import round_to, use_triton
+from kernels._common import gpu_facts, native_dot_for, round_to, scale_tensor, use_triton
+from kernels._library import ATTENTION_ARGS, attention_fake, triton_op
 
 LOG2E = 1.4426950408889634  # scores are kept in base 2: exp2 is one instruction, exp is exp2 plus a multiply
 # the same inside kernels: a compiled kernel may read only constexpr globals (the interpreter does not check)
@@ -64,8 +65,8 @@ def pick_tiles(head_dim: int, capability: tuple[int, int] | None, elem: int = 2)
     if capability is None:
         return Tiles(64, 32, 1, 4)  # the interpreter: bigger tiles are fewer numpy calls
     big = smem_limit(capability) >= 160 * 1024  # A100 / H100 / H200 / B200
-    if head_dim <= 64:
-        tiles = Tiles(128, 64, 3 if big else 2, 4)
+    if head_dim <= 64:  # at 4 warps: 255 registers, spills on sm80-sm120, inside the KV loop on sm120 (compile_arch)
+        tiles = Tiles(128, 64, 3 if big else 2, 8)
     elif head_dim <= 128:
         tiles = Tiles(128, 64, 3, 8) if big else Tiles(128, 32, 2, 8)
     elif big and capability[0] >= 9:  # 256 on sm90 / sm100: 128 rows compile to 249 registers, no spill
@@ -269,24 +270,6 @@ def _prefill_attn_kernel(
     )
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}  # the 1.0 scale of 16-bit caches, made once per device
-_CAPABILITY: dict[torch.device, tuple[int, int]] = {}
-
-
-def _scale_tensor(x, device) -> torch.Tensor:  # a fresh 1.0 per call would be a blocking H2D copy per layer
-    if x is None:
-        return _ONES[device] if device in _ONES else _ONES.setdefault(device, torch.ones(1, device=device))
-    return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(1)
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda":
-        return None
-    if device not in _CAPABILITY:
-        _CAPABILITY[device] = torch.cuda.get_device_capability(device)
-    return _CAPABILITY[device]
-
-
 def prefill_attention_triton(
     q,
     k_cache,
@@ -306,8 +289,8 @@ def prefill_attention_triton(
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Launcher; paged_attention_triton's arguments (max_query_len and num_splits accepted and unused: one program
-    covers a tile's whole KV range). `native_dot` None: 16-bit tl.dot operands on CUDA, fp32 elsewhere (the
-    interpreter's bf16 tl.dot is wrong). `tiles` None: pick_tiles for this GPU."""
+    covers a tile's whole KV range). `native_dot` None: native_dot_for(q) (16-bit tl.dot operands on a
+    GPU, fp32 in the interpreter, whose bf16 tl.dot is wrong). `tiles` None: pick_tiles for this GPU (gpu_facts)."""
     t, h, d = q.shape
     kvh, _, bs, dk = k_cache.shape
     assert dk == d and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
@@ -322,17 +305,18 @@ def prefill_attention_triton(
     if t == 0 or b == 0:
         return out
     if tiles is None:
-        tiles = pick_tiles(d, _capability(q.device), q.element_size())
+        facts = gpu_facts(q)
+        tiles = pick_tiles(d, facts.capability if facts else None, q.element_size())
     assert tiles.block_m >= 16 and tiles.block_n >= 16, tiles  # tl.dot's smallest tile
     rep = h // kvh
     block_m = max(tiles.block_m, triton.next_power_of_2(rep))
     block_q = block_m // rep  # rows past block_q * rep (REP not a power of two) are padding
     num_tiles = (t + b * (block_q - 1)) // block_q  # room for ceil(n_b / block_q) tiles per sequence, no host sync
     if native_dot is None:
-        native_dot = q.is_cuda and q.dtype != torch.float32
+        native_dot = native_dot_for(q)
     _prefill_attn_kernel[(num_tiles, kvh)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        _scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device), float(scale), b, num_tiles, bs,
+        scale_tensor(k_scale, q.device), scale_tensor(v_scale, q.device), float(scale), b, num_tiles, bs,
         *q.stride()[:2], *k_cache.stride()[:3], *out.stride()[:2], block_tables.stride(0),
         window or 2**30,  # no window: one longer than any context
         float(softcap or 0.0),
@@ -389,7 +373,17 @@ def prefill_attention_ref(
     return out
 
 
-def prefill_attention(q, *args, **kwargs) -> torch.Tensor:
+_prefill_attention_op = triton_op("prefill_attention" + ATTENTION_ARGS, attention_fake)(prefill_attention_triton)
+
+
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=None, v_scale=None,
+    max_query_len=None, num_splits=None, window=None, softcap=None,
+) -> torch.Tensor:  # fmt: skip
     """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc); the
     arguments are prefill_attention_ref's. The Triton kernel for CUDA tensors (or when forced), else the reference."""
-    return (prefill_attention_triton if use_triton(q) else prefill_attention_ref)(q, *args, **kwargs)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if not use_triton(q):
+        return prefill_attention_ref(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)
+    k_scale, v_scale = (None if s is None else scale_tensor(s, q.device) for s in (k_scale, v_scale))
+    return _prefill_attention_op(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import round_to, use_triton
+from kernels._library import triton_op
 
 
 @triton.jit
@@ -92,10 +93,19 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     return out, (res_out if residual is not None else None)
 
 
+@triton_op("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", lambda x, weight, eps: _fake(x, weight))
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
+def _fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+@triton_op(
+    "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    lambda x, residual, weight, eps: (_fake(x, weight), torch.empty_like(x)),
+)
 def add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import round_to, use_triton
+from kernels._library import no_output, triton_op
 
 
 @triton.jit
@@ -77,6 +78,12 @@ def rotary_embedding_triton(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q and k; returns them."""
+    _rotary(q, k, cos, sin, positions)
+    return q, k
+
+
+@triton_op("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor positions) -> ()", no_output)
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
     assert q.dim() == 3 and k.dim() == 3, f"q [T, H, D], k [T, KVH, D]; got {tuple(q.shape)}, {tuple(k.shape)}"
     t, n_q, d = q.shape
     assert k.shape[0] == t and k.shape[2] == d and d % 2 == 0, (tuple(q.shape), tuple(k.shape))
@@ -106,7 +113,6 @@ def rotary_embedding_triton(
             BLOCK_D=triton.next_power_of_2(d // 2),
             enable_fp_fusion=False,  # torch rounds q*cos and rot*sin separately: no fma, bit-exact on GPU
         )
-    return q, k
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,10 @@ whose trace differs from the capture's raises GraphReplayMismatch: a real graph 
 A replay copies its result into the captured output tensor and returns that tensor, as a real graph does.
 
 What it cannot see: a device-to-host copy spelled `.to("cpu")` or `.to(device)` (on the CPU it cannot be told
-from a copy to the model's own device), stream or event calls, allocator behaviour, and anything inside a Triton
-kernel (a launch is one recorded op)."""
+from a copy to the model's own device), stream or event calls, allocator behaviour, anything inside a Triton
+kernel (a launch is one recorded op), and the aten ops inside an operator's own implementation (kernels'
+torch.ops.llmw.*: the operator, its Triton launches and Tensor.tolist()-style host reads are seen; the buffers its
+implementation allocates count as the run's own)."""
 
 from __future__ import annotations
 
@@ -88,6 +90,17 @@ def _key(x, made: set[int]):
     return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)) else type(x).__name__
 
 
+def _storages(x) -> set[int]:
+    """The storages of every tensor in x (nested lists, tuples and dicts)."""
+    if isinstance(x, torch.Tensor):
+        return {x.untyped_storage().data_ptr()}
+    if isinstance(x, (list, tuple)):
+        return set().union(*(_storages(y) for y in x))
+    if isinstance(x, dict):
+        return _storages(list(x.values()))
+    return set()
+
+
 def _outputs(out):
     if isinstance(out, torch.Tensor):
         yield out
@@ -103,13 +116,20 @@ class NoHostSync(TorchDispatchMode):
         super().__init__()
         self.trace: list[tuple] = []
         self.made: set[int] = set()  # storages the run allocated (its intermediates)
+        # inside an operator whose implementation launches Triton (kernels' torch.ops.llmw.*): its arguments'
+        # storages. What that implementation allocates is the run's own, yet no op of it reaches this mode
+        self._op_args: set[int] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _checking():
             self._check(func, args, kwargs)
             self.trace.append((str(func), _key(args, self.made), _key(kwargs, self.made)))
-        out = func(*args, **kwargs)
+        outer, self._op_args = self._op_args, _storages((args, kwargs))
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._op_args = outer
         if _checking():
             for o in _outputs(out):
                 if o.untyped_storage().data_ptr() not in {a.untyped_storage().data_ptr() for a in _outputs(args)}:
@@ -147,7 +167,10 @@ class NoHostSync(TorchDispatchMode):
 
     def record_launch(self, fn, grid, args, kwargs) -> None:
         name = getattr(fn, "__name__", repr(fn))
-        self.trace.append(("triton:" + name, _key(grid, self.made), _key(args, self.made), _key(kwargs, self.made)))
+        made = self.made
+        if self._op_args is not None:  # launched by an operator: a buffer that is none of its arguments, it made
+            made = made | (_storages((args, kwargs)) - self._op_args)
+        self.trace.append(("triton:" + name, _key(grid, made), _key(args, made), _key(kwargs, made)))
 
 
 # ---- process-wide patches, active only while some thread is inside NoHostSync ----------------------------------

@@ -18,6 +18,7 @@ from engine.block_table import DeviceBlockTable
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import LLM
 from engine.memory import graph_buckets
+from engine.model_runner import FlatBatch
 from tests.graph_standin import GraphReplayMismatch, HostSyncError, SyncCheckedGraph
 
 
@@ -44,9 +45,9 @@ def test_which_steps_may_replay():
     table = DeviceBlockTable(16, 4, torch.device("cpu"))
     g = DecodeGraphs(lambda *a: a[0].float()[:, None], table, 16, torch.device("cpu"), ReplayGraph)
     assert g.bucket([1], False) is None  # nothing captured yet: eager
-    assert [g.capture_next() for _ in range(3)] == [1, 2, 4]  # smallest first
-    assert g.bucket([1], False) == 1
-    assert g.bucket([1, 1, 1], False) == 4  # padded up to the next captured bucket
+    assert [g.capture_next() for _ in range(3)] == [(1, 1), (2, 1), (4, 1)]  # smallest first
+    assert g.bucket([1], False) == (1, 1)
+    assert g.bucket([1, 1, 1], False) == (4, 1)  # padded up to the next captured bucket
     assert g.bucket([1] * 5, False) is None  # larger than every captured bucket
     assert g.bucket([1, 3], False) is None  # a prefill chunk in the step
     assert g.bucket([1, 1], True) is None  # a LoRA adapter in the step
@@ -60,16 +61,16 @@ def test_padding_rows_write_and_read_nothing():
     (cache_write skips it) and context 0 (attention reads nothing) in the pad row."""
     seen = {}
 
-    def forward(ids, pos, slots, bt, seq_lens, qsl):  # clones: reading them on the host here would be a sync
+    def forward(ids, pos, slots, bt, seq_lens, qsl, max_query_len):  # clones: reading them here would be a sync
         seen.update(ids=ids.clone(), pos=pos.clone(), slots=slots.clone(), lens=seq_lens.clone(), qsl=qsl.clone())
         return ids.float()[:, None]
 
     table = DeviceBlockTable(8, 4, torch.device("cpu"))
     g = DecodeGraphs(forward, table, 8, torch.device("cpu"), ReplayGraph)
-    while g.capture_next() != 4:
+    while g.capture_next() != (4, 1):
         pass
     table.update([[3], [5, 6], [7]])
-    out = g.run(4, [11, 12, 13], [4, 20, 2], [52, 98, 114], [5, 21, 3])
+    out = g.run((4, 1), FlatBatch([11, 12, 13], [4, 20, 2], [52, 98, 114], [0, 1, 2, 3], [5, 21, 3], []))
     assert out.tolist() == [[11.0], [12.0], [13.0]]  # only the real rows come back
     assert {k: v.tolist() for k, v in seen.items()} == dict(
         ids=[11, 12, 13, 0],
@@ -209,6 +210,7 @@ def test_planner_counts_the_graph_pool(graphs_on):
     assert reserve == base + (pool if graphs_on else 0)
 
 
+@pytest.mark.slow  # whole engines warming under the Triton interpreter
 def test_idle_work_warms_kernels_then_captures(tiny_llama):
     """One piece per idle gap: every kernel-warm shape first (a CUDA engine does these; forced here), then the graph
     buckets smallest first; then nothing is pending."""
@@ -256,6 +258,7 @@ class Hooks:
         return [e[0] for e in self.events]
 
 
+@pytest.mark.slow  # whole engines warming under the Triton interpreter
 def test_a_busy_worker_warms_and_captures_within_its_share(tiny_llama):
     """Under continuous load (a request always running, so the loop never has an idle gap) every warm shape runs
     and every bucket is captured, one piece after a step whenever the share allows it: with share 1/4 a piece
@@ -296,6 +299,7 @@ def test_a_busy_worker_warms_and_captures_within_its_share(tiny_llama):
     assert len(final.outputs[0].token_ids) == 4 and replays >= 3  # its decodes (with the load's) from graphs
 
 
+@pytest.mark.slow  # whole engines warming under the Triton interpreter
 def test_lora_and_grammar_pieces(tiny_llama, tmp_path, monkeypatch):
     """With LoRA on, the warm steps include slot-0 steps of 1, 17 and 64 tokens, which launch the LoRA kernel's
     three token tiles for both its shrink and its expand; once the first grammar is compiled, the mask is warmed
@@ -348,6 +352,7 @@ def test_lora_and_grammar_pieces(tiny_llama, tmp_path, monkeypatch):
     assert warm_calls == llm.engine.runner.warm_shapes() and hooks.kinds().count("capture") == len(graph_buckets(8))
 
 
+@pytest.mark.slow  # whole engines warming under the Triton interpreter
 def test_llm_generate_warms_kernels_before_its_first_step(tiny_llama):
     """A batch API: every kernel warm step, then the captures its batch can use, before the first step; nothing
     else while it runs."""

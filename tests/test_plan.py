@@ -118,6 +118,8 @@ CASES = {
     "lora + graphs + fp8 kv": ([*LORA, "--no-enforce-eager", "--kv-cache-dtype", "fp8"],
                                dict(enable_lora=True, max_loras=4, max_lora_rank=64, enforce_eager=False,
                                     kv_cache_dtype="fp8")),
+    "draft + graphs": (["--speculative-config", DRAFT, "--no-enforce-eager"],
+                       dict(speculative_config=DRAFT, enforce_eager=False)),
     "draft + tp2 + fp8 weights": (["--speculative-config", DRAFT, "--tensor-parallel-size", "2", "--quantization",
                                    "fp8"], dict(speculative_config=DRAFT, tensor_parallel_size=2, quantization="fp8")),
     "lora + ngram + tp2, 32k context, 64 seqs": (
@@ -230,8 +232,18 @@ def test_warmup_plan_gives_the_engines_kv_tokens(checkpoints, clean_env, monkeyp
     assert kv["lora"] < kv["plain"] and kv["draft"] < kv["plain"] and kv["graphs"] < kv["plain"]
     # prompt lookup holds no weights or KV, only the logits of the k + 1 rows each sequence verifies
     assert kv["draft"] < kv["ngram"] < kv["plain"]
+    assert kv["draft + graphs"] < kv["draft"]  # the target's decode and verify graphs, and the draft model's own
     assert kv["tp2 no-enforce-eager"] == kv["tp2"]  # no graphs under TP: no pool set aside
     assert kv["fp8 kv"] > 1.9 * kv["plain"]
+
+
+def test_the_draft_models_graph_pool_is_planned(checkpoints, clean_env, capsys):
+    """With a draft model and graphs, the pool set aside is the target's (decode and k + 1-token verify graphs) plus
+    the draft's own (its one- and two-token graphs)."""
+    plan = warmup_plan_json(capsys, _spelled("draft + graphs", checkpoints)[0])
+    target, draft = ModelSpec.from_hf(LLAMA31_8B), ModelSpec.from_hf(LLAMA32_1B)
+    want = memory.graph_pool_bytes(target, 128, 2, (1, 5)) + memory.graph_pool_bytes(draft, 128, 2, (1, 2))
+    assert plan["graph_pool_bytes"] == want
 
 
 def test_fp8_on_an_a100_is_refused_by_both(checkpoints, clean_env, monkeypatch, capsys):

@@ -137,7 +137,9 @@ def _run(path, prompts, caching: bool, **kw):
     return [o.outputs[0].token_ids for o in outs], outs, llm.engine.stats()
 
 
-@pytest.mark.parametrize("budget", [2048, 24])  # all in one step; chunked, so later requests hit
+@pytest.mark.parametrize(
+    "budget", [pytest.param(2048, marks=pytest.mark.slow), 24]
+)  # all in one step; chunked, so later requests hit
 def test_engine_outputs_identical_with_caching_on_and_off(tiny_llama, budget):  # blocks still being filled
     import random
 

@@ -1,5 +1,6 @@
 """A draft model: a small model of the target's vocabulary proposes k tokens autoregressively for the whole batch
-at once (one forward over every sequence's catch-up tokens, then k - 1 one-token steps).
+at once (one forward over every sequence's catch-up tokens, then k - 1 one-token steps, each fed the previous
+step's picks on the device).
 
 Its KV pool has the target's block count and block size, and the draft writes each sequence's KV under the
 target's own block ids: it needs no block manager, its lookahead slots are the ones the scheduler granted the
@@ -9,7 +10,10 @@ skipped by the draft as well.
 
 Greedy sequences get the draft's argmax (q one-hot). Random ones draw from the draft's softmax at the sequence's
 temperature, with its generator when seeded, and hand q to verification. The draft runs without the sequence's
-LoRA adapter, in the target's dtype, with a KV cache in that dtype, eagerly."""
+LoRA adapter, in the target's dtype, with a KV cache in that dtype. Where the target's steps replay CUDA graphs, so
+do the draft's (its own DecodeGraphs and pool, captured with the target's by IdleWork): its one-token steps, and a
+catch-up of one or two tokens per sequence (the steady state after a speculating step); a longer catch-up (a
+prompt) runs eagerly."""
 
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ import weakref
 
 import torch
 
+from engine import memory
 from engine.block_manager import BlockManager
 from engine.block_table import h2d
 from engine.config import EngineConfig
+from engine.cuda_graphs import cuda_graph_factory
 from engine.errors import ConfigError
 from engine.kv_cache import allocate
 from engine.layers.attention import build_attention
@@ -51,9 +57,11 @@ class DraftProposer:
         m.load_weights(iter_weights(path, dev))
         kv = allocate(s, plan, facts.dtype, dev)  # the target's block count and size
         attn = build_attention(s, cfg.block_size, facts.kernel_backend)
+        # its own graphs (and pool: the planner counts it, memory.engine_needs) wherever the target has graphs
+        graphs = cuda_graph_factory() if memory.cuda_graphs(cfg, dev.type, facts.kernel_backend) else None
         self.runner = ModelRunner(
             m, kv, attn, cfg.block_size, dev, facts.kernel_backend, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=plan.max_model_len,
+            max_model_len=plan.max_model_len, new_graph=graphs, graph_query_lens=memory.DRAFT_GRAPH_QUERY_LENS,
         )  # fmt: skip
         self.kv_bytes = kv.numel() * kv.element_size()
         # per sequence: the position its draft run started at, the preemption count it ran under, and the drafts it

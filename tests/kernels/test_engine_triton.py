@@ -46,8 +46,8 @@ def test_long_chunks_take_the_prefill_kernel(tiny_models, monkeypatch):
     pa = sys.modules["kernels.prefill_attention"]  # the package exports a function of the same name
 
     calls = []
-    launcher = pa.prefill_attention_triton
-    monkeypatch.setattr(pa, "prefill_attention_triton", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    op = pa._prefill_attention_op  # the operator the engine's calls go through (kernels/_library.py)
+    monkeypatch.setattr(pa, "_prefill_attention_op", lambda *a, **k: calls.append(1) or op(*a, **k))
     monkeypatch.setattr(pa, "pick_tiles", lambda *a: pa.Tiles(16, 16, 1, 4))
     prompts = [{"prompt_token_ids": list(range(50, 70))}, {"prompt_token_ids": [40, 41]}]
     prompts.append({"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(30)]})

@@ -1,0 +1,84 @@
+"""Every Triton launcher registered as an operator (kernels/_library.py): torch.library.opcheck runs each on small
+inputs (the Triton interpreter here, the GPU under KERNEL_TEST_DEVICE=cuda) and checks its schema (what it says
+it mutates is what it mutates, nothing it returns aliases an input) and that its fake implementation gives the
+real outputs' shapes, dtypes, strides and devices: what FakeTensorMode (tests/test_fake_cuda.py) relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels  # noqa: F401 - registers the operators
+from kernels._common import FP8
+from tests.kernels.conftest import DEVICE
+
+T, H, KVH, D, NB, BS = 5, 4, 2, 16, 4, 16
+ops = torch.ops.llmw
+
+
+def _g(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))).to(DEVICE, dtype)
+
+
+def _attention_args():
+    caches = [_g(KVH, NB, BS, D) for _ in range(2)]
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    return (_g(T, H, D), *caches, tables, seq_lens, qsl, D**-0.5)
+
+
+def _moe_args():
+    topk_ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]], device=DEVICE)
+    return (_g(T, 32), _g(4, 64, 32), _g(4, 32, 32), torch.full((T, 2), 0.5, device=DEVICE), topk_ids)
+
+
+def _lora_slots():
+    return torch.tensor([0, 0, -1, 1, 1], device=DEVICE)
+
+
+def _bitmask():
+    return torch.tensor([[-1, 0x0F0F0F0F], [7, -1]], dtype=torch.int32, device=DEVICE)
+
+
+CASES = {
+    "rms_norm": lambda: (ops.rms_norm, (_g(T, 32), _g(32), 1e-6)),
+    "add_rms_norm": lambda: (ops.add_rms_norm, (_g(T, 32), _g(T, 32), _g(32), 1e-6)),
+    "act_and_mul": lambda: (ops.act_and_mul, (_g(T, 64), True)),
+    "rotary_embedding": lambda: (
+        ops.rotary_embedding,
+        (_g(T, H, D), _g(T, KVH, D), _g(32, D), _g(32, D), torch.arange(T, device=DEVICE)),
+    ),
+    "reshape_and_cache": lambda: (
+        ops.reshape_and_cache,
+        (_g(T, KVH, D), _g(T, KVH, D), _g(KVH, NB, BS, D), _g(KVH, NB, BS, D), torch.arange(T, device=DEVICE)),
+    ),
+    "paged_attention": lambda: (ops.paged_attention, _attention_args()),
+    "prefill_attention": lambda: (ops.prefill_attention, _attention_args()),
+    "quant_rows": lambda: (ops.quant_rows, (_g(T, 32),)),
+    "fp8_gemm": lambda: (
+        ops.fp8_gemm,
+        (_g(T, 32).to(FP8), _g(T, 1).abs(), _g(48, 32).to(FP8), _g(48, 1).abs(), None, torch.bfloat16),
+    ),
+    "fused_moe": lambda: (ops.fused_moe, _moe_args()),
+    "lora_shrink": lambda: (ops.lora_shrink, (_g(T, 32), _g(2, 8, 32), _lora_slots())),
+    "lora_expand": lambda: (ops.lora_expand, (_g(T, 8), _g(2, 48, 8), _lora_slots(), _g(T, 64), 16, True)),
+    "add_lora": lambda: (ops.add_lora, (_g(T, 48), _g(T, 32), _g(2, 8, 32), _g(2, 48, 8), _lora_slots(), 0)),
+    "apply_token_bitmask": lambda: (
+        ops.apply_token_bitmask,
+        (_g(2, 64), _bitmask(), torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_operator_and_its_fake_agree(name):
+    op, args = CASES[name]()
+    # test_schema compares the inputs before and after with ops that have no fp8 kernel on the CPU
+    fp8_in = any(isinstance(a, torch.Tensor) and a.dtype == FP8 for a in args) and DEVICE.type == "cpu"
+    torch.library.opcheck(op, args, test_utils=("test_faketensor",) if fp8_in else ("test_schema", "test_faketensor"))
+
+
+def test_every_operator_is_checked():
+    registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("llmw::")}
+    assert registered == set(CASES)
