@@ -16,6 +16,7 @@ import torch
 
 NAMESPACE = "llmw"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+IMPLS: dict[str, Callable] = {}  # name -> the launcher registered for it (tests/graph_standin.py runs it itself)
 
 
 def triton_op(schema: str, fake: Callable) -> Callable[[Callable], torch._ops.OpOverload]:
@@ -25,6 +26,7 @@ def triton_op(schema: str, fake: Callable) -> Callable[[Callable], torch._ops.Op
 
     def register(impl: Callable) -> torch._ops.OpOverload:
         name = schema.split("(", 1)[0]
+        IMPLS[name] = impl
         _LIB.define(schema)
         for key in ("CUDA", "CPU"):
             _LIB.impl(name, impl, key)

@@ -19,9 +19,8 @@ A replay copies its result into the captured output tensor and returns that tens
 
 What it cannot see: a device-to-host copy spelled `.to("cpu")` or `.to(device)` (on the CPU it cannot be told
 from a copy to the model's own device), stream or event calls, allocator behaviour, anything inside a Triton
-kernel (a launch is one recorded op), and the aten ops inside an operator's own implementation (kernels'
-torch.ops.llmw.*: the operator, its Triton launches and Tensor.tolist()-style host reads are seen; the buffers its
-implementation allocates count as the run's own)."""
+kernel (a launch is one recorded op). A kernel's operator (torch.ops.llmw.*, kernels/_library.py) is recorded,
+then its implementation runs under the same checks, so the launcher's own ops and launches are seen too."""
 
 from __future__ import annotations
 
@@ -30,6 +29,8 @@ import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels._library import IMPLS, NAMESPACE
 
 aten = torch.ops.aten
 
@@ -90,17 +91,6 @@ def _key(x, made: set[int]):
     return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)) else type(x).__name__
 
 
-def _storages(x) -> set[int]:
-    """The storages of every tensor in x (nested lists, tuples and dicts)."""
-    if isinstance(x, torch.Tensor):
-        return {x.untyped_storage().data_ptr()}
-    if isinstance(x, (list, tuple)):
-        return set().union(*(_storages(y) for y in x))
-    if isinstance(x, dict):
-        return _storages(list(x.values()))
-    return set()
-
-
 def _outputs(out):
     if isinstance(out, torch.Tensor):
         yield out
@@ -116,20 +106,20 @@ class NoHostSync(TorchDispatchMode):
         super().__init__()
         self.trace: list[tuple] = []
         self.made: set[int] = set()  # storages the run allocated (its intermediates)
-        # inside an operator whose implementation launches Triton (kernels' torch.ops.llmw.*): its arguments'
-        # storages. What that implementation allocates is the run's own, yet no op of it reaches this mode
-        self._op_args: set[int] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _checking():
             self._check(func, args, kwargs)
             self.trace.append((str(func), _key(args, self.made), _key(kwargs, self.made)))
-        outer, self._op_args = self._op_args, _storages((args, kwargs))
-        try:
+        if func.namespace == NAMESPACE:  # a kernel's operator: its implementation runs here, its own ops checked too
+            TorchDispatchMode.__enter__(self)  # back on the mode stack, the trace and the made storages kept
+            try:
+                out = IMPLS[func._opname](*args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
+        else:
             out = func(*args, **kwargs)
-        finally:
-            self._op_args = outer
         if _checking():
             for o in _outputs(out):
                 if o.untyped_storage().data_ptr() not in {a.untyped_storage().data_ptr() for a in _outputs(args)}:
@@ -167,10 +157,7 @@ class NoHostSync(TorchDispatchMode):
 
     def record_launch(self, fn, grid, args, kwargs) -> None:
         name = getattr(fn, "__name__", repr(fn))
-        made = self.made
-        if self._op_args is not None:  # launched by an operator: a buffer that is none of its arguments, it made
-            made = made | (_storages((args, kwargs)) - self._op_args)
-        self.trace.append(("triton:" + name, _key(grid, made), _key(args, made), _key(kwargs, made)))
+        self.trace.append(("triton:" + name, _key(grid, self.made), _key(args, self.made), _key(kwargs, self.made)))
 
 
 # ---- process-wide patches, active only while some thread is inside NoHostSync ----------------------------------
