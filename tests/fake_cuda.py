@@ -118,7 +118,7 @@ def _made_up(t: torch.Tensor):
     zero = False if t.dtype == torch.bool else (0.0 if t.dtype.is_floating_point else 0)
     out = zero
     for n in reversed(t.shape):
-        out = [out] * n if not isinstance(out, list) else [list(out) for _ in range(n)]
+        out = [out] * n  # rows may share one inner list: nothing writes into made-up values
     return out
 
 
@@ -187,21 +187,18 @@ class HostSyncs(TorchFunctionMode):
     def _count_copy(self, func, args, kwargs) -> None:
         if func is _T.copy_:
             dst, src = args[0], args[1]
-            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            dst_dev, non_blocking = dst.device, kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
         elif func in (_T.to, _T.cpu, _T.cuda):
-            src, dev = args[0], _target(func, args, kwargs)
-            if dev is None or dev.type == src.device.type:
-                return
-            dst = torch.empty(0, device=dev)
+            dst, src, dst_dev = None, args[0], _target(func, args, kwargs)  # a new tensor: never pinned memory
             non_blocking = kwargs.get("non_blocking", any(a is True for a in args[1:]))
         else:
             return
-        if not isinstance(src, torch.Tensor) or src.device.type == dst.device.type:
+        if dst_dev is None or not isinstance(src, torch.Tensor) or src.device.type == dst_dev.type:
             return
-        if dst.is_cuda:  # host to device
+        if dst_dev.type == "cuda":  # host to device
             if not (non_blocking and self._is_pinned(src)):
                 self.counts["h2d"] += 1
-        elif not (non_blocking and self._is_pinned(dst)):
+        elif not (non_blocking and dst is not None and self._is_pinned(dst)):
             self.counts["d2h"] += 1
 
     def _is_pinned(self, t: torch.Tensor) -> bool:
