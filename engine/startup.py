@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from engine import memory
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_factory
@@ -181,6 +182,8 @@ def build_rank(
     """This rank's runner around its loaded model: the KV pool the plan sized, attention with fp8 KV scales (the
     checkpoint's, or calibrated on `calibration`: under tensor parallelism in one forward with the other ranks),
     LoRA slots when LoRA is on, and CUDA graphs where they run (captured after ready by IdleWork, idle or busy)."""
+    if facts.kernel_backend == "triton":
+        kernels.load_triton()  # imports triton (about 0.3 s): the torch path never does
     kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend)
     if facts.kv_dtype == torch.float8_e4m3fn:

@@ -1,7 +1,9 @@
 """Triton kernels for the hot path, each in its own file beside its torch reference (`<op>_ref`). Which path an
-op takes (Triton or the reference) is decided in _common.py: `set_backend`, `backend`, `use_triton`."""
+op takes (Triton or the reference) is decided in _common.py: `set_backend`, `backend`, `use_triton`. Triton itself is
+imported by `load_triton()`, at the engine's start on the Triton path or at the first launch: never on the CPU
+worker's path."""
 
-from kernels._common import FP8_MAX, backend, set_backend, use_triton
+from kernels._common import FP8_MAX, backend, load_triton, set_backend, use_triton
 from kernels.activation import silu_and_mul
 from kernels.cache_write import reshape_and_cache
 from kernels.fp8 import fp8_linear, quant_per_channel, quant_per_token
@@ -17,6 +19,7 @@ __all__ = [
     "add_rms_norm",
     "backend",
     "fp8_linear",
+    "load_triton",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

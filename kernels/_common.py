@@ -18,12 +18,11 @@ launchers taking the same decisions they take on that GPU."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -106,7 +105,91 @@ def native_dot_for(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     return gpu_facts(t) is not None and (dtype or t.dtype) in (torch.float16, torch.bfloat16)
 
 
-@triton.jit
+# ---- Triton, imported at the first launch ----------------------------------------------------------------------
+class _NotLoaded:
+    """`tl` before load_triton(): kernel bodies name it only when Triton compiles or interprets them."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"tl.{name} before kernels.load_triton(): Triton is imported at the first launch")
+
+
+tl = _NotLoaded()  # every kernel module imports this name; load_triton() rebinds it to triton.language there
+_KERNELS: list[Kernel] = []
+_load_lock = threading.Lock()
+_loaded = False
+
+
+class Kernel:
+    """A `@jit` function: triton.jit's JITFunction once load_triton() has run. Importing triton costs about 0.3 s
+    of a cold start (its runtime and libtriton), and the CPU worker, which runs the torch references, never
+    launches a kernel; so no kernel module imports triton, and the first launch (or attribute read) loads it."""
+
+    __slots__ = ("fn", "options", "jitted")
+
+    def __init__(self, fn, options: dict):
+        self.fn, self.options, self.jitted = fn, options, None
+
+    def __getitem__(self, grid):
+        return self.load()[grid]
+
+    def __getattr__(self, name):  # JITFunction's attributes (arg_names, cache, ...), for the benches and tests
+        return getattr(self.load(), name)
+
+    def load(self):
+        if self.jitted is None:
+            load_triton()
+        return self.jitted
+
+
+def jit(fn=None, **options):
+    """triton.jit, deferred to load_triton(); used as `@jit` or `@jit(do_not_specialize=[...])`."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    if _loaded:  # a kernel module imported after the load
+        import triton
+
+        return triton.jit(fn, **options)
+    k = Kernel(fn, options)
+    _KERNELS.append(k)
+    return k
+
+
+def load_triton() -> None:
+    """Import triton and jit every kernel, once: the engine calls it at start when it runs the Triton kernels
+    (TRITON_INTERPRET is read here, at the jit, as triton.jit reads it). Each kernel module's globals then name the
+    real objects, `tl` and the JITFunctions, as Triton's compiler and interpreter resolve a kernel's globals (the
+    helpers it calls included) when they run it."""
+    global _loaded
+    with _load_lock:
+        if _loaded:
+            return
+        import triton
+        import triton.language
+
+        for k in _KERNELS:
+            k.jitted = triton.jit(k.fn, **k.options)
+        placeholder = tl  # (this module's own `tl` is rebound in the loop)
+        for name, mod in list(sys.modules.items()):
+            if name == "kernels" or name.startswith("kernels."):
+                g = vars(mod)
+                for attr, value in list(g.items()):
+                    if value is placeholder:
+                        g[attr] = triton.language
+                    elif isinstance(value, Kernel):
+                        g[attr] = value.jitted
+        _loaded = True
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 (a launcher's block sizes), without importing triton."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@jit
 def round_to(x, DT: tl.constexpr):
     """fp32 `x` rounded to dtype DT (nearest even), returned as fp32; `.to(DT)` of the result is exact."""
     if DT == tl.bfloat16:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from kernels._common import round_to, use_triton
+from kernels._common import cdiv, jit, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
 
 
-@triton.jit
+@jit
 def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, GELU: tl.constexpr, BLOCK: tl.constexpr):
     # grid (T, cdiv(I, BLOCK)); x row: [2*I] = [gate | up], out row: [I]
     row = tl.program_id(0).to(tl.int64)
@@ -46,8 +44,8 @@ def silu_and_mul_triton(x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     t, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)  # [T, I]
     if t > 0 and inter > 0:
-        block = min(1024, triton.next_power_of_2(inter))
-        grid = (t, triton.cdiv(inter, block))
+        block = min(1024, next_power_of_2(inter))
+        grid = (t, cdiv(inter, block))
         _act_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block)
     return out
 

@@ -9,17 +9,15 @@ caches store x cast to their dtype.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import FP8, FP8_MAX, use_triton
+from kernels._common import FP8, FP8_MAX, jit, next_power_of_2, tl, use_triton
 from kernels._library import no_output, triton_op
 from kernels.fp8 import fp8e4m3_rne
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8)
 
 
-@triton.jit
+@jit
 def _reshape_and_cache_kernel(
     k_ptr,
     v_ptr,
@@ -122,8 +120,8 @@ def reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None,
         d,
         k_cache.shape[2],
         IS_FP8=is_fp8,
-        BLOCK_H=triton.next_power_of_2(kvh),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=next_power_of_2(kvh),
+        BLOCK_D=next_power_of_2(d),
     )
 
 

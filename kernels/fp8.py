@@ -18,16 +18,14 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import FP8, FP8_MAX, gpu_facts, use_triton
+from kernels._common import FP8, FP8_MAX, cdiv, gpu_facts, jit, next_power_of_2, tl, use_triton
 from kernels._library import triton_op
 
 MIN_SCALE = 1e-12  # floor of dynamic scales: an all-zero row quantizes to zeros instead of NaN
 
 
-@triton.jit
+@jit
 def fp8e4m3_rne(v):
     """fp32 -> fp32 value on the e4m3 grid, round to nearest even; |v| must already be <= 448."""
     # Normal range (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, RNE on the integer pattern; a carry out of
@@ -47,7 +45,7 @@ def fp8e4m3_rne(v):
 # quant_per_token / quant_per_channel: one program per row
 
 
-@triton.jit
+@jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
@@ -78,7 +76,7 @@ def quant_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m > 0 and k > 0:
-        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), k, BLOCK_K=min(triton.next_power_of_2(k), 1024))
+        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), k, BLOCK_K=min(next_power_of_2(k), 1024))
     return q, s
 
 
@@ -106,7 +104,7 @@ def quant_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # fp8_linear
 
 
-@triton.jit
+@jit
 def _fp8_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -170,10 +168,10 @@ def fp8_gemm_triton(
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
-    bm = min(64, max(16, triton.next_power_of_2(m)))  # tl.dot wants every block dim >= 16
-    bn = min(64, max(16, triton.next_power_of_2(n)))
-    bk = min(64, max(16, triton.next_power_of_2(k)))
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    bm = min(64, max(16, next_power_of_2(m)))  # tl.dot wants every block dim >= 16
+    bn = min(64, max(16, next_power_of_2(n)))
+    bk = min(64, max(16, next_power_of_2(k)))
+    grid = (cdiv(m, bm), cdiv(n, bn))
     _fp8_gemm_kernel[grid](
         xq,
         wq,

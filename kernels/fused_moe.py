@@ -23,10 +23,8 @@ loop over tokens."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import FP8, native_dot_for, use_triton
+from kernels._common import FP8, cdiv, jit, native_dot_for, next_power_of_2, tl, use_triton
 from kernels._library import triton_op
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 
@@ -53,8 +51,8 @@ def tiles(block: int, n: int, k: int, native_dot: bool) -> dict:
     cap_n, cap_k = (64, 64) if small else (128, 32)
     return dict(
         BLOCK=block,
-        BLOCK_N=min(cap_n, max(16, triton.next_power_of_2(n))),
-        BLOCK_K=min(cap_k, max(16, triton.next_power_of_2(k))),
+        BLOCK_N=min(cap_n, max(16, next_power_of_2(n))),
+        BLOCK_K=min(cap_k, max(16, next_power_of_2(k))),
         num_warps=4,
         num_stages=3 if small or not native_dot else 4,
     )
@@ -84,7 +82,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     return sorted_slots, expert_of_block
 
 
-@triton.jit(do_not_specialize=["num_slots"])
+@jit(do_not_specialize=["num_slots"])
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -149,7 +147,7 @@ def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: 
     out = torch.empty((num_slots, n), dtype=a.dtype, device=a.device)
     native = native_dot_for(a)
     cfg = tiles(sorted_slots.numel() // experts.numel(), n, k, native)  # the block moe_align padded the runs to
-    grid = (experts.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (experts.numel(), cdiv(n, cfg["BLOCK_N"]))
     _moe_gemm_kernel[grid](
         a,
         w,

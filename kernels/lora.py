@@ -38,14 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import native_dot_for, round_to, use_triton
+from kernels._common import cdiv, jit, native_dot_for, next_power_of_2, round_to, tl, use_triton
 from kernels._library import no_output, triton_op
 
 
-@triton.jit
+@jit
 def _sgmv_kernel(
     x_ptr,
     w_ptr,
@@ -125,11 +123,11 @@ def _sgmv(x, w, out, runs, offset: int, add: bool, native_dot: bool | None) -> N
     s, n, _ = w.shape
     if t == 0 or s == 0 or n == 0:
         return
-    block_m = min(64, max(16, triton.next_power_of_2(t)))  # tl.dot wants every block dim >= 16
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    block_m = min(64, max(16, next_power_of_2(t)))  # tl.dot wants every block dim >= 16
+    block_n = min(64, max(16, next_power_of_2(n)))
+    block_k = min(64, max(16, next_power_of_2(k)))
     order, start, count = runs
-    _sgmv_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n), s)](
+    _sgmv_kernel[(cdiv(t, block_m), cdiv(n, block_n), s)](
         x,
         w,
         out,

@@ -12,17 +12,15 @@ past query_start_loc[-1] (padding) are left unspecified. Design: docs/kernels.md
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import gpu_facts, native_dot_for, scale_tensor, use_triton
+from kernels._common import cdiv, gpu_facts, jit, native_dot_for, next_power_of_2, scale_tensor, tl, use_triton
 from kernels._library import ATTENTION_ARGS, attention_fake, triton_op
 
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 32
 
 
-@triton.jit
+@jit
 def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence b whose first tile (qsl[b] + b*(BLOCK_Q-1)) // BLOCK_Q is <= tile."""
     lo = 0
@@ -38,7 +36,7 @@ def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 # batch-varying ints stay runtime args: no compiled variant per value class (==1, %16==0, other) or split count
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "num_splits"])
+@jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "num_splits"])
 def _paged_attn_kernel(
     q_ptr,
     k_ptr,
@@ -178,7 +176,7 @@ def _paged_attn_kernel(
         tl.store(acc_ptr + idx[:, None] * head_dim + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+@jit(do_not_specialize=["num_tokens", "num_splits"])
 def _reduce_splits_kernel(
     m_ptr,
     l_ptr,
@@ -226,7 +224,7 @@ def _auto_num_splits(q: torch.Tensor, programs: int, max_ctx: int) -> int:
     sms = facts.sms
     if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), max_ctx // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+    return max(1, min(cdiv(2 * sms, programs), max_ctx // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -262,7 +260,7 @@ def paged_attention_triton(
     if t == 0 or b == 0:
         return out
     rep = h // kvh
-    block_m = max(16, triton.next_power_of_2(rep))
+    block_m = max(16, next_power_of_2(rep))
     block_q = 1 if max_query_len == 1 else block_m // rep  # two variants only: pure decode, or full tiles
     num_tiles = (t + b * (block_q - 1)) // block_q
     if num_splits is None:
@@ -278,7 +276,7 @@ def paged_attention_triton(
         m_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device)
         l_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device)
         acc_buf = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     _paged_attn_kernel[(num_tiles, kvh, num_splits)](
         q,
         k_cache,
@@ -361,7 +359,7 @@ def paged_attention_ref(
         n = e - s
         if n == 0:
             continue
-        blocks = block_tables[i, : triton.cdiv(ctx, bs)].long()
+        blocks = block_tables[i, : cdiv(ctx, bs)].long()
         k = k_cache[:, blocks].reshape(kvh, -1, d)[:, :ctx].float() * ks  # [KVH, ctx, D]
         v = v_cache[:, blocks].reshape(kvh, -1, d)[:, :ctx].float() * vs
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [H, ctx, D]

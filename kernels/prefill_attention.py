@@ -15,15 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import gpu_facts, native_dot_for, round_to, scale_tensor, use_triton
+from kernels._common import gpu_facts, jit, native_dot_for, next_power_of_2, round_to, scale_tensor, tl, use_triton
 from kernels._library import ATTENTION_ARGS, attention_fake, triton_op
-
-LOG2E = 1.4426950408889634  # scores are kept in base 2: exp2 is one instruction, exp is exp2 plus a multiply
-# the same inside kernels: a compiled kernel may read only constexpr globals (the interpreter does not check)
-_LOG2E = tl.constexpr(LOG2E)
 
 
 @dataclass(frozen=True)
@@ -50,7 +44,7 @@ def smem_limit(capability: tuple[int, int] | None) -> int:
 def smem_bytes(tiles: Tiles, head_dim: int, elem: int = 2) -> int:
     """Shared memory one program needs, counted high: the Q tile, K and V tiles for every pipeline stage, P as the
     second dot's operand, Triton's scratch. elem: bytes per element of q (an fp8 cache's tiles are half that)."""
-    d = max(16, triton.next_power_of_2(head_dim))
+    d = max(16, next_power_of_2(head_dim))
     q = tiles.block_m * d * elem
     kv = 2 * tiles.num_stages * tiles.block_n * d * elem
     p = tiles.block_m * tiles.block_n * elem
@@ -86,7 +80,7 @@ def pick_tiles(head_dim: int, capability: tuple[int, int] | None, elem: int = 2)
     return tiles
 
 
-@triton.jit
+@jit
 def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence b whose first tile (qsl[b] + b*(BLOCK_Q-1)) // BLOCK_Q is <= tile."""
     lo = 0
@@ -101,7 +95,7 @@ def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@jit
 def _attend(
     acc,
     m_i,
@@ -146,7 +140,7 @@ def _attend(
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     s = s * qk_scale  # [BLOCK_M, BLOCK_N] fp32, base 2 unless capped
     if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1; then base 2
-        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * _LOG2E
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634  # log2(e)
     if MASKED:
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -163,7 +157,7 @@ def _attend(
 
 
 # batch-varying ints stay runtime args: one compiled variant per model and tile shape, whatever the batch
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
+@jit(do_not_specialize=["num_seqs", "num_tiles", "stride_bt"])
 def _prefill_attn_kernel(
     q_ptr,
     k_ptr,
@@ -228,7 +222,8 @@ def _prefill_attn_kernel(
     if HAS_SOFTCAP:
         qk_scale = scale * k_scale
     else:
-        qk_scale = scale * k_scale * _LOG2E
+        # log2(e): scores are kept in base 2 (exp2 is one instruction, exp is exp2 plus a multiply)
+        qk_scale = scale * k_scale * 1.4426950408889634
 
     # The tile's queries sit at [lo_q, hi_q]; together they see [kv_lo, kv_end). Positions in (hi_q - window, lo_q]
     # are visible to every row: that middle run of whole BLOCK_N steps skips the masks, the edges keep them.
@@ -309,7 +304,7 @@ def prefill_attention_triton(
         tiles = pick_tiles(d, facts.capability if facts else None, q.element_size())
     assert tiles.block_m >= 16 and tiles.block_n >= 16, tiles  # tl.dot's smallest tile
     rep = h // kvh
-    block_m = max(tiles.block_m, triton.next_power_of_2(rep))
+    block_m = max(tiles.block_m, next_power_of_2(rep))
     block_q = block_m // rep  # rows past block_q * rep (REP not a power of two) are padding
     num_tiles = (t + b * (block_q - 1)) // block_q  # room for ceil(n_b / block_q) tiles per sequence, no host sync
     if native_dot is None:
@@ -321,7 +316,7 @@ def prefill_attention_triton(
         window or 2**30,  # no window: one longer than any context
         float(softcap or 0.0),
         REP=rep, HEAD_D=d, HAS_SOFTCAP=bool(softcap), NATIVE_DOT=bool(native_dot),
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, next_power_of_2(d)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

@@ -11,14 +11,12 @@ Every fp32 -> x.dtype rounding uses _common.round_to (nearest even, also under t
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import round_to, use_triton
+from kernels._common import jit, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
 
 
-@triton.jit
+@jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -88,7 +86,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden),
+            BLOCK=next_power_of_2(hidden),
         )
     return out, (res_out if residual is not None else None)
 

@@ -12,14 +12,12 @@ the public op returns (q, k) either way, so callers must use the returned tensor
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels._common import round_to, use_triton
+from kernels._common import jit, next_power_of_2, round_to, tl, use_triton
 from kernels._library import no_output, triton_op
 
 
-@triton.jit
+@jit
 def _rope_rows(base_ptr, stride_h, n_heads, c1, c2, s1, s2, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     # Rotates [n_heads, head_dim] for one token in place. c1/c2/s1/s2: [1, BLOCK_D] fp32, already rounded
     # to the element dtype.
@@ -38,7 +36,7 @@ def _rope_rows(base_ptr, stride_h, n_heads, c1, c2, s1, s2, half, BLOCK_H: tl.co
     tl.store(p2, o2.to(dt), mask=mask)
 
 
-@triton.jit
+@jit
 def _rotary_kernel(
     q_ptr,
     k_ptr,
@@ -108,9 +106,9 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
             n_q,
             k.shape[1],
             d // 2,
-            BLOCK_HQ=triton.next_power_of_2(n_q),
-            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-            BLOCK_D=triton.next_power_of_2(d // 2),
+            BLOCK_HQ=next_power_of_2(n_q),
+            BLOCK_HK=next_power_of_2(k.shape[1]),
+            BLOCK_D=next_power_of_2(d // 2),
             enable_fp_fusion=False,  # torch rounds q*cos and rot*sin separately: no fma, bit-exact on GPU
         )
 

@@ -30,10 +30,10 @@ XGRAMMAR = "apply_token_bitmask_inplace_kernel"
 
 
 def our_kernels() -> set[str]:
-    """The @triton.jit functions of kernels/ that are launched (named *_kernel; the rest are called from them)."""
+    """The @jit functions of kernels/ that are launched (named *_kernel; the rest are called from them)."""
     names = set()
     for f in (REPO / "kernels").glob("*.py"):
-        names |= set(re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\ndef (\w+_kernel)\(", f.read_text()))
+        names |= set(re.findall(r"@jit(?:\([^)]*\))?\s*\ndef (\w+_kernel)\(", f.read_text()))
     return names
 
 

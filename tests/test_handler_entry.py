@@ -66,16 +66,22 @@ def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
 
 
 def test_heavy_imports_stay_off_the_cold_start_path(tiny_llama, tmp_path):
-    """`import handler` loads no torch, and a worker is ready without transformers, boto3 or runpod: they load
-    when something needs them (LoRA, the SDK loop; transformers only when asked for). jinja2 loads at start for
-    a model with a chat template (compiled then, so no job pays for it); this tiny model has none."""
+    """`import handler` loads no torch, and a CPU worker is ready, and serves a job, without transformers, boto3,
+    runpod, triton or xgrammar: they load when something needs them (LoRA, the SDK loop, the Triton kernels, a
+    grammar; transformers only when asked for). jinja2 loads at start for a model with a chat template (compiled
+    then, so no job pays for it); this tiny model has none."""
     code = (
         "import sys, handler\n"
         "assert 'torch' not in sys.modules\n"
         "from handler.__main__ import build_worker\n"
         "w = build_worker()\n"
         "assert w.engine is not None\n"
-        "print(sorted(m for m in ('transformers', 'jinja2', 'boto3', 'botocore', 'runpod') if m in sys.modules))"
+        "import asyncio, io\n"
+        "from handler.worker import run_test_job\n"
+        "w.ready()\n"
+        f"assert asyncio.run(run_test_job(w, {JOB!r}, io.StringIO())) == 0\n"
+        "heavy = ('transformers', 'jinja2', 'boto3', 'botocore', 'runpod', 'triton', 'xgrammar')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))"
     )
     r = subprocess.run(
         [sys.executable, "-c", code], env=_env(tiny_llama), cwd=tmp_path, capture_output=True, text=True, timeout=120

@@ -11,6 +11,7 @@ import inspect
 import pytest
 import torch
 
+import kernels
 from engine import LLM, SamplingParams
 from tests.utils import build_tiny_model
 
@@ -58,6 +59,7 @@ class Recorder:
 
 
 def record_kernels(monkeypatch, seen: set, modules=KERNEL_MODULES) -> None:
+    kernels.load_triton()  # the modules' kernels are JITFunctions (interpreted here) from then on
     for mod_name in modules:
         mod = importlib.import_module(f"kernels.{mod_name}")
         for name, obj in list(vars(mod).items()):
