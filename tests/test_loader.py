@@ -97,8 +97,8 @@ def test_truncated_shard_is_a_clear_error(ckpt):
 
 
 def test_bad_shard_found_by_a_reader_is_a_clear_error(ckpt):
-    # trailing bytes: every tensor fits the file (the header check passes), but safe_open in the reader refuses
-    # it; the consumer gets that error, naming the file, after the first shard's tensors
+    # trailing bytes: every tensor fits the file, but the data is not covered exactly (safetensors refuses it
+    # too); the consumer gets that error, naming the file, before any tensor of the bad shard
     shard = ckpt / "model-00002-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes() + b"\0" * 64)
     got = []

@@ -127,6 +127,7 @@ class LlamaForCausalLM(nn.Module):
         # fp8 KV scales found in the checkpoint (self_attn.k_scale / v_scale): {layer: {"k": s, "v": s}}
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.shard, self.tp = shard, tp
+        self.kept = loading.Kept()  # which parameters are views of the weights file (CPU), bytes kept and copied
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, attn, meta, lora=None
@@ -225,15 +226,16 @@ class LlamaForCausalLM(nn.Module):
         for name, t in weights:
             parts = name.split(".")
             if parts[0] != "layers":
-                loading.copy_weight(getattr(self, name), t, name)
+                if not self.kept.place(p := getattr(self, name), None, t):
+                    loading.copy_weight(p, t, name)
                 continue
             layer = self.layers[int(parts[1])]
             if parts[-1] == "fp8_scale":
                 layer.fp8_scales[parts[2]] = t.to(self.embed.device)
             elif parts[2] in ("k_scale", "v_scale"):
                 self.checkpoint_kv_scales.setdefault(int(parts[1]), {})[parts[2][0]] = float(t)
-            else:  # fp8 linears land in the fp8 parameters built for them
-                loading.copy_weight(getattr(layer, parts[2]), t, name)
+            elif not self.kept.place(p := getattr(layer, parts[2]), None, t):  # fp8 linears: the fp8 parameters
+                loading.copy_weight(p, t, name)
 
     def load_weights(self, weights) -> None:
         """Copy HF-named tensors into our parameters as they stream in: WEIGHTS says where each goes, LOADERS how.

@@ -9,7 +9,8 @@ A model class declares two tables:
   bias, weight_scale, k_scale, ...) picks it, a parameter's own loader first.
 
 Tensors arrive in file order (engine/weights/reader.py) and each is written, and with QUANTIZATION=fp8 quantized,
-as it arrives, so the checkpoint is never held twice."""
+as it arrives, so the checkpoint is never held twice. On CPU a tensor whose bytes already lie in the file as our
+parameter holds them is not copied at all: the parameter becomes a view of the file's map (`Kept`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import UnsupportedModelError
+from engine.weights.reader import mapped
 from kernels.fp8 import quant_per_channel
 
 OPTIONAL = {"qkv_bias"}  # zeros unless the checkpoint has them; every other parameter must be filled whole
@@ -58,18 +60,82 @@ def locate(name: str, table: dict) -> Dest | None:
 
 
 def load_weight(model, d: Dest, t: torch.Tensor, name: str) -> int:
-    """A weight, copied; with QUANTIZATION=fp8 a linear or expert weight is quantized per output channel as it
-    streams in, from the model dtype (rows are independent, so this equals quantizing the fused 16-bit weight)."""
-    owner, dst = _owner(model, d), target(model, d, name)
+    """A weight, kept in place (Kept.place) or copied; with QUANTIZATION=fp8 a linear or expert weight is quantized
+    per output channel as it streams in, from the model dtype (rows are independent, so this equals quantizing
+    the fused 16-bit weight)."""
+    owner = _owner(model, d)
     scales = owner.quant_scales(d.param) if d.layer is not None and model.quantization == "fp8" else None
+    if scales is None and d.expert is None:
+        rows = None if d.part is None else owner.parts[d.param][d.part]
+        if model.kept.place(_param(owner, d.param, name), rows, t):
+            return t.numel()
+    dst = target(model, d, name)  # after place(): it may have given the parameter new memory
     load_into(dst, None if scales is None else _rows(owner, d, scales), t, name, model.embed.dtype)
     return dst.numel()
+
+
+_ALIGN = 64  # bytes: a GEMM over an 8-byte-aligned weight ran up to 16 % slower here (lm_head, one token)
+
+
+class Kept:
+    """The parameters that are views of a weights file's map (engine/weights/reader.py `mapped`) rather than
+    copies: a tensor whose bytes lie as our parameter holds them, 64-byte aligned, becomes the parameter (no
+    fault-in of fresh memory, no copy: on this VM a first touch of anonymous memory costs more than the copy).
+    A fused parameter (q, k, v) is kept when its parts lie one after the other in its row order: the first part
+    to arrive, at row 0, makes the parameter a view over the bytes from there; each later part is checked to be
+    where that view says, and the first one that is not makes the parameter a copy again (its rows so far copied
+    with it). Files laid out this way: the converted default model, fp8 snapshots (engine/weights/layout.py)."""
+
+    def __init__(self):
+        self.views: set[int] = set()  # id() of each parameter that is a view now
+        self.copied: set[int] = set()  # id() of each parameter something was copied into
+        self.kept_bytes = self.copied_bytes = 0
+
+    def place(self, param: torch.Tensor, rows: tuple[int, int] | None, t: torch.Tensor) -> bool:
+        """Tensor t fills `rows` (first row, count; None: all) of `param`. True: it is already there (param is a
+        view of t's bytes); False: the caller copies it (and param is a fresh tensor)."""
+        if param.dim() == 0:
+            return False
+        first, count = rows or (0, param.shape[0])
+        nbytes = t.numel() * t.element_size()
+        row_bytes = param.stride(0) * param.element_size() if param.dim() else nbytes
+        start = t.data_ptr() - first * row_bytes  # where the parameter's bytes begin if t lies as a part of it
+        ok = (
+            t.dtype == param.dtype
+            and t.is_contiguous()
+            and tuple(t.shape) == (count, *param.shape[1:])
+            and t.device.type == "cpu"
+            and mapped(t)
+        )
+        key = id(param)
+        if key in self.views:
+            if ok and param.data_ptr() == start:
+                self.kept_bytes += nbytes
+                return True
+            self.views.discard(key)  # not where the view says: the parameter becomes a copy, rows so far too
+            param.data = param.data.clone()
+        elif ok and key not in self.copied and first == 0 and start % _ALIGN == 0:
+            storage = t.untyped_storage()  # the whole file's map
+            offset = start - storage.data_ptr()
+            if offset + param.numel() * param.element_size() <= storage.nbytes():
+                param.data = torch.empty(0, dtype=param.dtype).set_(
+                    storage, offset // param.element_size(), param.shape, param.stride()
+                )
+                self.views.add(key)
+                self.kept_bytes += nbytes
+                return True
+        self.copied.add(key)
+        self.copied_bytes += nbytes
+        return False
 
 
 def load_bias(model, d: Dest, t: torch.Tensor, name: str) -> int:
     """A bias: the rows of `{param}_bias` that its weight fills in `param` (OPTIONAL: not counted)."""
     owner = _owner(model, d)
-    copy_weight(_rows(owner, d, _param(owner, f"{d.param}_bias", name)), t, name)
+    bias = _param(owner, f"{d.param}_bias", name)
+    rows = None if d.part is None else owner.parts[d.param][d.part]
+    if not model.kept.place(bias, rows, t):
+        copy_weight(_rows(owner, d, bias), t, name)
     return 0
 
 

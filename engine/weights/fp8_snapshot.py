@@ -101,12 +101,12 @@ def load(snap: Path, device="cpu"):
 def write(snap: Path, tensors: dict, source: str, replace: bool = False) -> None:
     """Atomically publish `tensors` as the snapshot at `snap` (a concurrent writer that wins is kept).
     replace: the caller could not use the snapshot there (even one whose hash matches: a damaged header)."""
-    from safetensors.torch import save_file
+    from engine.weights import layout
 
     snap.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=snap.parent))
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        layout.write(tmp / WEIGHTS, tensors.items())  # aligned: a CPU engine keeps its tensors as they are
         weights = tmp / WEIGHTS
         size = weights.stat().st_size
         (tmp / _MANIFEST).write_text(

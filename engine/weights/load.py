@@ -4,15 +4,16 @@ quantized snapshot on the volume when a valid one exists (else quantize online a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
 from engine.weights import fp8_snapshot
-from engine.weights.locate import safetensors_files
+from engine.weights.locate import describe_source, safetensors_files
 from engine.weights.reader import iter_weights
 
 log = logging.getLogger("engine")
@@ -31,16 +32,37 @@ class LoadedWeights:
     source: str  # a key of PHASES
     files: list[Path]  # the safetensors files read
     snapshot: Path | None = None  # the fp8 snapshot used or written
+    seconds: float = 0.0  # the load, model built and filled
+    kept: int = 0  # bytes kept in place as parameters (views of the files' maps: CPU), and copied
+    copied: int = 0
 
     @property
     def phase(self) -> str:
         return PHASES[self.source]
 
     def note(self) -> str:
-        return f"{sum(f.stat().st_size for f in self.files) / 2**20:.0f} MiB read"
+        """What the timeline and the start log say: size, time, rate; on CPU, how much was kept in place."""
+        size = sum(f.stat().st_size for f in self.files)
+        rate = f" ({size / self.seconds / 1e9:.2f} GB/s)" if self.seconds > 0 else ""
+        mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+        where = f"; {mib(self.kept)} kept in place, {mib(self.copied)} copied" if self.kept else ""
+        return f"{size / 2**20:.0f} MiB read in {self.seconds:.2f} s{rate}{where}"
 
 
 def load_model(
+    cfg: EngineConfig, model_path: Path, prequantized: bool, build: Callable[[], object], device, dtype: torch.dtype
+):
+    """`_load` timed and logged: which copy of the model (locate.describe_source), how fast it was read."""
+    t0 = time.perf_counter()
+    model, w = _load(cfg, model_path, prequantized, build, device, dtype)
+    kept = getattr(model, "kept", None)
+    w = replace(w, seconds=time.perf_counter() - t0, kept=kept.kept_bytes if kept else 0,
+                copied=kept.copied_bytes if kept else 0)  # fmt: skip
+    log.info("weights from %s: %s, %s", describe_source(cfg, model_path), w.source, w.note())
+    return model, w
+
+
+def _load(
     cfg: EngineConfig, model_path: Path, prequantized: bool, build: Callable[[], object], device, dtype: torch.dtype
 ):
     """Build the model (in `dtype`, which keys its fp8 snapshot) with `build()` and fill it. Returns (model,

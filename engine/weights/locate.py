@@ -34,6 +34,18 @@ def resolve_model_path(cfg: EngineConfig) -> Path:
     )
 
 
+def describe_source(cfg: EngineConfig, path: Path) -> str:
+    """Which copy of the model `path` is, for the start log: Runpod's model cache on the host, another HF cache,
+    a folder, or the embedded default."""
+    if cfg.model is None:
+        return "the embedded default model, converted in " + str(Path(cfg.cache_root))
+    for root in cfg.hf_cache_dirs:
+        if Path(root) in path.parents:
+            kind = "Runpod's model cache" if "huggingface-cache" in Path(root).parts else "the HF cache"
+            return f"{kind} {root}"
+    return "the folder " + str(path)
+
+
 def _find_in_hf_cache(root: Path, repo_id: str, revision: str) -> tuple[Path | None, list[str]]:
     """`<root>/models--org--name/snapshots/<rev>/`, folder name matched without regard to case
     (Runpod's model store lowercases it); `revision` is a ref name under refs/ or a commit hash."""

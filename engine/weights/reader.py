@@ -1,9 +1,11 @@
-"""Stream a checkpoint's safetensors weights: parallel reader threads, bounded read-ahead, pinned staging on
-CUDA."""
+"""Stream a checkpoint's safetensors weights: parallel reader threads, bounded read-ahead; on CPU views of the
+files' memory maps (which a loader may keep as its parameters: `mapped`), pinned staging on CUDA."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -46,9 +48,11 @@ def iter_safetensors(
     step, ahead of tensors already read (a safetensors error as UnsupportedModelError naming the file). Closing
     the generator early, or an exception in the consumer, stops and joins the readers.
 
-    CPU: the tensor is a view of the file's mmap (no copy); the reader faults its pages in, so the reads run
-    on the reader threads, overlapped with the consumer's copies. CUDA (see _Staging): pinned staging buffers,
-    non_blocking copies on the reader's own stream; a tensor is handed over only once its copy has finished."""
+    CPU: the tensor is a view of the file's private memory map (_Mapped: no copy); the reader faults its pages in,
+    so the reads run on the reader threads, overlapped with the consumer. A consumer may keep such a view as its
+    parameter (`mapped` says whether a tensor is one): its memory is then the page cache's. CUDA (see _Staging):
+    pinned staging buffers, non_blocking copies on the reader's own stream; a tensor is handed over only once its
+    copy has finished."""
     import torch
     from tqdm import tqdm
 
@@ -57,18 +61,22 @@ def iter_safetensors(
         dev = torch.device("cuda", torch.cuda.current_device())
     items = [(i, e) for i, f in enumerate(files) for e in _entries(f)]
     n = len(items)
+    maps: dict[int, _Mapped] = {}  # CPU: one map per file, shared by the readers, opened in order
+    maps_lock = threading.Lock()
+
+    def mapped_file(fi: int) -> _Mapped:
+        with maps_lock:
+            if fi not in maps:
+                maps[fi] = _Mapped(files[fi])
+            return maps[fi]
+
     window = _Window(depth)
     # the consumer's stream: a reader's device tensor may reuse memory the consumer freed while this stream
     # still reads it, so each reader orders its copies after the work queued on it
     consumer_stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
 
-    def read(handle, entry: _Entry, file: Path, staging):
-        if staging is None:  # CPU: safe_open's view of the file's mmap (it validates the file), faulted in
-            return _touch(handle.get_tensor(entry.name))
-        return staging.to_device(handle, entry, file, consumer_stream)  # CUDA: `handle` is a raw fd
-
     def reader() -> None:
-        handles: dict[int, object] = {}  # this thread's own handle per file: safe_open (CPU), fd (CUDA)
+        fds: dict[int, int] = {}  # CUDA: this thread's own fd per file, for its preads
         staging = None
         try:
             if dev.type == "cuda":
@@ -77,19 +85,23 @@ def iter_safetensors(
             while (k := window.claim(n)) is not None:
                 fi, entry = items[k]
                 try:
-                    if fi not in handles:
-                        handles[fi] = _open(files[fi], staging is not None)
+                    if staging is None:  # CPU: a view of the file's map, faulted in here
+                        t = _touch(mapped_file(fi).view(entry))
+                    else:
+                        if fi not in fds:
+                            fds[fi] = os.open(files[fi], os.O_RDONLY)
+                        t = staging.to_device(fds[fi], entry, files[fi], consumer_stream)
                     # no local keeps the tensor: once the consumer drops it, it is gone (the depth bound)
-                    window.put(k, read(handles[fi], entry, files[fi], staging))
+                    window.put(k, t)
+                    del t
                 except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
                     window.fail(files[fi], e)
                     return
         except Exception as e:  # noqa: BLE001 - staging set-up (pinned memory, stream)
             window.fail(files[0], e)
         finally:
-            for h in handles.values():
-                if isinstance(h, int):
-                    os.close(h)
+            for fd in fds.values():
+                os.close(fd)
 
     threads = [
         threading.Thread(target=reader, name=f"weights-reader-{r}", daemon=True) for r in range(min(max(1, readers), n))
@@ -108,6 +120,8 @@ def iter_safetensors(
         for th in threads:
             if th.ident is not None:
                 th.join()
+        for m in maps.values():
+            m.close()  # the map itself lives on in the views a consumer kept
 
 
 class _Window:
@@ -151,9 +165,7 @@ class _Window:
                 self.ready.wait()
             if self.error is not None:
                 file, e = self.error
-                from safetensors import SafetensorError
-
-                if isinstance(e, SafetensorError):
+                if isinstance(e, (OSError, ValueError)):  # the file vanished, cannot be mapped, ...
                     raise UnsupportedModelError(f"cannot read weights file {file}: {e} (incomplete download?)") from e
                 raise e
             self.taken = k + 1
@@ -181,8 +193,8 @@ class _Entry:
 
 
 def _entries(f: Path) -> list[_Entry]:
-    """The tensors of a safetensors file, in file order, from its header alone. The CPU path's safe_open
-    validates the file again; the CUDA path relies on these checks: sizes match, bytes inside the file."""
+    """The tensors of a safetensors file, in file order, from its header alone; both paths rely on these checks:
+    sizes match the dtypes and shapes, and the tensors cover the data exactly (as safetensors requires)."""
     try:
         with f.open("rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
@@ -195,6 +207,11 @@ def _entries(f: Path) -> list[_Entry]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, MemoryError) as e:
         raise UnsupportedModelError(f"{f} is not a readable safetensors file: {type(e).__name__}: {e}") from e
     length = f.stat().st_size
+    if out and max(e.start + e.nbytes for e in out) != length:  # safetensors' rule: the data is covered, no more
+        raise UnsupportedModelError(
+            f"{f}: its tensors end at byte {max(e.start + e.nbytes for e in out)} of {length}: incomplete download, "
+            "or not a safetensors file?"
+        )
     for e in out:
         count = 1
         for d in e.shape:
@@ -248,25 +265,71 @@ def _torch_dtype(name: str) -> torch.dtype:
     }[name]
 
 
-def _open(f: Path, raw: bool):
-    """A reader's own handle on one file: a raw fd for the CUDA path's preads, else safe_open."""
-    if raw:
-        return os.open(f, os.O_RDONLY)
-    from safetensors import safe_open
+# ---- CPU: the files' memory maps ----------------------------------------------------------------------------
+_MADV_WILLNEED = 3
+_LIVE: dict[int, int] = {}  # start address -> end of each map an iter_safetensors call holds open (see `mapped`)
+_live_lock = threading.Lock()
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _madvise = _libc.madvise
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+except (OSError, AttributeError):  # not Linux/glibc: reads fault in through the strided touch
+    _madvise = None
 
-    return safe_open(str(f), framework="pt")
+
+class _Mapped:
+    """One weights file as a private (copy-on-write) memory map and a uint8 tensor over it. Views of it are the
+    file's bytes in the page cache: no copy, and the kernel reads ahead of them (MADV_WILLNEED at open: on a cold
+    cache the whole file is being read while the first tensors are handed over)."""
+
+    def __init__(self, f: Path):
+        import torch
+
+        with f.open("rb") as fh:
+            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)  # keeps the map alive while any view does
+        self.start = self.base.data_ptr()
+        self.end = self.start + self.base.numel()
+        if _madvise is not None:
+            _madvise(self.start, self.base.numel(), _MADV_WILLNEED)
+        with _live_lock:
+            _LIVE[self.start] = self.end
+
+    def view(self, e: _Entry) -> torch.Tensor:
+        dtype = _torch_dtype(e.dtype)
+        raw = self.base[e.start : e.start + e.nbytes]
+        if e.start % dtype.itemsize:  # a tensor not aligned to its dtype in the file: a copy, aligned
+            raw = raw.clone()
+        return raw.view(dtype).view(e.shape)
+
+    def close(self) -> None:
+        with _live_lock:
+            _LIVE.pop(self.start, None)
+
+
+def mapped(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of a weights file that an iter_safetensors call is handing out now: memory that
+    holds the file's bytes and stays valid while the view lives (a loader may keep it instead of copying)."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return False
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    with _live_lock:
+        return any(s <= lo and hi <= e for s, e in _LIVE.items())
 
 
 def _touch(t: torch.Tensor) -> torch.Tensor:
-    """Fault in the pages of an mmap-backed CPU tensor on this reader thread: a torch op (which releases the
-    GIL) reads one byte per page. The consumer's copy then reads memory, not the disk. Small tensors are left
-    to the consumer: two op dispatches cost more than their few page faults."""
+    """Fault in the pages of a mapped CPU tensor on this reader thread: a torch op (which releases the GIL) reads one
+    byte per page. The consumer then reads memory, not the disk. (MADV_POPULATE_READ took 25 ms for SmolLM2's
+    257 MiB where this took 15: a fault maps the pages around it too.) Small tensors are left to the consumer: two
+    op dispatches cost more than their few page faults."""
     import torch
 
-    if t.numel() * t.element_size() >= _TOUCH_MIN:
-        b = t.reshape(-1).view(torch.uint8)
-        b[::_PAGE].sum()
-        b[-1:].sum()
+    if t.numel() * t.element_size() < _TOUCH_MIN:
+        return t
+    b = t.reshape(-1).view(torch.uint8)
+    b[::_PAGE].sum()
+    b[-1:].sum()
     return t
 
 
