@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
 from engine.types import Request
 
@@ -31,14 +32,29 @@ class BlockManager:
     - A block whose ref count drops to 0 goes to the free queue but keeps its hash: it stays findable
       until it is handed out again (LRU: the least recently freed cached block goes first). Freed blocks
       without a hash hold nothing reusable and are handed out before any cached block.
-    - The partial last block of a sequence is never registered, so never shared."""
+    - The partial last block of a sequence is never registered, so never shared.
+    - With `chunk` (a CPU pool, whose pages cost memory only once touched), blocks are handed out from an open
+      region [0, num_open) that starts as one chunk and grows by a chunk whenever an allocation would leave it
+      less than one chunk free (cached blocks count as free: they are evicted, LRU, inside the region before it
+      grows). The region is then about the peak working set plus a chunk, and stops growing under a steady load.
+      `on_open(num_open)` is told each growth (engine/kv_cache.py's Prefaulter faults the pages in ahead). The
+      unopened blocks count as free: admission and preemption see the whole pool. chunk None: all open."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        chunk: int | None = None,
+        on_open: Callable[[int], None] | None = None,
+    ):
+        if num_blocks < 1 or block_size < 1 or (chunk is not None and chunk < 1):
+            raise ValueError(f"need num_blocks, block_size, chunk >= 1, got {num_blocks}, {block_size}, {chunk}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = next out
+        self.chunk = chunk
+        self.on_open = on_open
+        self.num_open = num_blocks if chunk is None else min(chunk, num_blocks)
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_open))  # front = next out
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -51,7 +67,8 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Free blocks of the whole pool: the region's free queue and the blocks not opened yet."""
+        return len(self.free_queue) + self.num_blocks - self.num_open
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -64,6 +81,7 @@ class BlockManager:
             "prefix_cache_hit_rate": self.hit_tokens / q if q else 0.0,
             "prefix_cache_blocks": len(self.cached),
             "prefix_cache_evictions": self.evictions,
+            "kv_open_blocks": self.num_open,
         }
 
     # ---- prefix lookup --------------------------------------------------------------------
@@ -107,8 +125,9 @@ class BlockManager:
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         need = blocks_needed(total + num_lookahead, self.block_size) - len(req.block_ids) - len(cached_blocks)
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)  # these leave the free queue
-        if need > len(self.free_queue) - revived:
+        if need > self.num_free_blocks - revived:
             return False
+        self._grow(need + revived)
         for block_id in cached_blocks:
             if self.ref_counts[block_id] == 0:
                 del self.free_queue[block_id]
@@ -122,6 +141,19 @@ class BlockManager:
         if req.cache_key:
             self._register(req, total // self.block_size)
         return True
+
+    def _grow(self, taking: int) -> None:
+        """Open chunks while taking `taking` blocks from the region's free queue would leave it less than a chunk
+        (the headroom). New blocks hold nothing cached: they go to the front of the queue."""
+        opened = self.num_open
+        while self.num_open < self.num_blocks and len(self.free_queue) - taking < self.chunk:
+            end = min(self.num_open + self.chunk, self.num_blocks)
+            for block_id in range(end - 1, self.num_open - 1, -1):  # lowest id first out
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+            self.num_open = end
+        if self.num_open > opened and self.on_open is not None:
+            self.on_open(self.num_open)
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Free req's blocks past the first `num_tokens` tokens (the slots of rejected drafts). Those blocks

@@ -48,7 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # most tokens one request takes per step (0 = the whole budget)
-    kv_cache_memory: int = 1 << 30  # KV pool bytes on CPU
+    kv_cache_memory: int | None = None  # KV pool bytes on CPU; None: automatic (engine/host_memory.py)
     gpu_memory_utilization: float = 0.90  # fraction of GPU memory for weights + KV on CUDA
     num_kv_blocks: int | None = None  # fixed pool size; overrides both budgets (tests, planner)
     cache_root: str = dataclasses.field(default_factory=default_cache_root)
@@ -93,7 +93,7 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         need(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0")
-        need(self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.quantization in (None, "fp8"), "quantization", "must be None or fp8")

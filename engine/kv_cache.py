@@ -1,10 +1,12 @@
-"""The KV pool: one preallocated tensor, sized by engine/memory.py's plan; fp8 KV scale calibration."""
+"""The KV pool: one preallocated tensor, sized by engine/memory.py's plan (on CPU, faulted in ahead of use by the
+Prefaulter); fp8 KV scale calibration."""
 
 from __future__ import annotations
 
 import logging
 import mmap
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -15,41 +17,130 @@ from kernels import FP8_MAX
 log = logging.getLogger(__name__)
 
 
-def allocate(spec: ModelSpec, plan: MemoryPlan, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def allocate(
+    spec: ModelSpec, plan: MemoryPlan, dtype: torch.dtype, device: torch.device, prefault: Prefaulter | None = None
+) -> torch.Tensor:
+    """The zeroed pool. On CPU its pages are faulted in by `prefault` as the block manager opens blocks (without
+    one: all of them, in the background)."""
     # [layers, K/V, kv_heads, blocks, block_size, head_dim]: head-major, so a gather of blocks lands
     # as [kv_heads, seqs, ctx, head_dim] and feeds batched matmuls without a copy. Zeros: stale slots
     # are finite.
     shape = (spec.num_layers, 2, spec.num_kv_heads, plan.num_blocks, plan.block_size, spec.head_dim)
     if device.type == "cpu":
-        return _cpu_hugepage_zeros(shape, dtype)
+        return (prefault or Prefaulter(plan.num_blocks)).zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-_HUGE = 2 << 20
+CHUNK_BYTES = 64 << 20  # a CPU pool's growth step: this much KV (every layer's, a draft model's too)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
-def _cpu_hugepage_zeros(shape, dtype) -> torch.Tensor:
-    """Zeros from an anonymous mmap, backed by 2 MiB pages where the kernel allows it (THP in madvise mode is
-    common).
+def growth_chunk(plan: MemoryPlan) -> int:
+    """Blocks per growth step of a CPU pool's open region: CHUNK_BYTES of KV, at least one block, at most the pool."""
+    return max(1, min(plan.num_blocks, CHUNK_BYTES // (plan.kv_bytes_per_token * plan.block_size)))
 
-    - Anonymous pages are zero by definition, so a GiB pool costs nothing at start (an explicit zero-fill took
-      0.4-2 s of the cold start); a background thread then faults them in (populate_in_background).
-    - Decode gathers touch scattered blocks across the pool; with 4 KiB pages they miss the TLB constantly.
-      Measured here: a decode step's 180 block gathers take 32 % less time with 2 MiB pages."""
-    nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-    buf = mmap.mmap(-1, nbytes + _HUGE)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)  # shares the mapping; the tensor keeps `buf` alive
-    offset = (-raw.data_ptr()) % _HUGE
-    try:
+
+@dataclass
+class _Pool:
+    buf: mmap.mmap
+    addr: int
+    segments: int  # layers x 2 x kv_heads: each holds every block's slots of one (layer, K/V, head)
+    block_bytes: int  # one block within a segment
+    num_blocks: int
+    done: int = 0  # blocks [0, done) populated, or being populated
+
+
+class Prefaulter:
+    """The CPU pools of one engine's block ids (the target's, and a draft model's), faulted in ahead of use by one
+    background thread.
+
+    - A pool is an anonymous private mapping: zero pages by definition, so a pool costs nothing at start (an explicit
+      zero-fill took 0.4-2 s of the cold start) and memory only where its pages are touched. Private, not Python's
+      default MAP_SHARED: shared anonymous memory is shmem, whose first touch took twice the system time here (0.9
+      vs 0.45 s per GiB), and which transparent huge pages skip where shmem_enabled is never (the usual setting).
+    - The block manager hands out blocks from an open region that grows a `chunk` at a time with the load
+      (engine/block_manager.py). `open(n)` asks the thread to have blocks [0, n + chunk) populated, a chunk ahead
+      of the region [0, n), so no step meets a first touch and the start never waits for one. At first: the first
+      region and a chunk ahead. chunk None: the whole pool at once.
+    - MADV_POPULATE_WRITE (Linux 5.14+; ctypes releases the GIL). In the head-major layout a block range is
+      layers x 2 x kv_heads separate segments, each populated over its own bytes (rounded out to whole pages).
+    - No MADV_HUGEPAGE: on the MAP_SHARED pool it advised it had no effect; on a private one each segment would grow
+      2 MiB at a time (360 MiB a step for SmolLM2's 180 segments), and populating took 3x the system time here.
+    - The thread runs only while something is left to populate: a dropped engine's pools are freed."""
+
+    def __init__(self, num_blocks: int, chunk: int | None = None):
+        self.num_blocks = num_blocks
+        self.chunk = chunk
+        self.target = num_blocks if chunk is None else min(2 * chunk, num_blocks)  # blocks [0, target) asked for
+        self._pools: list[_Pool] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._unavailable = False  # no madvise, or a kernel without MADV_POPULATE_WRITE: pages fault on first use
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero pool [layers, 2, kv_heads, blocks, block_size, head_dim] of `num_blocks` blocks, populated as far
+        as asked."""
+        assert shape[3] == self.num_blocks, (shape, self.num_blocks)
+        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(buf, dtype=torch.uint8)  # shares the mapping; the tensor keeps `buf` alive
+        segments = shape[0] * shape[1] * shape[2]
+        with self._lock:
+            self._pools.append(_Pool(buf, raw.data_ptr(), segments, nbytes // segments // shape[3], shape[3]))
+            self._start()
+        return raw.view(dtype).view(shape)
+
+    def open(self, num_open: int) -> None:
+        """The block manager's region is now blocks [0, num_open): populate up to a chunk past it."""
+        if self.chunk is None:
+            return
+        with self._lock:
+            if (want := min(num_open + self.chunk, self.num_blocks)) > self.target:
+                self.target = want
+                self._start()
+
+    def wait(self) -> None:
+        """Until the thread has populated what was asked (tests, and measurements of memory)."""
+        while (th := self._thread) is not None:
+            th.join()
+
+    def _start(self) -> None:  # under the lock
+        if self._thread is None and any(p.done < self.target for p in self._pools):
+            self._thread = threading.Thread(target=self._run, name="kv-pool-prefault", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                work = [(p, p.done, self.target) for p in self._pools if p.done < self.target]
+                if not work:
+                    self._thread = None
+                    return
+                for p, _, hi in work:  # claimed: a later open() adds only what lies past hi
+                    p.done = hi
+            for p, lo, hi in work:
+                self._populate(p, lo, hi)
+
+    def _populate(self, p: _Pool, lo: int, hi: int) -> None:
+        """Fault in blocks [lo, hi) of every segment of pool `p`."""
+        if self._unavailable:
+            return
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
-    except (OSError, AttributeError) as e:  # not Linux/glibc: ordinary pages, same results
-        _warn_prefault_once(f"no madvise here ({e})")
-    else:
-        populate_in_background(libc, buf, raw.data_ptr() + offset, nbytes)
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
+        seg = p.block_bytes * p.num_blocks
+        if lo == 0 and hi == p.num_blocks:  # whole segments are one contiguous range
+            spans = [(p.addr, p.segments * seg)]
+        else:
+            spans = [(p.addr + s * seg + lo * p.block_bytes, (hi - lo) * p.block_bytes) for s in range(p.segments)]
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            for start, length in spans:
+                first, end = start - start % mmap.PAGESIZE, -(-(start + length) // mmap.PAGESIZE) * mmap.PAGESIZE
+                if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_POPULATE_WRITE) != 0:
+                    raise OSError(f"errno {ctypes.get_errno()}")  # EINVAL: a kernel before 5.14
+        except (OSError, AttributeError) as e:  # not Linux/glibc, or an old kernel
+            self._unavailable = True
+            _warn_prefault_once(str(e))
 
 
 _prefault_warned = False
@@ -61,24 +152,6 @@ def _warn_prefault_once(why: str) -> None:
     if not _prefault_warned:
         _prefault_warned = True
         log.warning("KV pool pre-fault unavailable (%s): pages fault in on first use, inside steps", why)
-
-
-def populate_in_background(libc, buf, addr: int, nbytes: int) -> threading.Thread:
-    """Fault the pool's pages in on a thread (MADV_POPULATE_WRITE, Linux 5.14+; ctypes releases the GIL), so the
-    start does not wait for it and no step stalls on a first touch later. With 2 MiB pages and the head-major
-    layout, the first use of a block range faults in layers x 2 x kv_heads pages at once (SmolLM2: 180 pages,
-    360 MiB, in the middle of a step), and the worker's RSS crept up for minutes as the scheduler reached new
-    block ranges (bench/soak.py)."""
-
-    def run(_buf) -> None:  # holds the mmap until done; Thread drops its args when run returns
-        import ctypes
-
-        if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 23) != 0:  # MADV_POPULATE_WRITE
-            _warn_prefault_once(f"errno {ctypes.get_errno()}")  # a kernel before 5.14
-
-    th = threading.Thread(target=run, args=(buf,), name="kv-pool-prefault", daemon=True)
-    th.start()
-    return th
 
 
 # A short built-in text for fp8 KV calibration: prose, code and numbers, so K/V ranges resemble real use.

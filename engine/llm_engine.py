@@ -50,12 +50,15 @@ class LLMEngine:
             self.memory = plan = startup.device_plan(cfg, facts, loaded_len=plan.max_model_len)  # CUDA: measured now
             calibration = startup.calibration_ids(facts, model, self.tok, plan.max_model_len)
             self.tp_group.send(("setup", plan, calibration))  # every rank: the same pool (of its heads), same scales
-            self.runner = startup.build_rank(cfg, facts, model, plan, calibration)
-            tl.mark("KV allocation", f"{plan.num_blocks} blocks, {plan.kv_bytes / 2**20:.0f} MiB")
+            self.kv_prefault = pf = startup.kv_prefaulter(cfg, facts, plan)  # CPU: pages ahead of the open blocks
+            self.runner = startup.build_rank(cfg, facts, model, plan, calibration, pf)
+            opened = f" of address space, opened {pf.chunk} blocks at a time" if pf is not None and pf.chunk else ""
+            tl.mark("KV allocation", f"{plan.num_blocks} blocks, {plan.kv_bytes / 2**20:.0f} MiB{opened}")
             self.lora = LoRAManager(cfg, facts.spec, self.runner.lora, self.tp_group) if cfg.enable_lora else None
             self.tp_group.expect("ready", timeout_s=600)
-            self.block_manager = BlockManager(plan.num_blocks, cfg.block_size)
-            self.speculator = start_speculation(cfg, facts, plan, self.block_manager, self.tok, tl)
+            growth = (pf.chunk, pf.open) if pf is not None else (None, None)  # CPU: an open region grows by chunks
+            self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, *growth)
+            self.speculator = start_speculation(cfg, facts, plan, self.block_manager, self.tok, tl, pf)
             self.scheduler = Scheduler(
                 self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len,
                 cfg.long_prefill_token_threshold, admission=self.lora, lookahead=self.speculator.lookahead,

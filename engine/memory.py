@@ -228,6 +228,7 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     max_model_len: int
+    sized_by: str = ""  # CPU: how an automatic pool was sized (engine/host_memory.py), for the start-up log
 
     @property
     def kv_tokens(self) -> int:
@@ -251,6 +252,7 @@ class MemoryPlan:
             f"{self.kv_bytes_per_token} B/token ({self.kv_bytes / 2**20:.0f} MiB), {self.max_concurrent_seqs:.1f} "
             f"concurrent sequences at max_model_len={self.max_model_len}"
             + (f"; activation reserve {_gib(self.activation_reserve_bytes)}" if self.activation_reserve_bytes else "")
+            + (f"; {self.sized_by}" if self.sized_by else "")
         )
 
     def as_dict(self) -> dict:

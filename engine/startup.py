@@ -7,6 +7,7 @@ calls, with simulated numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_factory
 from engine.device import check_fp8_support, cuda_driver_version, gpu_line, model_dtype
 from engine.errors import ConfigError
-from engine.kv_cache import CALIBRATION_TEXT, allocate, kv_scales
+from engine.host_memory import HostMemory, cpu_pool_bytes, read_host_memory
+from engine.kv_cache import CALIBRATION_TEXT, Prefaulter, allocate, growth_chunk, kv_scales
 from engine.layers.attention import build_attention
 from engine.lora.manager import LoRASlots
 from engine.memory import MemoryPlan
@@ -48,6 +50,7 @@ class ModelFacts:
     kernel_backend: str  # "triton" or "torch"
     draft_path: Path | None = None  # speculative decoding's draft model (rank 0's only); its bytes are planned too
     draft_spec: ModelSpec | None = None
+    host: HostMemory | None = None  # CPU: the memory available at start, which an automatic KV pool is sized from
 
 
 def resolve(cfg: EngineConfig, rank: int = 0) -> ModelFacts:
@@ -78,6 +81,7 @@ def resolve(cfg: EngineConfig, rank: int = 0) -> ModelFacts:
         kernel_backend=cfg.kernel_backend if cfg.kernel_backend != "auto" else ("triton" if cuda else "torch"),
         draft_path=draft_path,
         draft_spec=draft_spec,
+        host=read_host_memory() if not cuda else None,  # read once: the plans before and after the load agree
     )
 
 
@@ -119,9 +123,10 @@ def open_tokenizer(cfg: EngineConfig, facts: ModelFacts) -> tuple[Tokenizer, fro
 
 
 def device_plan(cfg: EngineConfig, facts: ModelFacts, loaded_len: int | None = None) -> MemoryPlan:
-    """The KV pool and context length on this device (plan_memory). CPU: from KV_CACHE_MEMORY, the same plan before
-    and after the load. CUDA: before the load (loaded_len None), refuse what cannot fit and predict the rest; after
-    it (loaded_len: the context the model was built for), plan from the memory measured now."""
+    """The KV pool and context length on this device (plan_memory). CPU: from KV_CACHE_MEMORY, or automatic from
+    facts.host (engine/host_memory.py), the same plan before and after the load. CUDA: before the load (loaded_len
+    None), refuse what cannot fit and predict the rest; after it (loaded_len: the context the model was built for),
+    plan from the memory measured now."""
     if loaded_len is None:
         _say_what_is_ignored(cfg, facts)
     gpu = None
@@ -139,6 +144,7 @@ def device_plan(cfg: EngineConfig, facts: ModelFacts, loaded_len: int | None = N
         draft_spec=facts.draft_spec,
         kernel_backend=facts.kernel_backend,
         loaded_len=loaded_len,
+        host=facts.host,
     )
     if gpu is not None:
         log.info("memory plan (%s): %s", "predicted" if loaded_len is None else "measured", plan.as_dict())
@@ -149,8 +155,8 @@ def _say_what_is_ignored(cfg: EngineConfig, facts: ModelFacts) -> None:
     """Settings for another kind of device, or that cannot work here: said once, at start."""
     default, kind = EngineConfig(), facts.device.type
     if kind != "cuda" and cfg.gpu_memory_utilization != default.gpu_memory_utilization:
-        log.warning("GPU_MEMORY_UTILIZATION is ignored on %s: the KV pool is KV_CACHE_MEMORY", facts.device)
-    if kind == "cuda" and cfg.kv_cache_memory != default.kv_cache_memory:
+        log.warning("GPU_MEMORY_UTILIZATION is ignored on %s: the KV pool is KV_CACHE_MEMORY (or automatic)", kind)
+    if kind == "cuda" and cfg.kv_cache_memory is not None:
         log.warning("KV_CACHE_MEMORY is ignored on CUDA: the pool is sized by GPU_MEMORY_UTILIZATION")
     if not cfg.enforce_eager and (why := memory.graphs_unusable(cfg, kind, facts.kernel_backend)):
         log.warning("ENFORCE_EAGER=false is ignored: %s; decode steps run eagerly", why)
@@ -176,15 +182,30 @@ def calibration_ids(facts: ModelFacts, model, tok: Tokenizer, max_len: int) -> l
     return tok.encode(CALIBRATION_TEXT)[:max_len]
 
 
+def kv_prefaulter(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan) -> Prefaulter | None:
+    """CPU: what faults the pools' pages in (engine/kv_cache.py), a chunk ahead of the block manager's open region
+    (growth_chunk blocks; a fixed num_kv_blocks pool is open and populated whole). None on CUDA: device memory is
+    the pool's from the start."""
+    if facts.device.type == "cuda":
+        return None
+    return Prefaulter(plan.num_blocks, growth_chunk(plan) if cfg.num_kv_blocks is None else None)
+
+
 def build_rank(
-    cfg: EngineConfig, facts: ModelFacts, model, plan: MemoryPlan, calibration: list[int] | None
+    cfg: EngineConfig,
+    facts: ModelFacts,
+    model,
+    plan: MemoryPlan,
+    calibration: list[int] | None,
+    prefault: Prefaulter | None = None,
 ) -> ModelRunner:
-    """This rank's runner around its loaded model: the KV pool the plan sized, attention with fp8 KV scales (the
-    checkpoint's, or calibrated on `calibration`: under tensor parallelism in one forward with the other ranks),
-    LoRA slots when LoRA is on, and CUDA graphs where they run (captured after ready by IdleWork, idle or busy)."""
+    """This rank's runner around its loaded model: the KV pool the plan sized (on CPU, faulted in by `prefault`),
+    attention with fp8 KV scales (the checkpoint's, or calibrated on `calibration`: under tensor parallelism in one
+    forward with the other ranks), LoRA slots when LoRA is on, and CUDA graphs where they run (captured after ready
+    by IdleWork, idle or busy)."""
     if facts.kernel_backend == "triton":
         kernels.load_triton()  # imports triton (about 0.3 s): the torch path never does
-    kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device)
+    kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend)
     if facts.kv_dtype == torch.float8_e4m3fn:
         attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
@@ -245,13 +266,15 @@ def plan_memory(
     draft_spec: ModelSpec | None = None,
     kernel_backend: str | None = None,
     loaded_len: int | None = None,
+    host: HostMemory | None = None,
 ) -> MemoryPlan:
     """The memory plan of one rank for the engine's whole configuration: the engine's start calls it (twice on
     CUDA) and so does `python -m warmup.plan`. `spec`: the full model (sharded by cfg.tensor_parallel_size);
-    `gpu` None: CPU, the pool is KV_CACHE_MEMORY. Before the load (loaded_len None): refuse fp8 below capability
-    8.9 and weights that cannot fit, then predict the pool with the weights (the draft's too) and the CUDA context
-    counted as in use. After it (loaded_len: the context the model was built for): gpu.free is measured with the
-    target's weights resident, and the draft's, loaded after the pool, are held back from it."""
+    `gpu` None: CPU, the pool is KV_CACHE_MEMORY, or unset an automatic one sized from `host` (cpu_kv_budget). Before
+    the load (loaded_len None): refuse fp8 below capability 8.9 and weights that cannot fit, then predict the pool
+    with the weights (the draft's too) and the CUDA context counted as in use. After it (loaded_len: the context the
+    model was built for): gpu.free is measured with the target's weights resident, and the draft's, loaded after the
+    pool, are held back from it."""
     device_type = "cpu" if gpu is None else "cuda"
     needs = memory_needs(cfg, spec, dtype, device_type, draft_spec=draft_spec, kernel_backend=kernel_backend)
     kv = dict(
@@ -262,8 +285,10 @@ def plan_memory(
         weights=needs.weight_bytes,
     )
     if gpu is None:
-        budget = cfg.kv_cache_memory
-        return memory.plan(kv_budget=budget, budget=budget, model_max_len=spec.max_position_embeddings, **kv)
+        budget, why = cpu_kv_budget(cfg, spec, needs, host)
+        fix = " Or set KV_CACHE_MEMORY (unset, the pool is at most half the memory at start)." if why else ""
+        plan = memory.plan(kv_budget=budget, budget=budget, model_max_len=spec.max_position_embeddings, fix=fix, **kv)
+        return dataclasses.replace(plan, sized_by=why)
     kv |= dict(total=gpu.total, utilization=cfg.gpu_memory_utilization)
     if loaded_len is not None:
         reserve = needs.reserve_bytes + needs.draft_weight_bytes
@@ -276,4 +301,20 @@ def plan_memory(
         quantization=cfg.quantization,
         model_max_len=spec.max_position_embeddings,
         **kv,
+    )
+
+
+def cpu_kv_budget(cfg: EngineConfig, spec: ModelSpec, needs: memory.Needs, host: HostMemory | None) -> tuple[int, str]:
+    """The CPU pool's bytes: KV_CACHE_MEMORY, or unset room for MAX_NUM_SEQS sequences of the full context
+    (MAX_MODEL_LEN, else the model's), capped by the memory at start (engine/host_memory.py); and how it was sized
+    ("" when given, or when num_kv_blocks fixes the pool)."""
+    if cfg.kv_cache_memory is not None or cfg.num_kv_blocks is not None:
+        return cfg.kv_cache_memory or 0, ""
+    context = cfg.max_model_len or spec.max_position_embeddings
+    return cpu_pool_bytes(
+        bytes_per_block=needs.kv_bytes_per_token * cfg.block_size,
+        blocks_per_seq=-(-context // cfg.block_size),
+        max_num_seqs=cfg.max_num_seqs,
+        host=host or HostMemory(None, "the machine's memory not read"),
+        ranks=cfg.tensor_parallel_size,
     )

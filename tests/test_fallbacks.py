@@ -4,6 +4,8 @@ malloc arenas, a pre-faulted KV pool), the process says so at warning level, onc
 import ctypes
 import logging
 
+import torch
+
 from engine import kv_cache
 from engine.parallel import worker
 from handler import settings
@@ -43,10 +45,14 @@ def test_mallopt_failure_is_logged(monkeypatch, caplog):
 
 def test_kv_prefault_failure_is_logged_once(monkeypatch, caplog):
     monkeypatch.setattr(kv_cache, "_prefault_warned", False)
-    buf = bytearray(4096)
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: _FailingLibc())
     with caplog.at_level(logging.WARNING):
         for _ in range(3):  # three pools (a target and drafts): one line
-            kv_cache.populate_in_background(_FailingLibc(), buf, 0, len(buf)).join()
+            pf = kv_cache.Prefaulter(4, chunk=1)
+            pool = pf.zeros((2, 2, 1, 4, 16, 8), torch.float32)
+            pf.open(2)
+            pf.wait()
+            assert not pool.any()  # pages fault in on first use: still zeros
     assert len(_warnings(caplog, "pre-fault unavailable")) == 1
 
 

@@ -186,7 +186,7 @@ def engine_start_plans(monkeypatch, cfg: EngineConfig, gpu: memory.GPU):
         model = SimpleNamespace(checkpoint_kv_scales={})  # no weights: fp8 KV scales would be calibrated
         return model, SimpleNamespace(phase="weights (simulated)", note=lambda: "")
 
-    def allocate(spec, plan, kv_dtype, device):
+    def allocate(spec, plan, kv_dtype, device, prefault=None):
         seen["measured"] = plan
         raise _Stop
 

@@ -17,6 +17,7 @@ NO_TORCH = {
     "engine/config.py",
     "engine/output.py",
     "engine/memory.py",
+    "engine/host_memory.py",  # the automatic CPU pool's size and the machine's memory it is sized from
     "engine/models/spec.py",  # config.json -> ModelSpec: the memory planner and warmup.plan read it without torch
 }
 MAX_LINES = 400

@@ -26,7 +26,7 @@ import torch
 from engine.model_runner import ModelRunner
 from engine.parallel.rank import join_group
 from engine.parallel.tables import TableMirror
-from engine.startup import build_rank, load_rank, resolve
+from engine.startup import build_rank, kv_prefaulter, load_rank, resolve
 
 log = logging.getLogger("engine")
 
@@ -66,7 +66,10 @@ def _start(rank: int, tp: int, init_method: str, cfg, max_positions: int, conn) 
     msg = conn.recv()
     assert msg[0] == "setup", msg
     _, plan, calibration = msg
-    return build_rank(cfg, facts, model, plan, calibration)  # its fp8 KV calibration runs in step with rank 0's
+    # On CPU its pool's first region and a chunk ahead are faulted in as rank 0's are; rank 0's block manager grows
+    # the region, and its growth is not sent here, so blocks past it fault in on their first use, inside a step
+    prefault = kv_prefaulter(cfg, facts, plan)
+    return build_rank(cfg, facts, model, plan, calibration, prefault)  # fp8 KV calibration runs in step with rank 0's
 
 
 def _serve(runner: ModelRunner, conn) -> None:

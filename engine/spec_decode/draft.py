@@ -28,7 +28,7 @@ from engine.block_table import h2d
 from engine.config import EngineConfig
 from engine.cuda_graphs import cuda_graph_factory
 from engine.errors import ConfigError
-from engine.kv_cache import allocate
+from engine.kv_cache import Prefaulter, allocate
 from engine.layers.attention import build_attention
 from engine.memory import MemoryPlan
 from engine.model_runner import ModelRunner, flat_batch
@@ -44,9 +44,18 @@ log = logging.getLogger("engine")
 
 
 class DraftProposer:
-    def __init__(self, cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan, bm: BlockManager, tok: Tokenizer):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        facts: ModelFacts,
+        plan: MemoryPlan,
+        bm: BlockManager,
+        tok: Tokenizer,
+        prefault: Prefaulter | None = None,
+    ):
         """facts: the target's (the draft's checkpoint is facts.draft_path); plan: the target's KV pool, whose block
-        ids the draft shares; bm: the target's block manager; tok: the target's tokenizer."""
+        ids the draft shares; bm: the target's block manager; tok: the target's tokenizer; prefault: on CPU, the
+        target pool's (the draft's pages follow the same open region)."""
         self.path, self.spec = path, s = facts.draft_path, facts.draft_spec
         check_vocab(facts.spec.vocab_size, tok, s, path)
         self.block_size = cfg.block_size
@@ -55,7 +64,7 @@ class DraftProposer:
         self.device = dev = facts.device
         m = model_class(s)(s, facts.dtype, dev, plan.max_model_len, None)
         m.load_weights(iter_weights(path, dev))
-        kv = allocate(s, plan, facts.dtype, dev)  # the target's block count and size
+        kv = allocate(s, plan, facts.dtype, dev, prefault)  # the target's block count and size
         attn = build_attention(s, cfg.block_size, facts.kernel_backend)
         # its own graphs (and pool: the planner counts it, memory.engine_needs) wherever the target has graphs
         graphs = cuda_graph_factory() if memory.cuda_graphs(cfg, dev.type, facts.kernel_backend) else None

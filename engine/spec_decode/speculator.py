@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_cache import Prefaulter
 from engine.memory import MemoryPlan
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft import DraftProposer
@@ -90,16 +91,23 @@ class NoSpeculation:
 
 
 def start_speculation(
-    cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan, bm: BlockManager, tok: Tokenizer, timeline: Timeline
+    cfg: EngineConfig,
+    facts: ModelFacts,
+    plan: MemoryPlan,
+    bm: BlockManager,
+    tok: Tokenizer,
+    timeline: Timeline,
+    prefault: Prefaulter | None = None,
 ) -> Speculator | NoSpeculation:
     """The engine's speculation, as configured: the draft model loaded (its KV pool under the target's block ids,
-    so `plan` and `bm` are the target's), or n-gram proposals, or none."""
+    so `plan` and `bm` are the target's, and on CPU faulted in with the target's by `prefault`), or n-gram
+    proposals, or none."""
     sc = cfg.speculative_config
     if sc is None:
         return NoSpeculation()
     draft = None
     if sc.method == "draft_model":
-        draft = DraftProposer(cfg, facts, plan, bm, tok)
+        draft = DraftProposer(cfg, facts, plan, bm, tok, prefault)
         timeline.mark("draft model", str(draft.path))
     log.info("speculative decoding: %s", sc.describe())
     return Speculator(sc, plan.max_model_len, draft)

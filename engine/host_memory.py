@@ -1,0 +1,94 @@
+"""The CPU KV pool's automatic size (KV_CACHE_MEMORY unset): a capacity from the model and the concurrency, capped by
+the memory the machine has at start. `cpu_pool_bytes` is the arithmetic, on plain numbers (tests simulate them);
+`read_host_memory` is the one reading of the machine it takes (/proc/meminfo and the cgroup's limit). No torch.
+
+The capacity is address space, not memory: the pool is an anonymous mapping whose pages are touched only as the
+block manager opens its region (engine/kv_cache.py's Prefaulter), so a large capacity costs nothing until the load
+uses it, and the cap keeps a full pool within what the machine can hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+UNKNOWN_CAP = GIB  # the pool's cap when neither /proc/meminfo nor a cgroup limit can be read (the old default)
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (2^63 rounded down to a page)
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The memory this process may use, read once at start."""
+
+    available: int | None  # bytes: MemAvailable, or the cgroup's limit where lower; None: neither readable
+    source: str  # where the number came from, for the start-up log
+
+
+def read_host_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> HostMemory:
+    """MemAvailable from /proc/meminfo, or this process's cgroup limit where it is lower (_cgroup_limit), or under
+    strict overcommit the commit limit left where that is lower (the pool's whole mapping is charged at once,
+    touched or not). The cgroup's limit itself, not what it has left: the container's other processes are not this
+    worker's to count."""
+    kib = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in _read(proc / "meminfo").splitlines() if ln.split()[1:]}
+    found = []  # (bytes, what it is)
+    if "MemAvailable" in kib:
+        found.append((kib["MemAvailable"], f"MemAvailable {_gib(kib['MemAvailable'])}"))
+    if (limit := _cgroup_limit(proc, cgroup)) is not None:
+        found.append((limit[0], f"the cgroup limit {_gib(limit[0])} ({limit[1]})"))
+    if _read(proc / "sys" / "vm" / "overcommit_memory").strip() == "2" and "CommitLimit" in kib:
+        left = max(0, kib["CommitLimit"] - kib.get("Committed_AS", 0))
+        found.append((left, f"the commit limit left {_gib(left)} (vm.overcommit_memory=2)"))
+    if found:
+        return HostMemory(*min(found))
+    return HostMemory(None, "neither /proc/meminfo nor a cgroup limit readable")
+
+
+def _cgroup_limit(proc: Path, cgroup: Path) -> tuple[int, str] | None:
+    """The lowest memory limit on this process's cgroup and its ancestors (v2 memory.max, v1 memory.limit_in_bytes),
+    and the file that set it; None: no limit. Inside a container's cgroup namespace its own cgroup shows as /."""
+    found = []
+    for line in _read(proc / "self" / "cgroup").splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2's unified hierarchy
+            root, name = cgroup, "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = cgroup / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        own = root / path.strip().lstrip("/")
+        for d in (own, *own.parents):
+            text = _read(d / name).strip()  # v2: "max" when unlimited; v1: a huge number
+            if text.isdigit() and int(text) < _NO_LIMIT:
+                found.append((int(text), str(d / name)))
+            if d == root:
+                break
+    return min(found) if found else None
+
+
+def cpu_pool_bytes(
+    *, bytes_per_block: int, blocks_per_seq: int, max_num_seqs: int, host: HostMemory, ranks: int = 1
+) -> tuple[int, str]:
+    """The pool's bytes and why, for the start-up log: room for `max_num_seqs` sequences of `blocks_per_seq` blocks
+    (the full context), capped at half of the memory available at start (shared by `ranks` tensor-parallel ranks on
+    one machine; UNKNOWN_CAP when it cannot be read). One full-length sequence fits whenever the cap allows it,
+    since the capacity is whole sequences."""
+    want = max_num_seqs * blocks_per_seq * bytes_per_block
+    half = host.available // 2 if host.available is not None else UNKNOWN_CAP
+    cap = half // ranks
+    seqs = f"MAX_NUM_SEQS={max_num_seqs} full-context sequences"
+    what = f"half of {host.source}" if host.available is not None else f"{_gib(UNKNOWN_CAP)}, {host.source}"
+    what += f", shared by {ranks} ranks" if ranks > 1 else ""
+    if want <= cap:
+        return want, f"automatic: room for {seqs} (within {what})"
+    return cap, f"automatic: capped at {what} (room for {seqs} would take {_gib(want)})"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
