@@ -11,6 +11,8 @@ interpreter starting, `python -m` finding the package, the first chunk's print).
   bf16                second start: the converted model is on the volume
   bf16, chat job      the same, with a `messages` job: the chat template is rendered on the path to the first
                       token (engine/chat_template.py's jinja2 renderer; transformers is not imported)
+  bf16, HF's file ..  the same weights as safetensors writes them (HF's layout: copied, not kept in place)
+  bf16, cold page ..  the bf16 case after dropping the file from the page cache (cat is timed cold the same way)
   fp8, first start    QUANTIZATION=fp8 with no snapshot: quantizes online while loading, writes the snapshot
   fp8 from snapshot   QUANTIZATION=fp8, second start: loads the fp8 snapshot the previous case wrote. (On CPU there
                       is no Triton kernel cache to warm: the torch kernels need no compilation.)
@@ -22,15 +24,13 @@ interpreter starting, `python -m` finding the package, the first chunk's print).
                       (warm) + one forward (the bf16 run's own "first token" phase): what any torch worker spends.
 
 Runs are interleaved (one of each case per round); the table gives medians (3 rounds; the conversion case, ~20 s,
-in the first 2 only), and each run's peak RSS (ru_maxrss of that child, from os.wait4). Weight-read bandwidth =
-bytes of the files the weight phase read / that phase's seconds, against a plain sequential `cat` of the same
-files to /dev/null timed right before that case's run: both are warm-page-cache numbers (the files were read
-moments before), so this is the loader's overhead over a read, not the disk. The fp8 snapshot phase includes the
-snapshot's sha256 check (timed separately here too).
+in the first 2 only) and each run's peak RSS (ru_maxrss of that child, from os.wait4). Weight-read bandwidth: the
+bytes the weight phase read / its seconds, against `cat` of the same files to /dev/null right before that run
+(warm, both: the loader's overhead over a read; cold, both, in the cold case).
 
 Usage: python -m bench.coldstart           # ~3-4 min; writes docs/benchmarks.md (coldstart) + docs/coldstart.png
        python -m bench.coldstart --quick   # 1 round, prints only
-       python -m bench.coldstart --importtime  # one bf16 start under `python -X importtime`: where imports go
+       python -m bench.importtime          # where a bf16 start's imports go (`python -X importtime`)
 """
 
 from __future__ import annotations
@@ -52,21 +52,13 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of"
 MAX_TOKENS = 8
-JOB = {
-    "input": {
-        "prompt": PROMPT,
-        "stream": True,
-        "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
-    }
-}
-CHAT_JOB = {
-    "input": {
-        "messages": [{"role": "user", "content": "Tell me about the history of the Roman Empire."}],
-        "stream": True,
-        "sampling_params": JOB["input"]["sampling_params"],
-    }
-}
-CASES = ("first start ever", "bf16", "bf16, chat job", "fp8, first start", "fp8 from snapshot", "HF transformers")
+HF_LAYOUT, COLD = "bf16, HF's file layout", "bf16, cold page cache"
+SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+JOB = {"input": {"prompt": PROMPT, "stream": True, "sampling_params": SAMPLING}}
+CHAT = [{"role": "user", "content": "Tell me about the history of the Roman Empire."}]
+CHAT_JOB = {"input": {"messages": CHAT, "stream": True, "sampling_params": SAMPLING}}
+OURS = ("first start ever", "bf16", "bf16, chat job", HF_LAYOUT, COLD, "fp8, first start", "fp8 from snapshot")
+CASES = (*OURS, "HF transformers")
 WEIGHT_PHASES = ("weight read", "fp8 snapshot load", "weight read + fp8 quantization")
 FIRST_TOKEN = "first token"  # handler/jobs.py's last phase: the prefill + sampling of one forward
 FLOOR_PARTS = ("import torch", "cat of the weights", FIRST_TOKEN)
@@ -159,6 +151,17 @@ def run_hf(model_dir: Path, env: dict) -> dict:
     return dict(first=r["first"], total=out.pop("total_s"), rss=r["rss"], **out)  # phases, first_token
 
 
+def hf_layout(f: Path) -> None:
+    """Rewrite `f` as safetensors' own writer lays it out (transformers' save_pretrained): tensors by name, data 8
+    bytes past a 64-byte boundary, so the engine copies what it cannot keep in place: any HF checkpoint."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(f), framework="pt") as h:
+        meta, tensors = h.metadata(), {n: h.get_tensor(n).clone() for n in h.keys()}
+    save_file(tensors, str(f), metadata=meta)
+
+
 def weights_phase(res: dict) -> dict | None:
     return next((p for p in res["phases"] if p["name"] in WEIGHT_PHASES), None)
 
@@ -173,7 +176,6 @@ def main() -> None:
         return hf_child(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round; prints only")
-    ap.add_argument("--importtime", action="store_true", help="one bf16 start under -X importtime; prints only")
     ap.add_argument("--docs-dir", type=Path, default=None, help="where to write (default docs/, none with --quick)")
     args = ap.parse_args()
     rounds, conv_rounds = (1, 1) if args.quick else (3, 2)
@@ -181,26 +183,25 @@ def main() -> None:
     drop = ("MODEL_NAME", "QUANTIZATION", "BASE_PATH", "TRITON_CACHE_DIR", "KV_CACHE_DTYPE", "HF_HOME", "HF_HUB_CACHE")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k not in drop}
     env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    from bench._common import cat_seconds, cpu_pressure
+    from bench._common import cat_seconds, cpu_pressure, drop_cache
 
     load, pressure, t_all = os.getloadavg()[0], cpu_pressure(), now()
     from engine.config import default_cache_root
     from engine.weights.default_model import ensure_default_model, sha256_file
 
     src = ensure_default_model(Path(default_cache_root()))  # converted once, in the user cache
-    if args.importtime:  # BASE_PATH unset: the worker loads that converted model from the user cache
-        return importtime(env)
     work = Path(tempfile.mkdtemp(prefix="coldstart-"))
     res: dict[str, list[dict]] = {c: [] for c in CASES}
-    cat: dict[str, list[float]] = {"bf16": [], "fp8 snapshot": []}
+    cat: dict[str, list[float]] = {"bf16": [], "bf16 cold": [], "fp8 snapshot": []}
     sha, imp, floor = [], [], []  # sha256 seconds; the fresh `import torch` runs; per round, FLOOR_PARTS' seconds
     try:
         bases = {}
-        for name in ("bf16", "fp8"):  # a volume with the converted model on it (copy2 keeps mtimes)
+        for name in ("bf16", "fp8", "hf"):  # a volume with the converted model on it (copy2 keeps mtimes)
             bases[name] = work / name
             shutil.copytree(src, bases[name] / "default-model" / src.name)
         model_dir = bases["bf16"] / "default-model" / src.name
         model_files = sorted(model_dir.glob("*.safetensors"))
+        hf_layout(bases["hf"] / "default-model" / src.name / "model.safetensors")
         for r in range(rounds):
             if r < conv_rounds:
                 fresh = work / f"fresh-{r}"
@@ -213,6 +214,11 @@ def main() -> None:
             fwd = phase(res["bf16"][-1], FIRST_TOKEN)  # the worker's own forward: its prefill + first sample
             floor.append(dict(zip(FLOOR_PARTS, (imp[-1]["first"], cat["bf16"][-1], fwd))))
             res["bf16, chat job"].append(run_worker(bases["bf16"], env, fp8=False, job=CHAT_JOB))
+            res[HF_LAYOUT].append(run_worker(bases["hf"], env, fp8=False))
+            drop_cache(model_files)  # cold: cat, then the worker, each after dropping the file from the page cache
+            cat["bf16 cold"].append(cat_seconds(model_files))
+            drop_cache(model_files)
+            res[COLD].append(run_worker(bases["bf16"], env, fp8=False))
             shutil.rmtree(bases["fp8"] / "fp8-snapshots", ignore_errors=True)
             cat["bf16"].append(cat_seconds(model_files))
             res["fp8, first start"].append(run_worker(bases["fp8"], env, fp8=True))
@@ -227,6 +233,7 @@ def main() -> None:
             done = ", ".join(f"{c} {v[-1]['first']:.2f} s" for c, v in res.items() if v)
             print(f"round {r}: {done}, floor {sum(floor[-1].values()):.2f} s", flush=True)
         sizes = {"bf16": sum(f.stat().st_size for f in model_files), "fp8 snapshot": snap_files[0].stat().st_size}
+        sizes["bf16 cold"] = sizes["bf16"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for c, want in (("fp8, first start", "weight read + fp8 quantization"), ("fp8 from snapshot", "fp8 snapshot load")):
@@ -288,15 +295,15 @@ def render(res: dict, m: dict, intro: str) -> str:
     lines.append("- **floor**: " + ", ".join(f"{n} {med(f[n] for f in m['floor']):.2f}" for n in FLOOR_PARTS))
     lines += [
         "",
-        "Weight phase bandwidth vs `cat` of the same files (warm page cache, both):",
+        "Weight phase bandwidth vs `cat` of the same files (warm page cache, both; the cold case: both cold):",
         "",
         "| case | phase | MiB | phase s | GB/s | cat s | cat GB/s | phase ÷ cat time |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in CASES[:-1]:  # ours
+    for c in OURS:
         name = weights_phase(res[c][0])["name"]
         secs = med(weights_phase(r)["seconds"] for r in res[c])
-        key = "fp8 snapshot" if c == "fp8 from snapshot" else "bf16"
+        key = {"fp8 from snapshot": "fp8 snapshot", COLD: "bf16 cold"}.get(c, "bf16")
         nbytes, cat_s = m["sizes"][key], med(m["cat"][key])
         lines.append(
             f"| {c} | {name} | {nbytes / 2**20:.0f} | {secs:.3f} | {nbytes / secs / 1e9:.2f} | {cat_s:.3f} | "
@@ -317,21 +324,18 @@ def render(res: dict, m: dict, intro: str) -> str:
         f"- imports above import torch: {imports:.2f} s (target ≤ 0.5 s): the bf16 runs' before T0 + imports, "
         f"less the fresh `import torch` ({imp_s:.2f} s from Popen to its next line; {imp_exit:.2f} s to its exit, "
         f"torch's teardown; {med(x['rss'] for x in m['imp']):.0f} MiB peak RSS). `--importtime` shows where it goes.",
-        "- The chat job's first token includes rendering its chat template (engine/chat_template.py, jinja2; "
-        "transformers is not imported). fp8's first token is slower on CPU because fp8 matmuls are "
-        "emulated there (weights converted to fp32 in every layer, every step); on a GPU they are "
-        "`torch._scaled_mm`.",
-        '- "weight read" is the loader (engine/weights/reader.py: reader threads, mmap views faulted in '
-        "ahead of the consumer) plus the copy into the fused parameters; with fp8 also the per-channel quantization "
-        'of each layer and writing the snapshot. "fp8 snapshot load" includes checking the snapshot\'s '
-        f"sha256 against its manifest, which alone takes {med(m['sha']):.3f} s here (timed in the bench process "
-        f"on the same file).",
-        "- `cat` includes its process start (a few ms). Both numbers are from the page cache: on a network "
-        "volume both would be slower and the reads, not the copies, would dominate.",
-        "- The machine is a shared 2-core VM. The weight phase is the most sensitive to other processes: "
-        "each of the ~270 copies into the parameters is an OpenMP region over torch's 2 threads, and when "
-        "another process holds a core every region waits for a descheduled worker. Compare runs only at a "
-        "similar CPU pressure (printed above).",
+        "- The chat job's first token includes rendering its chat template (jinja2; no transformers). fp8 is "
+        "slower on CPU: its matmuls are emulated (weights to fp32 in every layer, every step).",
+        '- "weight read" is the loader (engine/weights/reader.py: views of each file\'s map, faulted in by a reader '
+        "thread ahead of the consumer) and what the model does with them: the converted default model is laid out "
+        "as the engine's parameters (engine/weights/layout.py), so they are those views, no copy; "
+        f'"{HF_LAYOUT}" is the same weights as safetensors writes them (any HF checkpoint): copies. With fp8 '
+        'also the per-channel quantization of each layer and writing the snapshot. "fp8 snapshot load" includes '
+        f"checking the snapshot's sha256 against its manifest, which alone takes {med(m['sha']):.3f} s here.",
+        "- `cat` includes its process start (a few ms). The cold case drops the file from the page cache "
+        "(POSIX_FADV_DONTNEED) before `cat` and again before the worker; this VM's disk may still be cached below it.",
+        "- A shared 2-core VM: copies into parameters are OpenMP regions over torch's 2 threads, which wait for a "
+        "descheduled thread when another process holds a core. Compare runs at a similar CPU pressure (above).",
         "",
         "![Cold start timeline per case](coldstart.png)",
     ]
@@ -365,33 +369,6 @@ def plot(res: dict, floor: list[dict], png: Path) -> None:
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
-
-
-# ---- --importtime ---------------------------------------------------------------------------------------------
-def importtime(env: dict, top: int = 15) -> None:
-    """One bf16 worker start under `python -X importtime`; prints the level-0 imports by cumulative time, the
-    self time per top-level package (first dotted component), and torch's cumulative against everything else."""
-    cmd = [sys.executable, "-X", "importtime", "-m", "handler", "--test_input", json.dumps(JOB)]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    rows = []  # (level, name, self us, cumulative us); CPython indents the name 2 spaces per nesting level
-    for line in p.stderr.splitlines():
-        if line.startswith("import time:") and "[us]" not in line:
-            self_us, cum_us, name = line.removeprefix("import time:").split("|")
-            rows.append(((len(name) - len(name.lstrip()) - 1) // 2, name.strip(), int(self_us), int(cum_us)))
-    total = sum(r[2] for r in rows)
-    pkgs: dict[str, int] = {}
-    for _, name, self_us, _ in rows:
-        pkgs[name.split(".")[0]] = pkgs.get(name.split(".")[0], 0) + self_us
-    torch_us = next((r[3] for r in rows if r[1] == "torch"), 0)
-    print(f"`python {' '.join(cmd[1:6])} '<the JOB json>'`: {len(rows)} modules, {total / 1e6:.2f} s in all")
-    print("\n| level-0 import | cumulative ms | share |\n|---|---:|---:|")
-    for _, name, _, cum in sorted((r for r in rows if r[0] == 0), key=lambda r: -r[3])[:top]:
-        print(f"| {name} | {cum / 1e3:.0f} | {cum / total:.0%} |")
-    print("\n| package | self ms (its modules, summed) | share |\n|---|---:|---:|")
-    for name, us in sorted(pkgs.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"| {name} | {us / 1e3:.0f} | {us / total:.0%} |")
-    print(f"\ntorch cumulative: {torch_us / 1e3:.0f} ms; everything else: {(total - torch_us) / 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
