@@ -24,7 +24,7 @@ interpreter starting, `python -m` finding the package, the first chunk's print).
                       (warm) + one forward (the bf16 run's own "first token" phase): what any torch worker spends.
 
 Runs are interleaved (one of each case per round); the table gives medians (3 rounds; the conversion case, ~20 s,
-in the first 2 only) and each run's peak RSS (ru_maxrss of that child, from os.wait4). Weight-read bandwidth: the
+in the first 2 only) and each run's peak RSS (its VmHWM, read as it prints). Weight-read bandwidth: the
 bytes the weight phase read / its seconds, against `cat` of the same files to /dev/null right before that run
 (warm, both: the loader's overhead over a read; cold, both, in the cold case).
 
@@ -108,30 +108,37 @@ def hf_child(model_dir: str) -> None:
 # ---- launching ------------------------------------------------------------------------------------------------
 def launch(cmd: list[str], env: dict, first_marker: str, timeout: float = 300) -> dict:
     """Run `cmd`; seconds from Popen to the first stdout line starting with `first_marker` and to its exit; all
-    stdout lines; its peak RSS in MiB."""
+    stdout lines; its peak RSS in MiB: VmHWM (the high-water mark of its memory since exec), read after each line it
+    prints, its last line included (a start's peak is long past by then; the exit only frees). Not ru_maxrss: for
+    a forked child it counts this bench's own memory, copied at the fork, before the exec."""
     with tempfile.TemporaryFile("w+") as err:
         t0 = now()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        first, lines = None, []
+        first, lines, hwm = None, [], 0.0
         for line in proc.stdout:  # the stderr log goes to a file: no pipe can fill up
             if first is None and line.startswith(first_marker):
                 first = now() - t0
             lines.append(line.rstrip("\n"))
+            hwm = max(hwm, vm_hwm_mib(proc.pid))
             if now() - t0 > timeout:
                 proc.kill()
                 break
-        # wait4, not wait: its rusage is this child's (ru_maxrss, KiB on Linux), where getrusage(RUSAGE_CHILDREN)
-        # would be the largest of every child this bench has run so far
-        _, status, usage = os.wait4(proc.pid, 0)
+        rc = proc.wait()
         wall = now() - t0
-        proc.returncode = rc = os.waitstatus_to_exitcode(status)  # so Popen never waits for it again
-        proc.stdout.close()
         if rc != 0 or first is None:
             err.seek(0)
             raise RuntimeError(
                 f"{' '.join(cmd[:4])} ... exited {rc}:\n" + "\n".join(lines[-5:]) + "\n" + err.read()[-3000:]
             )
-    return {"first": first, "wall": wall, "lines": lines, "rss": usage.ru_maxrss / 1024}
+    return {"first": first, "wall": wall, "lines": lines, "rss": hwm}
+
+
+def vm_hwm_mib(pid: int) -> float:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # it has exited
+        return 0.0
+    return next((int(ln.split()[1]) / 1024 for ln in status.splitlines() if ln.startswith("VmHWM:")), 0.0)
 
 
 def run_worker(base: Path, env: dict, fp8: bool, job: dict = JOB) -> dict:

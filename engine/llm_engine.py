@@ -38,9 +38,10 @@ class LLMEngine:
         tl.mark("engine setup")
         self.facts = facts = startup.resolve(cfg)  # the config files alone: no weight read yet
         self._threads_before = startup.claim_threads(cfg, facts.device)  # given back at shutdown
+        plan = startup.device_plan(cfg, facts)  # refuses what cannot fit, before anything is allocated
+        self.kv_prefault, kv = startup.early_pool(cfg, facts, plan)  # CPU: faulting in while the tokenizer loads
         self.tok, self.eos_token_ids = startup.open_tokenizer(cfg, facts)
         tl.mark("model resolution", str(facts.path))
-        plan = startup.device_plan(cfg, facts)  # refuses what cannot fit, before anything is allocated
         # the other tensor-parallel ranks load their shards while this one loads its own
         self.tp_group = start_ranks(cfg, facts.device, plan.max_model_len, tl)
         with self.tp_group.starting():  # no rank outlives a failed start
@@ -50,8 +51,8 @@ class LLMEngine:
             self.memory = plan = startup.device_plan(cfg, facts, loaded_len=plan.max_model_len)  # CUDA: measured now
             calibration = startup.calibration_ids(facts, model, self.tok, plan.max_model_len)
             self.tp_group.send(("setup", plan, calibration))  # every rank: the same pool (of its heads), same scales
-            self.kv_prefault = pf = startup.kv_prefaulter(cfg, facts, plan)  # CPU: pages ahead of the open blocks
-            self.runner = startup.build_rank(cfg, facts, model, plan, calibration, pf)
+            pf = self.kv_prefault  # CPU: pages ahead of the open blocks
+            self.runner = startup.build_rank(cfg, facts, model, plan, calibration, pf, kv)
             opened = f" of address space, opened {pf.chunk} blocks at a time" if pf is not None and pf.chunk else ""
             tl.mark("KV allocation", f"{plan.num_blocks} blocks, {plan.kv_bytes / 2**20:.0f} MiB{opened}")
             self.lora = LoRAManager(cfg, facts.spec, self.runner.lora, self.tp_group) if cfg.enable_lora else None

@@ -191,6 +191,16 @@ def kv_prefaulter(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan) -> Pre
     return Prefaulter(plan.num_blocks, growth_chunk(plan) if cfg.num_kv_blocks is None else None)
 
 
+def early_pool(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan) -> tuple[Prefaulter | None, torch.Tensor | None]:
+    """CPU: the prefaulter and the KV pool, made before the weights are read (the CPU plan does not depend on them),
+    so that the pool's first chunks fault in on the core the start leaves idle while the tokenizer loads (which
+    holds the GIL; the prefault thread does not need it). Made after the weights, that fault-in met the first
+    token: its first matmul took 50-60 ms instead of 2 here, an OpenMP region waiting for a core. CUDA: (None,
+    None): the pool is sized from the memory left after the load."""
+    pf = kv_prefaulter(cfg, facts, plan)
+    return (pf, allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, pf)) if pf is not None else (None, None)
+
+
 def build_rank(
     cfg: EngineConfig,
     facts: ModelFacts,
@@ -198,6 +208,7 @@ def build_rank(
     plan: MemoryPlan,
     calibration: list[int] | None,
     prefault: Prefaulter | None = None,
+    kv: torch.Tensor | None = None,
 ) -> ModelRunner:
     """This rank's runner around its loaded model: the KV pool the plan sized (on CPU, faulted in by `prefault`),
     attention with fp8 KV scales (the checkpoint's, or calibrated on `calibration`: under tensor parallelism in one
@@ -205,7 +216,8 @@ def build_rank(
     by IdleWork, idle or busy)."""
     if facts.kernel_backend == "triton":
         kernels.load_triton()  # imports triton (about 0.3 s): the torch path never does
-    kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
+    if kv is None:  # (rank 0 on CPU made it early: early_pool)
+        kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend)
     if facts.kv_dtype == torch.float8_e4m3fn:
         attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
