@@ -34,9 +34,10 @@ class BlockManager:
       without a hash hold nothing reusable and are handed out before any cached block.
     - The partial last block of a sequence is never registered, so never shared.
     - With `chunk` (a CPU pool, whose pages cost memory only once touched), blocks are handed out from an open
-      region [0, num_open) that starts as one chunk and grows by a chunk whenever an allocation would leave it
-      less than one chunk free (cached blocks count as free: they are evicted, LRU, inside the region before it
-      grows). The region is then about the peak working set plus a chunk, and stops growing under a steady load.
+      region [0, num_open) that starts as one chunk and grows by a chunk whenever an allocation would leave less
+      free than a chunk or a quarter of the region (cached blocks count as free: they are evicted, LRU, inside the
+      region before it grows). The region is then about 4/3 of the peak working set (at least that plus a chunk),
+      and stops growing under a steady load.
       `on_open(num_open)` is told each growth (engine/kv_cache.py's Prefaulter faults the pages in ahead). The
       unopened blocks count as free: admission and preemption see the whole pool. chunk None: all open."""
 
@@ -143,10 +144,11 @@ class BlockManager:
         return True
 
     def _grow(self, taking: int) -> None:
-        """Open chunks while taking `taking` blocks from the region's free queue would leave it less than a chunk
-        (the headroom). New blocks hold nothing cached: they go to the front of the queue."""
+        """Open chunks while taking `taking` blocks from the region's free queue would leave it less than the
+        headroom: a chunk, or a quarter of the region when that is more (room for cached prefixes that grows with
+        the load). New blocks hold nothing cached: they go to the front of the queue."""
         opened = self.num_open
-        while self.num_open < self.num_blocks and len(self.free_queue) - taking < self.chunk:
+        while self.num_open < self.num_blocks and len(self.free_queue) - taking < max(self.chunk, self.num_open // 4):
             end = min(self.num_open + self.chunk, self.num_blocks)
             for block_id in range(end - 1, self.num_open - 1, -1):  # lowest id first out
                 self.free_queue[block_id] = None

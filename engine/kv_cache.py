@@ -31,7 +31,7 @@ def allocate(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-CHUNK_BYTES = 64 << 20  # a CPU pool's growth step: this much KV (every layer's, a draft model's too)
+CHUNK_BYTES = 16 << 20  # a CPU pool's growth step: this much KV (every layer's, a draft model's too)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 

@@ -77,6 +77,20 @@ def test_cached_blocks_are_evicted_inside_the_region_before_it_grows():
     assert bm.evictions == 2
 
 
+def test_a_quarter_of_a_large_region_stays_free_for_cached_prefixes():
+    bm = BlockManager(1000, 4, chunk=4)
+    held = [req(f"r{i}", distinct(40, 1000 * i)) for i in range(30)]  # 10 blocks each: 300 in use
+    for r in held:
+        assert admit(bm, r)
+    free_in_region = len(bm.free_queue)
+    assert free_in_region >= bm.num_open // 4 - 4 and bm.num_open <= 300 * 4 // 3 + 8, (bm.num_open, free_in_region)
+    for r in held:
+        bm.free(r)
+    again = [req(f"again{i}", distinct(40, 1000 * i)) for i in range(30)]  # the same prompts: the region kept them
+    hits = sum(len(bm.find_cached(r)) for r in again)
+    assert hits == 30 * 9  # every full block but each prompt's last (one token is left to compute)
+
+
 def test_without_a_chunk_the_whole_pool_is_open():
     bm = BlockManager(8, 4)
     assert bm.num_open == 8 and list(bm.free_queue) == list(range(8)) and bm.stats()["kv_open_blocks"] == 8

@@ -85,12 +85,12 @@ def test_each_pool_is_faulted_in_a_chunk_ahead_of_the_open_region():
     assert pf._thread is None  # the thread ends when nothing is left: a dropped engine's pools are freed
 
 
-def test_growth_chunk_is_64_mib_of_kv_within_the_pool():
+def test_growth_chunk_is_16_mib_of_kv_within_the_pool():
     from engine.memory import MemoryPlan
 
     def plan(blocks: int, per_token: int) -> MemoryPlan:
         return MemoryPlan(0, 0, 0, 0, 0, per_token, 16, blocks, 2048)
 
-    assert kv_cache.growth_chunk(plan(10_000, 23040)) == (64 << 20) // (23040 * 16) == 182  # SmolLM2-135M, bf16
-    assert kv_cache.growth_chunk(plan(100, 23040)) == 100  # at most the pool
+    assert kv_cache.growth_chunk(plan(10_000, 23040)) == (16 << 20) // (23040 * 16) == 45  # SmolLM2-135M, bf16
+    assert kv_cache.growth_chunk(plan(30, 23040)) == 30  # at most the pool
     assert kv_cache.growth_chunk(plan(100, 8 << 20)) == 1  # at least one block
