@@ -135,14 +135,22 @@ async def soak(emu: Emulator, rate: float, minutes: float, seed: int) -> tuple[S
     next_sample = t0
     while (t := now()) - t0 < minutes * 60:
         if t >= next_sample:
-            samples.append(((t - t0) / 60, rss_mb(pid)))
+            samples.append(((t - t0) / 60, rss_mb(pid), kv_open_mb(emu)))
             next_sample += 10
         tasks.append(asyncio.create_task(s.one(client)))
         await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
-    samples.append(((now() - t0) / 60, rss_mb(pid)))
+    samples.append(((now() - t0) / 60, rss_mb(pid), kv_open_mb(emu)))
     await client.close()
     return s, samples
+
+
+def kv_open_mb(emu: Emulator) -> float:
+    """The KV pool's open region (engine/block_manager.py) as of the worker's last status line, in MB: its blocks
+    times the bytes per block its start-up line gives."""
+    text = "\n".join(emu.lines)
+    per_token, opened = re.findall(r"(\d+) B/token", text), re.findall(r"\((\d+) blocks open\)", text)
+    return int(opened[-1]) * 16 * int(per_token[0]) / 2**20 if per_token and opened else float("nan")
 
 
 def kv_at_end(emu: Emulator) -> tuple[int, int]:
@@ -165,8 +173,9 @@ def main() -> None:
         s, samples = asyncio.run(soak(emu, rate, args.minutes, args.seed))
         time.sleep(2)  # the last job-end log lines
         free, total = kv_at_end(emu)
-    at2 = next((mb for m, mb in samples if m >= 2), samples[-1][1])
-    after = [mb for m, mb in samples if m >= 2]
+    at2, kv2 = next(((mb, kv) for m, mb, kv in samples if m >= 2), samples[-1][1:])
+    after = [mb for m, mb, _ in samples if m >= 2]
+    kv_after = max(kv for m, _, kv in samples if m >= 2) if after else float("nan")
     growth = max(after) / at2 - 1 if after else float("nan")
     ok = growth <= 0.05 and free == total and not s.counts["failed"] and not s.counts["wrong length"]
     print(
@@ -190,7 +199,11 @@ def main() -> None:
             f"{s.counts['failed']} | {s.counts['wrong length']} | {at2:.0f} | {max(after):.0f} | {growth:+.1%} | "
             f"{free} / {total} | {'pass' if ok else '**fail**'} |",
             "",
-            "Worker RSS (MB) by minute: " + ", ".join(f"{m:.1f}: {mb:.0f}" for m, mb in samples[::3]),
+            "Worker RSS (MB) by minute: " + ", ".join(f"{m:.1f}: {mb:.0f}" for m, mb, _ in samples[::3]),
+            "",
+            "Of which the KV pool's open region (MB, from the worker's status lines, 16-token blocks): "
+            + ", ".join(f"{m:.1f}: {kv:.0f}" for m, _, kv in samples[::3])
+            + f"; after minute 2 it grew by {kv_after - kv2:+.0f} MB of the RSS's {max(after) - at2:+.0f} MB.",
             "",
         ]
     )

@@ -193,10 +193,12 @@ class AsyncEngine:
                     else ""
                 )
                 log.info(
-                    "running %d, waiting %d, KV %.0f%%, prefix cache hit rate %.1f%%, preemptions %d, %.1f tok/s%s",
+                    "running %d, waiting %d, KV %.0f%% (%d blocks open), prefix cache hit rate %.1f%%, preemptions %d, "
+                    "%.1f tok/s%s",
                     s["running"],
                     s["waiting"],
                     100 * s["kv_usage"],
+                    s["kv_open_blocks"],
                     100 * s["prefix_cache_hit_rate"],
                     s["num_preemptions"],
                     rate,

@@ -98,7 +98,7 @@ class Kept:
             return False
         first, count = rows or (0, param.shape[0])
         nbytes = t.numel() * t.element_size()
-        row_bytes = param.stride(0) * param.element_size() if param.dim() else nbytes
+        row_bytes = param.stride(0) * param.element_size()
         start = t.data_ptr() - first * row_bytes  # where the parameter's bytes begin if t lies as a part of it
         ok = (
             t.dtype == param.dtype
