@@ -64,7 +64,8 @@ def trace_emulator() -> None:
         return await result(self, request)
 
     emu.submit, emu.job_take, emu.job_result = traced_submit, traced_take, traced_result
-    emu._sse_stream = first_yield(emu._sse_stream, lambda a: None, lambda a: emit("sse_out", a[1].id))
+    # the OpenAI routes' event stream (handler/local_jobs.py), as handler/local.py calls it
+    local.sse_events = first_yield(local.sse_events, lambda a: None, lambda a: emit("sse_out", a[0].id))
 
 
 def trace_worker() -> None:

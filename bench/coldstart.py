@@ -23,10 +23,10 @@ interpreter starting, `python -m` finding the package, the first chunk's print).
                       exit is ~0.5 s of torch teardown no worker waits for) + `cat` of the bf16 weights to /dev/null
                       (warm) + one forward (the bf16 run's own "first token" phase): what any torch worker spends.
 
-Runs are interleaved (one of each case per round); the table gives medians (3 rounds; the conversion case, ~20 s,
-in the first 2 only) and each run's peak RSS (its VmHWM, read as it prints). Weight-read bandwidth: the
-bytes the weight phase read / its seconds, against `cat` of the same files to /dev/null right before that run
-(warm, both: the loader's overhead over a read; cold, both, in the cold case).
+Runs are interleaved (one of each case per round, the conversion last, then a sync); the table gives medians (3
+rounds; the conversion case, ~20 s, in the first 2 only) and each run's peak RSS (its VmHWM, read as it prints).
+Weight-read bandwidth: the bytes the weight phase read / its seconds, against `cat` of the same files to /dev/null
+right before that run (warm, both: the loader's overhead over a read; cold, both, in the cold case).
 
 Usage: python -m bench.coldstart           # ~3-4 min; writes docs/benchmarks.md (coldstart) + docs/coldstart.png
        python -m bench.coldstart --quick   # 1 round, prints only
@@ -210,11 +210,6 @@ def main() -> None:
         model_files = sorted(model_dir.glob("*.safetensors"))
         hf_layout(bases["hf"] / "default-model" / src.name / "model.safetensors")
         for r in range(rounds):
-            if r < conv_rounds:
-                fresh = work / f"fresh-{r}"
-                fresh.mkdir()
-                res["first start ever"].append(run_worker(fresh, env, fp8=False))
-                shutil.rmtree(fresh)
             cat["bf16"].append(cat_seconds(model_files))
             res["bf16"].append(run_worker(bases["bf16"], env, fp8=False))
             imp.append(launch([sys.executable, "-c", "import torch; print('imported')"], env, "imported"))
@@ -237,6 +232,12 @@ def main() -> None:
             cat["fp8 snapshot"].append(cat_seconds(snap_files))
             res["fp8 from snapshot"].append(run_worker(bases["fp8"], env, fp8=True))
             res["HF transformers"].append(run_hf(model_dir, env))
+            if r < conv_rounds:  # last in the round: its 0.8 GB of writes would be flushed during the next case
+                fresh = work / f"fresh-{r}"
+                fresh.mkdir()
+                res["first start ever"].append(run_worker(fresh, env, fp8=False))
+                shutil.rmtree(fresh)
+                os.sync()
             done = ", ".join(f"{c} {v[-1]['first']:.2f} s" for c, v in res.items() if v)
             print(f"round {r}: {done}, floor {sum(floor[-1].values()):.2f} s", flush=True)
         sizes = {"bf16": sum(f.stat().st_size for f in model_files), "fp8 snapshot": snap_files[0].stat().st_size}
