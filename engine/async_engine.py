@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineFault
+from engine.host_memory import trim_heap
 from engine.intake import ValidRequest
 from engine.llm_engine import LLMEngine
 from engine.timeline import Timeline
 from engine.types import LoRARequest, RequestOutput, SamplingParams
 
+TRIM_INTERVAL_S = 2.0  # the heap is given back at most this often, when the loop goes idle (host_memory.trim_heap)
 log = logging.getLogger("engine")
 
 
@@ -140,12 +142,18 @@ class AsyncEngine:
 
             torch.cuda.set_device(eng.device)  # per thread: this one launches every kernel of the steps
         last_log, last_generated = time.monotonic(), 0
+        last_trim, busy_since_trim = 0.0, False
         while True:
             # Block for work when idle; otherwise just drain what arrived during the last step. When the last
             # step ran nothing (every request waits for an adapter download), wait briefly instead of spinning.
+            trim_in = last_trim + TRIM_INTERVAL_S - time.monotonic() if busy_since_trim else None
+            if trim_in is not None and trim_in <= 0 and not eng.has_unfinished():
+                trim_heap()  # gone idle: the heap's free pages back to the OS
+                last_trim, busy_since_trim, trim_in = time.monotonic(), False, None
             try:
                 if not eng.has_unfinished():  # idle: kernel warmup and graph captures first, one piece a gap
-                    cmd = self._inbox.get_nowait() if eng.idle.pending else self._inbox.get()
+                    # (a trim held back by its interval: wake up for it)
+                    cmd = self._inbox.get_nowait() if eng.idle.pending else self._inbox.get(timeout=trim_in)
                 elif self._stalled:
                     cmd = self._inbox.get(timeout=0.02)
                 else:
@@ -166,6 +174,7 @@ class AsyncEngine:
             if not eng.has_unfinished():
                 self._stats = eng.stats()
                 continue
+            busy_since_trim = True
             try:
                 outputs = eng.step()
             except Exception as e:  # a bug or a device error, not user input: fail everything, promptly

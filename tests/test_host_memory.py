@@ -124,3 +124,40 @@ def test_the_start_logs_how_the_pool_was_sized(tiny_llama, caplog):
     assert eng.memory.num_blocks == 4 * 512 // 16 and eng.memory.max_model_len == 512
     line = next(r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage())
     assert "automatic: room for MAX_NUM_SEQS=4 full-context sequences (within half of MemAvailable" in line
+
+
+def test_the_engine_gives_the_heap_back_when_it_goes_idle(tiny_llama, monkeypatch):
+    """After a busy spell the loop calls trim_heap once as it goes idle (not while requests run, not again while
+    idle), at most every TRIM_INTERVAL_S."""
+    import asyncio
+    import time
+
+    import engine.async_engine as ae
+    from engine import EngineConfig, SamplingParams
+
+    calls = []
+    monkeypatch.setattr(ae, "trim_heap", lambda: calls.append(time.monotonic()))
+    monkeypatch.setattr(ae, "TRIM_INTERVAL_S", 0.5)
+    eng = ae.AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64, log_stats_interval=0))
+
+    async def one():
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        return [o async for o in eng.generate({"prompt_token_ids": [3, 4, 5]}, params)]
+
+    try:
+        assert asyncio.run(one())[-1].finished
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # idle: no second call
+        assert len(calls) == 1
+        asyncio.run(one())  # busy again, idle again within the interval: the trim waits for it, then comes
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) == 2 and calls[1] - calls[0] >= 0.5
+    finally:
+        eng.shutdown()
+    from engine.host_memory import trim_heap
+
+    trim_heap()  # the real one: glibc's malloc_trim here, a no-op elsewhere
