@@ -94,7 +94,22 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-_libc = None
+def madvise(spans, advice: int) -> int:
+    """madvise(2) over each (address, length) span, rounded out to whole pages: 0, or the errno of the first call
+    that failed. ctypes releases the GIL in each call. Raises OSError where libc has no madvise (not Linux/glibc)."""
+    import ctypes
+    import mmap
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError) as e:
+        raise OSError(f"no madvise here ({e})") from e
+    page = mmap.PAGESIZE
+    for start, length in spans:
+        first, end = start - start % page, -(-(start + length) // page) * page
+        if call(ctypes.c_void_p(first), ctypes.c_size_t(end - first), advice) != 0:
+            return ctypes.get_errno() or -1
+    return 0
 
 
 def trim_heap() -> None:
@@ -102,13 +117,9 @@ def trim_heap() -> None:
     stay in malloc's arenas once freed, so a worker's RSS kept the high-water mark of every burst (the soak: +100 MB
     over minutes of steady load, none of it the KV pool's). The engine calls it when it goes idle. Elsewhere than
     glibc it does nothing."""
-    global _libc
-    if _libc is None:
-        import ctypes
+    import ctypes
 
-        try:
-            _libc = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc(0)
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_memory import madvise
 from engine.memory import MemoryPlan
 from engine.models.spec import ModelSpec
 from kernels import FP8_MAX
@@ -125,20 +126,15 @@ class Prefaulter:
         """Fault in blocks [lo, hi) of every segment of pool `p`."""
         if self._unavailable:
             return
-        import ctypes
-
         seg = p.block_bytes * p.num_blocks
         if lo == 0 and hi == p.num_blocks:  # whole segments are one contiguous range
             spans = [(p.addr, p.segments * seg)]
         else:
             spans = [(p.addr + s * seg + lo * p.block_bytes, (hi - lo) * p.block_bytes) for s in range(p.segments)]
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            for start, length in spans:
-                first, end = start - start % mmap.PAGESIZE, -(-(start + length) // mmap.PAGESIZE) * mmap.PAGESIZE
-                if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_POPULATE_WRITE) != 0:
-                    raise OSError(f"errno {ctypes.get_errno()}")  # EINVAL: a kernel before 5.14
-        except (OSError, AttributeError) as e:  # not Linux/glibc, or an old kernel
+            if (err := madvise(spans, _MADV_POPULATE_WRITE)) != 0:
+                raise OSError(f"errno {err}")  # EINVAL: a kernel before 5.14
+        except OSError as e:  # not Linux/glibc, or an old kernel
             self._unavailable = True
             _warn_prefault_once(str(e))
 

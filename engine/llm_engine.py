@@ -9,9 +9,7 @@ import time
 import torch
 
 from engine import memory, startup
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import IdleWork
 from engine.errors import InvalidRequestError
 from engine.intake import Intake, ValidRequest
 from engine.lora.manager import LoRAManager
@@ -51,15 +49,12 @@ class LLMEngine:
             self.memory = plan = startup.device_plan(cfg, facts, loaded_len=plan.max_model_len)  # CUDA: measured now
             calibration = startup.calibration_ids(facts, model, self.tok, plan.max_model_len)
             self.tp_group.send(("setup", plan, calibration))  # every rank: the same pool (of its heads), same scales
-            pf = self.kv_prefault  # CPU: pages ahead of the open blocks
-            self.runner = startup.build_rank(cfg, facts, model, plan, calibration, pf, kv)
-            opened = f" of address space, opened {pf.chunk} blocks at a time" if pf is not None and pf.chunk else ""
-            tl.mark("KV allocation", f"{plan.num_blocks} blocks, {plan.kv_bytes / 2**20:.0f} MiB{opened}")
+            self.runner = startup.build_rank(cfg, facts, model, plan, calibration, self.kv_prefault, kv)
+            tl.mark("KV allocation", startup.pool_note(plan, self.kv_prefault))
             self.lora = LoRAManager(cfg, facts.spec, self.runner.lora, self.tp_group) if cfg.enable_lora else None
             self.tp_group.expect("ready", timeout_s=600)
-            growth = (pf.chunk, pf.open) if pf is not None else (None, None)  # CPU: an open region grows by chunks
-            self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, *growth)
-            self.speculator = start_speculation(cfg, facts, plan, self.block_manager, self.tok, tl, pf)
+            self.block_manager = startup.block_manager(cfg, plan, self.kv_prefault)  # CPU: an open region, grown
+            self.speculator = start_speculation(cfg, facts, plan, self.block_manager, self.tok, tl, self.kv_prefault)
             self.scheduler = Scheduler(
                 self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len,
                 cfg.long_prefill_token_threshold, admission=self.lora, lookahead=self.speculator.lookahead,
@@ -68,9 +63,7 @@ class LLMEngine:
             self.structured = StructuredOutputs(self.tok, facts.spec.vocab_size, self.eos_token_ids)  # imports nothing
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
             self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
-            one_gpu = facts.device.type == "cuda" and cfg.tensor_parallel_size == 1  # warm steps run on rank 0 alone
-            draft = self.speculator.draft.runner if self.speculator.draft is not None else None
-            self.idle = IdleWork(self.runner, warm_kernels=one_gpu, grammar=self.structured, draft=draft)
+            self.idle = startup.idle_work(cfg, facts, self.runner, self.structured, self.speculator.draft)
             tl.skip("kernel warmup", _warmup_note(facts.kernel_backend, len(self.idle.warm_shapes)))
             startup.log_ready(cfg, facts, plan, time.perf_counter() - t0)
 

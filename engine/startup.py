@@ -17,8 +17,9 @@ import torch
 
 import kernels
 from engine import memory
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import cuda_graph_factory
+from engine.cuda_graphs import IdleWork, cuda_graph_factory
 from engine.device import check_fp8_support, cuda_driver_version, gpu_line, model_dtype
 from engine.errors import ConfigError
 from engine.host_memory import HostMemory, cpu_pool_bytes, read_host_memory
@@ -199,6 +200,26 @@ def early_pool(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan) -> tuple[
     None): the pool is sized from the memory left after the load."""
     pf = kv_prefaulter(cfg, facts, plan)
     return (pf, allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, pf)) if pf is not None else (None, None)
+
+
+def idle_work(cfg: EngineConfig, facts: ModelFacts, runner: ModelRunner, grammar, draft) -> IdleWork:
+    """What runs after ready, in the loop's idle gaps and its share of busy time: the Triton kernel warm steps on one
+    GPU (they run on rank 0 alone), the grammar mask's, then the CUDA graph captures, a draft model's included."""
+    one_gpu = facts.device.type == "cuda" and cfg.tensor_parallel_size == 1
+    return IdleWork(runner, warm_kernels=one_gpu, grammar=grammar, draft=getattr(draft, "runner", None))
+
+
+def pool_note(plan: MemoryPlan, prefault: Prefaulter | None) -> str:
+    """The timeline's note on the KV pool: its size, and on CPU that it is address space opened by chunks."""
+    opened = f" of address space, opened {prefault.chunk} blocks at a time" if prefault and prefault.chunk else ""
+    return f"{plan.num_blocks} blocks, {plan.kv_bytes / 2**20:.0f} MiB{opened}"
+
+
+def block_manager(cfg: EngineConfig, plan: MemoryPlan, prefault: Prefaulter | None) -> BlockManager:
+    """The pool's block ids: on CPU handed out from an open region that grows by the prefaulter's chunks (which it
+    faults in ahead of the region); on CUDA all open."""
+    growth = (prefault.chunk, prefault.open) if prefault is not None else (None, None)
+    return BlockManager(plan.num_blocks, cfg.block_size, *growth)
 
 
 def build_rank(

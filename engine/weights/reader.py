@@ -3,7 +3,6 @@ files' memory maps (which a loader may keep as its parameters: `mapped`), pinned
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -17,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
 from engine.errors import UnsupportedModelError
+from engine.host_memory import madvise
 from engine.weights.locate import safetensors_files
 
 # Reader threads: up to 4, one per 4 cores. On a small box the readers only compete with the consumer's copies:
@@ -269,12 +269,6 @@ def _torch_dtype(name: str) -> torch.dtype:
 _MADV_WILLNEED = 3
 _LIVE: dict[int, int] = {}  # start address -> end of each map an iter_safetensors call holds open (see `mapped`)
 _live_lock = threading.Lock()
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _madvise = _libc.madvise
-    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-except (OSError, AttributeError):  # not Linux/glibc: reads fault in through the strided touch
-    _madvise = None
 
 
 class _Mapped:
@@ -290,8 +284,10 @@ class _Mapped:
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)  # keeps the map alive while any view does
         self.start = self.base.data_ptr()
         self.end = self.start + self.base.numel()
-        if _madvise is not None:
-            _madvise(self.start, self.base.numel(), _MADV_WILLNEED)
+        try:
+            madvise([(self.start, self.base.numel())], _MADV_WILLNEED)  # advice: its failure changes no result
+        except OSError:  # not Linux/glibc: the reader thread's touches read the file
+            pass
         with _live_lock:
             _LIVE[self.start] = self.end
 
