@@ -8,8 +8,11 @@ hang-ups, watching the worker's memory and the engine's KV pool. Not part of the
    - an OpenAI completions stream (the `openai` client); 10 % hang up (close the stream) after a few events.
 3. Every 10 s: the worker's RSS (/proc/<pid>/status VmRSS). At the end, once idle: the worker's last
    "KV blocks free F/T" log line.
-Checks: RSS after minute 2 never above 1.05 x its value at minute 2; all KV blocks free at the end; every job
-that completed produced exactly its max_tokens; no request failed.
+Checks: RSS after minute 2, less what the KV pool's open region grew since minute 2, never above 1.05 x its value
+at minute 2; all KV blocks free at the end; every job that completed produced exactly its max_tokens; no request
+failed. The region is left out because it grows by design with the running peak of concurrent requests (engine/
+block_manager.py), up to the pool the planner sized, so it can grow whenever a new peak comes; the table shows the
+raw RSS growth beside it. What the rule catches is the rest: a leak, a cache without a bound, the heap's creep.
 
 Usage: python -m bench.soak [--minutes 10] [--load 0.7] [--write-docs]
 """
@@ -177,9 +180,12 @@ def main() -> None:
     after = [mb for m, mb, _ in samples if m >= 2]
     kv_after = max(kv for m, _, kv in samples if m >= 2) if after else float("nan")
     growth = max(after) / at2 - 1 if after else float("nan")
-    ok = growth <= 0.05 and free == total and not s.counts["failed"] and not s.counts["wrong length"]
+    rest = [mb - (kv - kv2) for m, mb, kv in samples if m >= 2]  # RSS less the region's growth since minute 2
+    growth_rest = max(rest) / at2 - 1 if rest else float("nan")
+    ok = growth_rest <= 0.05 and free == total and not s.counts["failed"] and not s.counts["wrong length"]
     print(
-        f"counts {s.counts}; RSS at 2 min {at2:.0f} MB, max after {max(after):.0f} MB ({growth:+.1%}); "
+        f"counts {s.counts}; RSS at 2 min {at2:.0f} MB, max after {max(after):.0f} MB ({growth:+.1%}; "
+        f"{growth_rest:+.1%} without the KV region's growth); "
         f"KV free {free}/{total}; errors {s.errors[:5]}"
     )
     from bench._common import machine_line, write_section
@@ -193,10 +199,12 @@ def main() -> None:
             "bfloat16, CPU. Method: the docstring of `bench/soak.py`.",
             "",
             "| saturating rate req/s | soak rate req/s | completed | cancelled | hung up | failed | wrong length | "
-            "worker RSS at 2 min MB | max after MB | growth | KV blocks free at the end | verdict |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "worker RSS at 2 min MB | max after MB | growth | growth less the KV region's | "
+            "KV blocks free at the end | verdict |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             f"| {sat:.2f} | {rate:.2f} | {s.counts['completed']} | {s.counts['cancelled']} | {s.counts['hung up']} | "
             f"{s.counts['failed']} | {s.counts['wrong length']} | {at2:.0f} | {max(after):.0f} | {growth:+.1%} | "
+            f"{growth_rest:+.1%} | "
             f"{free} / {total} | {'pass' if ok else '**fail**'} |",
             "",
             "Worker RSS (MB) by minute: " + ", ".join(f"{m:.1f}: {mb:.0f}" for m, mb, _ in samples[::3]),

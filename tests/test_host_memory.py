@@ -5,6 +5,7 @@ files; the engine's plan and its start-up line."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -130,7 +131,6 @@ def test_the_engine_gives_the_heap_back_when_it_goes_idle(tiny_llama, monkeypatc
     """After a busy spell the loop calls trim_heap once as it goes idle (not while requests run, not again while
     idle), at most every TRIM_INTERVAL_S."""
     import asyncio
-    import time
 
     import engine.async_engine as ae
     from engine import EngineConfig, SamplingParams
@@ -161,3 +161,32 @@ def test_the_engine_gives_the_heap_back_when_it_goes_idle(tiny_llama, monkeypatc
     from engine.host_memory import trim_heap
 
     trim_heap()  # the real one: glibc's malloc_trim here, a no-op elsewhere
+
+
+def test_the_engine_gives_the_heap_back_under_a_load_that_never_lets_it_go_idle(tiny_llama, monkeypatch):
+    """A loop that is never idle still trims, between steps, every TRIM_BUSY_INTERVAL_S."""
+    import asyncio
+
+    import engine.async_engine as ae
+    from engine import EngineConfig, SamplingParams
+
+    calls = []
+    monkeypatch.setattr(ae, "TRIM_INTERVAL_S", 100.0)  # no idle trim in this test
+    monkeypatch.setattr(ae, "TRIM_BUSY_INTERVAL_S", 0.05)
+    eng = ae.AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64, log_stats_interval=0))
+    monkeypatch.setattr(ae, "trim_heap", lambda: calls.append((time.monotonic(), eng.engine.has_unfinished())))
+
+    async def long_one():
+        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        t0 = time.monotonic()
+        outs = [o async for o in eng.generate({"prompt_token_ids": [3, 4, 5]}, params)]
+        return outs, time.monotonic() - t0
+
+    try:
+        outs, took = asyncio.run(long_one())
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 400
+    finally:
+        eng.shutdown()
+    during = [t for t, busy in calls if busy]
+    assert took > 0.2 and len(during) >= 2, (took, calls)  # while the request ran
+    assert all(b - a >= 0.05 for a, b in zip(during, during[1:]))  # not more often than the interval
