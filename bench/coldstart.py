@@ -190,7 +190,7 @@ def main() -> None:
     drop = ("MODEL_NAME", "QUANTIZATION", "BASE_PATH", "TRITON_CACHE_DIR", "KV_CACHE_DTYPE", "HF_HOME", "HF_HUB_CACHE")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k not in drop}
     env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    from bench._common import cat_seconds, cpu_pressure, drop_cache
+    from bench._common import cat_seconds, cpu_pressure, drop_cache, map_seconds
 
     load, pressure, t_all = os.getloadavg()[0], cpu_pressure(), now()
     from engine.config import default_cache_root
@@ -199,7 +199,7 @@ def main() -> None:
     src = ensure_default_model(Path(default_cache_root()))  # converted once, in the user cache
     work = Path(tempfile.mkdtemp(prefix="coldstart-"))
     res: dict[str, list[dict]] = {c: [] for c in CASES}
-    cat: dict[str, list[float]] = {"bf16": [], "bf16 cold": [], "fp8 snapshot": []}
+    cat: dict[str, list[float]] = {"bf16": [], "bf16 cold": [], "fp8 snapshot": [], "bf16 map": []}
     sha, imp, floor = [], [], []  # sha256 seconds; the fresh `import torch` runs; per round, FLOOR_PARTS' seconds
     try:
         bases = {}
@@ -211,6 +211,7 @@ def main() -> None:
         hf_layout(bases["hf"] / "default-model" / src.name / "model.safetensors")
         for r in range(rounds):
             cat["bf16"].append(cat_seconds(model_files))
+            cat["bf16 map"].append(map_seconds(model_files))
             res["bf16"].append(run_worker(bases["bf16"], env, fp8=False))
             imp.append(launch([sys.executable, "-c", "import torch; print('imported')"], env, "imported"))
             fwd = phase(res["bf16"][-1], FIRST_TOKEN)  # the worker's own forward: its prefill + first sample
@@ -305,8 +306,8 @@ def render(res: dict, m: dict, intro: str) -> str:
         "",
         "Weight phase bandwidth vs `cat` of the same files (warm page cache, both; the cold case: both cold):",
         "",
-        "| case | phase | MiB | phase s | GB/s | cat s | cat GB/s | phase ÷ cat time |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| case | phase | MiB | phase s | GB/s | cat s | cat GB/s | phase ÷ cat time | phase ÷ map time |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in OURS:
         name = weights_phase(res[c][0])["name"]
@@ -315,7 +316,8 @@ def render(res: dict, m: dict, intro: str) -> str:
         nbytes, cat_s = m["sizes"][key], med(m["cat"][key])
         lines.append(
             f"| {c} | {name} | {nbytes / 2**20:.0f} | {secs:.3f} | {nbytes / secs / 1e9:.2f} | {cat_s:.3f} | "
-            f"{nbytes / cat_s / 1e9:.2f} | {secs / cat_s:.1f}x |"
+            f"{nbytes / cat_s / 1e9:.2f} | {secs / cat_s:.1f}x | "
+            + (f"{secs / med(m['cat']['bf16 map']):.1f}x |" if key == "bf16" else "– |")
         )
     bf16 = res["bf16"]
     above = [r["first"] - f for r, f in zip(bf16, floors)]  # paired: the same round
@@ -334,14 +336,18 @@ def render(res: dict, m: dict, intro: str) -> str:
         f"torch's teardown; {med(x['rss'] for x in m['imp']):.0f} MiB peak RSS). `--importtime` shows where it goes.",
         "- The chat job's first token includes rendering its chat template (jinja2; no transformers). fp8 is "
         "slower on CPU: its matmuls are emulated (weights to fp32 in every layer, every step).",
-        '- "weight read" is the loader (engine/weights/reader.py: views of each file\'s map, faulted in by a reader '
-        "thread ahead of the consumer) and what the model does with them: the converted default model is laid out "
+        '- "weight read" is the loader (engine/weights/reader.py: views of each file\'s map, faulted in by one thread '
+        'while the consumer takes them) and what the model does with them ("model build", the empty model, is a '
+        "phase of its own): the converted default model is laid out "
         "as the engine's parameters (engine/weights/layout.py), so they are those views, no copy; "
         f'"{HF_LAYOUT}" is the same weights as safetensors writes them (any HF checkpoint): copies. With fp8 '
         'also the per-channel quantization of each layer and writing the snapshot. "fp8 snapshot load" includes '
         f"checking the snapshot's sha256 against its manifest, which alone takes {med(m['sha']):.3f} s here.",
         "- `cat` includes its process start (a few ms). The cold case drops the file from the page cache "
-        "(POSIX_FADV_DONTNEED) before `cat` and again before the worker; this VM's disk may still be cached below it.",
+        "(POSIX_FADV_DONTNEED) before `cat` and again before the worker; this VM's disk may still be cached below it. "
+        f'"map" ({med(m["cat"]["bf16 map"]):.3f} s, median) maps the warm bf16 files in the bench\'s own process '
+        "and faults every page in (bench/_common.py `map_seconds`): the least that any loader which keeps the bytes "
+        "addressable pays; `cat` copies them through one small buffer and keeps none.",
         "- A shared 2-core VM: copies into parameters are OpenMP regions over torch's 2 threads, which wait for a "
         "descheduled thread when another process holds a core. Compare runs at a similar CPU pressure (above).",
         "",

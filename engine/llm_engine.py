@@ -43,7 +43,8 @@ class LLMEngine:
         # the other tensor-parallel ranks load their shards while this one loads its own
         self.tp_group = start_ranks(cfg, facts.device, plan.max_model_len, tl)
         with self.tp_group.starting():  # no rank outlives a failed start
-            model, self.weights = startup.load_rank(cfg, facts, plan.max_model_len)  # rope tables for this length
+            built = lambda: tl.mark("model build")  # noqa: E731
+            model, self.weights = startup.load_rank(cfg, facts, plan.max_model_len, built)  # rope tables: this length
             self.tp_group.expect("loaded", timeout_s=3600)
             tl.mark(self.weights.phase, self.weights.note())
             self.memory = plan = startup.device_plan(cfg, facts, loaded_len=plan.max_model_len)  # CUDA: measured now

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,14 +164,16 @@ def _say_what_is_ignored(cfg: EngineConfig, facts: ModelFacts) -> None:
         log.warning("ENFORCE_EAGER=false is ignored: %s; decode steps run eagerly", why)
 
 
-def load_rank(cfg: EngineConfig, facts: ModelFacts, max_positions: int) -> tuple[torch.nn.Module, LoadedWeights]:
-    """This rank's model, built for contexts up to `max_positions`, and filled: its shard of the checkpoint, or
-    the fp8 snapshot (engine/weights/load.py)."""
+def load_rank(
+    cfg: EngineConfig, facts: ModelFacts, max_positions: int, on_built: Callable[[], object] = lambda: None
+) -> tuple[torch.nn.Module, LoadedWeights]:
+    """This rank's model, built for contexts up to `max_positions` (then `on_built()`), and filled: its shard of the
+    checkpoint, or the fp8 snapshot (engine/weights/load.py)."""
     build = functools.partial(
         rank_model, facts.spec, facts.rank, cfg.tensor_parallel_size, facts.dtype, facts.device, max_positions,
         cfg.quantization,
     )  # fmt: skip
-    return load_model(cfg, facts.path, facts.spec.prequantized, build, facts.device, facts.dtype)
+    return load_model(cfg, facts.path, facts.spec.prequantized, build, facts.device, facts.dtype, on_built)
 
 
 def calibration_ids(facts: ModelFacts, model, tok: Tokenizer, max_len: int) -> list[int] | None:

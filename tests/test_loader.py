@@ -1,7 +1,7 @@
-"""engine.weights.iter_weights: parallel reader threads over a sharded safetensors checkpoint (CPU path).
-
-The CUDA path (pinned staging buffers, per-reader streams) cannot run here: its chunk loop runs below with CPU
-stand-ins, and bench/coldstart_gpu.py checks it for real against the CPU path on a GPU."""
+"""engine.weights.iter_weights over a sharded safetensors checkpoint: the CPU path (views of the files' maps, one
+fault-in thread) for real; the CUDA path's read-ahead (reader threads, a bounded window) and its staging chunk loop
+with CPU stand-ins for what only a GPU has. bench/coldstart_gpu.py checks the CUDA path for real against the CPU
+path on a GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.errors import UnsupportedModelError
-from engine.weights import iter_weights, safetensors_files
+from engine.weights import header, iter_weights, read_ahead, safetensors_files
 from engine.weights import reader as loader
 
 
@@ -66,21 +66,87 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _readers_alive() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("weights-reader-")]
+    return [t.name for t in threading.enumerate() if t.name.startswith(("weights-reader-", "weights-fault-in"))]
 
 
-def test_parallel_read_yields_what_a_sequential_read_does(ckpt):
+def _stand_in_reader(files: list[Path], fetched: list | None = None):
+    """_read_ahead's open_reader for CPU: each tensor read from the file with its own pread (the CUDA reader's
+    staging, without the device). `fetched`: every (file index, entry) fetched, in order."""
+    import os
+
+    def open_reader():
+        fds = {}
+
+        def fetch(fi, e):
+            if fi not in fds:
+                fds[fi] = os.open(files[fi], os.O_RDONLY)
+            t = torch.empty(e.shape, dtype=header.torch_dtype(e.dtype))
+            if e.nbytes:
+                t.reshape(-1).view(torch.uint8).numpy()[:] = list(os.pread(fds[fi], e.nbytes, e.start))
+            if fetched is not None:
+                fetched.append((fi, e))
+            return t
+
+        return fetch, lambda: [os.close(fd) for fd in fds.values()]
+
+    return open_reader
+
+
+def _read_ahead(ckpt: Path, fetched: list | None = None, **kw):
+    files = safetensors_files(ckpt)
+    items = [(i, e) for i, f in enumerate(files) for e in header.entries(f)]
+    return read_ahead.read_ahead(files, items, _stand_in_reader(files, fetched), desc="test", **kw)
+
+
+def test_cpu_read_yields_what_a_sequential_read_does(ckpt):
     ref = _sequential(ckpt)
-    got = list(iter_weights(ckpt, readers=4, depth=3))
+    got = list(iter_weights(ckpt))
     names = [n for n, _ in got]
     assert len(names) == len(set(names)) and set(names) == set(ref)
-    assert all(_same(t, ref[n]) for n, t in got)  # after the generator ended: its handles are gone, tensors live
+    assert all(_same(t, ref[n]) for n, t in got)  # after the generator ended: its maps are closed, tensors live
+    assert all(loader.mapped(t) is False for _, t in got)  # no longer handed out
     # file by file, as a sequential read: shard 1's tensors, then shard 2's, then shard 3's
     shard = {n: int(n[0] == "b") + 2 * int(n[0] == "c") for n in names}
     assert [shard[n] for n in names] == sorted(shard[n] for n in names)
     assert not _readers_alive()
-    # one reader and depth 1 give the same
-    assert [n for n, _ in iter_weights(ckpt, readers=1, depth=1)] == names
+
+
+def test_cpu_read_faults_every_page_in_before_it_ends(ckpt, monkeypatch):
+    """The fault-in thread covers each file whole, in chunks, front to back, and the generator ends only after it
+    has: the load's time includes the whole read. Without MADV_POPULATE_READ (an older kernel), pages are read."""
+    calls = []
+    real = loader.madvise
+
+    def spy(spans, advice):
+        if advice == loader._MADV_POPULATE_READ:
+            time.sleep(0.01)  # slower than the consumer: the generator must wait for it
+            calls.extend(spans)
+            return 22 if "no_populate" in request_kind else real(spans, advice)
+        return real(spans, advice)
+
+    touched = []
+    real_touch = loader._touch
+    monkeypatch.setattr(loader, "madvise", spy)
+    monkeypatch.setattr(loader, "_touch", lambda b: (touched.append(b.numel()), real_touch(b)))
+    monkeypatch.setattr(loader, "_FAULT_CHUNK", 8192)
+    sizes = [f.stat().st_size for f in safetensors_files(ckpt)]
+    for request_kind in ("populate", "no_populate"):
+        calls.clear(), touched.clear()
+        assert len(list(iter_weights(ckpt))) == 48
+        if request_kind == "populate":
+            assert sum(n for _, n in calls) == sum(sizes) and not touched
+            assert all(n <= 8192 for _, n in calls) and len(calls) > len(sizes)
+        else:  # the first call fails; from then on every chunk is touched instead
+            assert len(calls) == 1 and sum(touched) == sum(sizes)
+
+
+def test_read_ahead_yields_what_a_sequential_read_does(ckpt):
+    ref = _sequential(ckpt)
+    got = list(_read_ahead(ckpt, readers=4, depth=3))
+    assert [n for n, _ in got] == [n for n, _ in iter_weights(ckpt)]  # the same order as the CPU path
+    assert all(_same(t, ref[n]) for n, t in got)
+    assert not _readers_alive()
+    assert [n for n, _ in _read_ahead(ckpt, readers=1, depth=1)] == [n for n, _ in got]
 
 
 def test_truncated_shard_is_a_clear_error(ckpt):
@@ -88,7 +154,7 @@ def test_truncated_shard_is_a_clear_error(ckpt):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])  # header intact, tensor data cut short: found from the header
     with pytest.raises(UnsupportedModelError, match="model-00002-of-00003.safetensors.*incomplete download"):
-        for _ in iter_weights(ckpt, readers=3, depth=2):
+        for _ in iter_weights(ckpt):
             pass
     assert not _readers_alive()
     shard.write_bytes(data[:5])  # not even a header
@@ -103,7 +169,7 @@ def test_bad_shard_found_by_a_reader_is_a_clear_error(ckpt):
     shard.write_bytes(shard.read_bytes() + b"\0" * 64)
     got = []
     with pytest.raises(UnsupportedModelError, match="model-00002-of-00003.safetensors"):
-        for name, _ in iter_weights(ckpt, readers=3, depth=2):
+        for name, _ in iter_weights(ckpt):
             got.append(name)
     assert not any(n.startswith(("b.", "c.")) for n in got)
     assert not _readers_alive()
@@ -114,25 +180,31 @@ def test_header_entries_match_safetensors(ckpt):
     for f in safetensors_files(ckpt):
         data = f.read_bytes()
         with safe_open(str(f), framework="pt") as h:
-            for e in loader._entries(f):
+            for e in header.entries(f):
                 t = h.get_tensor(e.name)
-                assert loader._torch_dtype(e.dtype) == t.dtype and e.shape == tuple(t.shape)
+                assert header.torch_dtype(e.dtype) == t.dtype and e.shape == tuple(t.shape)
                 assert data[e.start : e.start + e.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def test_reader_error_reaches_the_consumer_before_tensors_already_read(ckpt, monkeypatch):
+def test_reader_error_reaches_the_consumer_before_tensors_already_read(ckpt):
     took_one, failed = threading.Event(), threading.Event()
-    touch = loader._touch
+    files = safetensors_files(ckpt)
+    items = [(i, e) for i, f in enumerate(files) for e in header.entries(f)]
+    stand_in = _stand_in_reader(files)
 
-    def flaky(t):
-        if t.shape == (300, 257):  # b.big, in the second shard: fails once the consumer has a tensor
-            took_one.wait(10)
-            failed.set()
-            raise RuntimeError("disk on fire")
-        return touch(t)
+    def open_reader():
+        fetch, close = stand_in()
 
-    monkeypatch.setattr(loader, "_touch", flaky)
-    gen = iter_weights(ckpt, readers=2, depth=100)  # everything may be read ahead
+        def flaky(fi, e):
+            if e.name == "b.big":  # in the second shard: fails once the consumer has a tensor
+                took_one.wait(10)
+                failed.set()
+                raise RuntimeError("disk on fire")
+            return fetch(fi, e)
+
+        return flaky, close
+
+    gen = read_ahead.read_ahead(files, items, open_reader, readers=2, depth=100, desc="test")  # all may be read ahead
     next(gen)
     took_one.set()
     assert failed.wait(10)
@@ -142,38 +214,64 @@ def test_reader_error_reaches_the_consumer_before_tensors_already_read(ckpt, mon
     assert not _readers_alive()
 
 
-def test_closing_early_stops_the_readers(ckpt):
-    gen = iter_weights(ckpt, readers=4, depth=2)
+def test_a_reader_that_cannot_start_is_an_error_naming_the_file(ckpt):
+    files = safetensors_files(ckpt)
+    items = [(i, e) for i, f in enumerate(files) for e in header.entries(f)]
+
+    def broken():
+        raise RuntimeError("no pinned memory")
+
+    with pytest.raises(RuntimeError, match="no pinned memory"):
+        list(read_ahead.read_ahead(files, items, broken, readers=2, depth=4, desc="test"))
+    assert not _readers_alive()
+
+
+def test_closing_early_stops_the_threads(ckpt):
+    gen = _read_ahead(ckpt, readers=4, depth=2)
     next(gen), next(gen)
     assert len(_readers_alive()) == 4
     gen.close()
     assert not _readers_alive()
-    for _ in iter_weights(ckpt, readers=3):  # break out of a loop: the generator is closed when dropped
+    for _ in _read_ahead(ckpt, readers=3, depth=2):  # break out of a loop: the generator is closed when dropped
         break
+    assert not _readers_alive()
+    gen = iter_weights(ckpt)  # the CPU path's fault-in thread
+    next(gen)
+    gen.close()
+    assert not _readers_alive()
+    with pytest.raises(ZeroDivisionError):
+        for _ in iter_weights(ckpt):
+            1 / 0  # noqa: B018 - the consumer fails
     assert not _readers_alive()
 
 
-def test_read_ahead_is_bounded_by_depth(ckpt, monkeypatch):
+def test_read_ahead_is_bounded_by_depth(ckpt):
     lock, alive, peak = threading.Lock(), [0], [0]
-    touch = loader._touch
+    files = safetensors_files(ckpt)
+    items = [(i, e) for i, f in enumerate(files) for e in header.entries(f)]
+    stand_in = _stand_in_reader(files)
 
-    def counted(t):
-        t = touch(t)
-        with lock:
-            alive[0] += 1
-            peak[0] = max(peak[0], alive[0])
+    def open_reader():
+        fetch, close = stand_in()
 
-        def gone():
+        def counted(fi, e):
+            t = fetch(fi, e)
             with lock:
-                alive[0] -= 1
+                alive[0] += 1
+                peak[0] = max(peak[0], alive[0])
 
-        weakref.finalize(t, gone)
-        return t
+            def gone():
+                with lock:
+                    alive[0] -= 1
 
-    monkeypatch.setattr(loader, "_touch", counted)
+            weakref.finalize(t, gone)
+            return t
+
+        return counted, close
+
     n = 0
-    for _, t in iter_weights(ckpt, readers=4, depth=5):  # noqa: B007 - a slow consumer, holding each tensor
-        time.sleep(0.003)
+    for _, t in read_ahead.read_ahead(files, items, open_reader, readers=4, depth=5, desc="test"):  # noqa: B007
+        time.sleep(0.003)  # a slow consumer, holding each tensor
         n += 1
     del t
     assert n == 48
@@ -202,9 +300,9 @@ def test_cuda_staging_loop_with_cpu_stand_ins(ckpt, monkeypatch):
         def synchronize(self):
             self.calls.append("sync")
 
-    monkeypatch.setattr(loader, "_CHUNK", 1000)  # tensors of up to 154 KB: many chunks
+    monkeypatch.setattr(read_ahead, "CHUNK", 1000)  # tensors of up to 154 KB: many chunks
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    st = object.__new__(loader._Staging)
+    st = object.__new__(read_ahead.Staging)
     st.dev, st.stream, st.turn = torch.device("cpu"), Sync(), 0
     st.bufs = [torch.empty(1000, dtype=torch.uint8) for _ in range(2)]
     st.views = [memoryview(b.numpy()) for b in st.bufs]
@@ -213,7 +311,7 @@ def test_cuda_staging_loop_with_cpu_stand_ins(ckpt, monkeypatch):
         fd = os.open(f, os.O_RDONLY)
         try:
             with safe_open(str(f), framework="pt") as h:
-                for e in loader._entries(f):
+                for e in header.entries(f):
                     assert _same(st.to_device(fd, e, f, Sync()), h.get_tensor(e.name)), e.name
         finally:
             os.close(fd)
@@ -227,7 +325,7 @@ def test_cuda_staging_loop_with_cpu_stand_ins(ckpt, monkeypatch):
     assert abs(st.events[0].calls.count("record") - st.events[1].calls.count("record")) <= 1
     assert st.events[0].calls.count("record") > 100
     shard = ckpt / "model-00002-of-00003.safetensors"
-    big = next(e for e in loader._entries(shard) if e.name == "b.big")
+    big = next(e for e in header.entries(shard) if e.name == "b.big")
     fd = os.open(shard, os.O_RDONLY)
     os.truncate(shard, big.start + 10)  # the file shrinks after its header was read
     try:

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.loading import Kept
-from engine.weights import layout, reader
+from engine.weights import header, layout, reader
 from tests.utils import build_tiny_model
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=0)
@@ -149,7 +149,7 @@ def test_mapped_only_while_handed_out(tmp_path):
     data = (hf / "model.safetensors").read_bytes()
     start = _data_start(hf / "model.safetensors")
     with safe_open(str(hf / "model.safetensors"), framework="pt") as h:
-        for (name, t), e in zip(reader.iter_weights(hf), reader._entries(hf / "model.safetensors"), strict=True):
+        for (name, t), e in zip(reader.iter_weights(hf), header.entries(hf / "model.safetensors"), strict=True):
             assert name == e.name and torch.equal(t, h.get_tensor(name))
             assert data[e.start : e.start + e.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
     assert start > 8

@@ -50,11 +50,28 @@ class LoadedWeights:
 
 
 def load_model(
-    cfg: EngineConfig, model_path: Path, prequantized: bool, build: Callable[[], object], device, dtype: torch.dtype
+    cfg: EngineConfig,
+    model_path: Path,
+    prequantized: bool,
+    build: Callable[[], object],
+    device,
+    dtype: torch.dtype,
+    on_built: Callable[[], object] = lambda: None,
 ):
-    """`_load` timed and logged: which copy of the model (locate.describe_source), how fast it was read."""
+    """`_load` timed and logged: which copy of the model (locate.describe_source), how fast it was read.
+    `on_built()` is called once the model is first built (the timeline's "model build" mark); the read's time, and
+    its rate, count from then."""
     t0 = time.perf_counter()
-    model, w = _load(cfg, model_path, prequantized, build, device, dtype)
+
+    def timed_build():
+        nonlocal t0, on_built
+        model = build()
+        if on_built is not None:  # a snapshot found bad builds again: that counts as reading
+            on_built()
+            on_built, t0 = None, time.perf_counter()
+        return model
+
+    model, w = _load(cfg, model_path, prequantized, timed_build, device, dtype)
     kept = getattr(model, "kept", None)
     w = replace(w, seconds=time.perf_counter() - t0, kept=kept.kept_bytes if kept else 0,
                 copied=kept.copied_bytes if kept else 0)  # fmt: skip
