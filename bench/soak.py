@@ -156,6 +156,15 @@ def kv_open_mb(emu: Emulator) -> float:
     return int(opened[-1]) * 16 * int(per_token[0]) / 2**20 if per_token and opened else float("nan")
 
 
+def heap_trims(emu: Emulator) -> str:
+    """The worker's last word on giving its heap back (engine/async_engine.py's status line)."""
+    found = re.findall(r"heap given back (\d+) times \(([\d.]+) MB in ([\d.]+) ms on average\)", "\n".join(emu.lines))
+    if not found:
+        return "The worker's status lines report no heap trim."
+    n, mb, ms = found[-1]
+    return f"The engine loop gave the heap back (malloc_trim) {n} times: {mb} MB in {ms} ms on average."
+
+
 def kv_at_end(emu: Emulator) -> tuple[int, int]:
     found = re.findall(r"KV blocks free (\d+)/(\d+)", "\n".join(emu.lines))
     return tuple(map(int, found[-1])) if found else (-1, -1)
@@ -176,6 +185,7 @@ def main() -> None:
         s, samples = asyncio.run(soak(emu, rate, args.minutes, args.seed))
         time.sleep(2)  # the last job-end log lines
         free, total = kv_at_end(emu)
+        trims = heap_trims(emu)
     at2, kv2 = next(((mb, kv) for m, mb, kv in samples if m >= 2), samples[-1][1:])
     after = [mb for m, mb, _ in samples if m >= 2]
     kv_after = max(kv for m, _, kv in samples if m >= 2) if after else float("nan")
@@ -212,6 +222,8 @@ def main() -> None:
             "Of which the KV pool's open region (MB, from the worker's status lines, 16-token blocks): "
             + ", ".join(f"{m:.1f}: {kv:.0f}" for m, _, kv in samples[::3])
             + f"; after minute 2 it grew by {kv_after - kv2:+.0f} MB of the RSS's {max(after) - at2:+.0f} MB.",
+            "",
+            trims,
             "",
         ]
     )

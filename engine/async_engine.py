@@ -148,6 +148,7 @@ class AsyncEngine:
             torch.cuda.set_device(eng.device)  # per thread: this one launches every kernel of the steps
         last_log, last_generated = time.monotonic(), 0
         last_trim, busy_since_trim = time.monotonic(), False
+        trims = [0, 0.0, 0]  # count, seconds, bytes returned: for the status line
         while True:
             # Block for work when idle; otherwise just drain what arrived during the last step. When the last
             # step ran nothing (every request waits for an adapter download), wait briefly instead of spinning.
@@ -156,7 +157,8 @@ class AsyncEngine:
             # the heap's free pages back to the OS: once gone idle after a busy spell, or between steps under a
             # load that never lets the loop go idle
             if busy_since_trim and ((trim_in <= 0 and not eng.has_unfinished()) or since >= TRIM_BUSY_INTERVAL_S):
-                trim_heap()
+                took, returned = trim_heap()
+                trims = [trims[0] + 1, trims[1] + took, trims[2] + returned]
                 last_trim, busy_since_trim, trim_in = time.monotonic(), False, None
             try:
                 if not eng.has_unfinished():  # idle: kernel warmup and graph captures first, one piece a gap
@@ -209,9 +211,15 @@ class AsyncEngine:
                     if "spec_decode_acceptance_rate" in s
                     else ""
                 )
+                heap = (
+                    f", heap given back {trims[0]} times ({trims[2] / trims[0] / 2**20:.1f} MB in "
+                    f"{1e3 * trims[1] / trims[0]:.1f} ms on average)"
+                    if trims[0]
+                    else ""
+                )
                 log.info(
                     "running %d, waiting %d, KV %.0f%% (%d blocks open), prefix cache hit rate %.1f%%, preemptions %d, "
-                    "%.1f tok/s%s",
+                    "%.1f tok/s%s%s",
                     s["running"],
                     s["waiting"],
                     100 * s["kv_usage"],
@@ -220,6 +228,7 @@ class AsyncEngine:
                     s["num_preemptions"],
                     rate,
                     spec,
+                    heap,
                 )
 
     def _handle(self, cmd) -> None:

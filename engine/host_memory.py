@@ -8,6 +8,7 @@ uses it, and the cap keeps a full pool within what the machine can hold."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,14 +113,25 @@ def madvise(spans, advice: int) -> int:
     return 0
 
 
-def trim_heap() -> None:
-    """Give the heap's free pages back to the OS (glibc's malloc_trim). Activations of the largest steps so far
-    stay in malloc's arenas once freed, so a worker's RSS kept the high-water mark of every burst (the soak: +100 MB
-    over minutes of steady load, none of it the KV pool's). The engine calls it when it goes idle. Elsewhere than
-    glibc it does nothing."""
+def trim_heap() -> tuple[float, int]:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim): (seconds it took, bytes of RSS returned).
+    Activations of the largest steps so far stay in malloc's arenas once freed, so a worker's RSS kept the
+    high-water mark of every burst. The engine loop calls it (engine/async_engine.py). Elsewhere than glibc it does
+    nothing."""
     import ctypes
+    import time
 
+    before, t = _rss_bytes(), time.perf_counter()
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+    return time.perf_counter() - t, max(0, before - _rss_bytes())
+
+
+def _rss_bytes() -> int:
+    """This process's resident set (Linux /proc/self/statm; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

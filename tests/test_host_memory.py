@@ -5,6 +5,7 @@ files; the engine's plan and its start-up line."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import pytest
@@ -136,7 +137,7 @@ def test_the_engine_gives_the_heap_back_when_it_goes_idle(tiny_llama, monkeypatc
     from engine import EngineConfig, SamplingParams
 
     calls = []
-    monkeypatch.setattr(ae, "trim_heap", lambda: calls.append(time.monotonic()))
+    monkeypatch.setattr(ae, "trim_heap", lambda: (calls.append(time.monotonic()), (0.0, 0))[1])
     monkeypatch.setattr(ae, "TRIM_INTERVAL_S", 0.5)
     eng = ae.AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64, log_stats_interval=0))
 
@@ -158,9 +159,19 @@ def test_the_engine_gives_the_heap_back_when_it_goes_idle(tiny_llama, monkeypatc
         assert len(calls) == 2 and calls[1] - calls[0] >= 0.5
     finally:
         eng.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc")
+def test_trim_heap_gives_back_free_pages_and_says_how_much():
     from engine.host_memory import trim_heap
 
-    trim_heap()  # the real one: glibc's malloc_trim here, a no-op elsewhere
+    blocks = [bytearray(8192) for _ in range(8192)]  # 64 MiB of malloc's heap, touched (zero-filled)
+    keep = blocks[-1]  # holds the heap's top: malloc cannot give the pages below it back by itself
+    del blocks
+    took, returned = trim_heap()
+    assert returned > 32 << 20, returned
+    assert 0 <= took < 1.0
+    del keep
 
 
 def test_the_engine_gives_the_heap_back_under_a_load_that_never_lets_it_go_idle(tiny_llama, monkeypatch):
@@ -174,7 +185,9 @@ def test_the_engine_gives_the_heap_back_under_a_load_that_never_lets_it_go_idle(
     monkeypatch.setattr(ae, "TRIM_INTERVAL_S", 100.0)  # no idle trim in this test
     monkeypatch.setattr(ae, "TRIM_BUSY_INTERVAL_S", 0.05)
     eng = ae.AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64, log_stats_interval=0))
-    monkeypatch.setattr(ae, "trim_heap", lambda: calls.append((time.monotonic(), eng.engine.has_unfinished())))
+    monkeypatch.setattr(
+        ae, "trim_heap", lambda: (calls.append((time.monotonic(), eng.engine.has_unfinished())), (0.0, 0))[1]
+    )
 
     async def long_one():
         params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
