@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -55,7 +56,7 @@ class Emulator:
         self.stamps: list[float] = []
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, *(argv or ["-m", "handler.local"]), "--port", str(self.port)],
+            [sys.executable, *(argv or self.ARGV), *self._port_args()],
             env=emulator_env() if env is None else env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -65,6 +66,11 @@ class Emulator:
         threading.Thread(target=self._pump, daemon=True).start()
         if wait:
             self.wait_ready(timeout)
+
+    ARGV = ["-m", "handler.local"]
+
+    def _port_args(self) -> list[str]:
+        return ["--port", str(self.port)]
 
     @property
     def base(self) -> str:
@@ -119,6 +125,46 @@ class Emulator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class LBWorker(Emulator):
+    """`python -m handler` as a load-balancing endpoint worker (RUNPOD_ENDPOINT_TYPE=lb, PORT free): its HTTP
+    server at `api`, the OpenAI routes at `base_url`. wait=True: return once its /ping answers 200."""
+
+    ARGV = ["-m", "handler"]
+
+    def __init__(self, env: dict | None = None, *, wait: bool = True, timeout: float = 300, **kw):
+        self._port = free_port()
+        env = {**(emulator_env() if env is None else env), "RUNPOD_ENDPOINT_TYPE": "lb", "PORT": str(self._port)}
+        super().__init__(env, wait=False, **kw)
+        self.port, self.api = self._port, f"http://127.0.0.1:{self._port}"
+        self.base_url = f"{self.api}/v1"
+        if wait:
+            self.wait_ready(timeout)
+
+    def _port_args(self) -> list[str]:
+        return []  # PORT, in its environment
+
+    def ping(self, timeout: float = 5) -> int:
+        """The health check's HTTP status (0: no answer)."""
+        try:
+            with urllib.request.urlopen(f"{self.api}/ping", timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if (status := self.ping()) == 200:
+                return
+            if status == 503:
+                break
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError(f"the worker did not become ready (exited, 503, or {timeout:g} s passed):\n{self.tail(30)}")
 
 
 _MOTO_LINE = re.compile(r'"(GET|HEAD|PUT|POST|DELETE) (\S+) HTTP/[\d.]+" (\d+)')

@@ -50,7 +50,9 @@ def started(worker):
     return worker
 
 
-def build_worker():
+def build_worker(per_token: bool = False):
+    """The Worker, its engine built (or the reason it could not be, for every job). per_token: streams send each
+    engine step's tokens at once (the load-balancing server's own HTTP stream, no POST per yield to batch for)."""
     from engine import AsyncEngine, Timeline
     from handler.settings import Settings, SettingsError, load_settings, set_library_defaults
     from handler.worker import Worker
@@ -60,6 +62,9 @@ def build_worker():
     tl.mark("imports")
     try:
         settings = load_settings()
+        if per_token:
+            one = {"DEFAULT_BATCH_SIZE": 1, "DEFAULT_MIN_BATCH_SIZE": 1, "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": 1.0}
+            settings = settings.model_copy(update=one)
     except SettingsError as e:
         log.error("invalid settings: %s", e)
         return Worker(Settings(), None, start_error=str(e))
@@ -79,6 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     test_job = None if "--rp_serve_api" in argv else _test_input(argv)
+    if test_job is None and "--rp_serve_api" not in argv:
+        from handler.settings import SettingsError, load_settings
+
+        try:
+            settings = load_settings()
+        except SettingsError:
+            settings = None  # build_worker reports it, on every job
+        if settings is not None and (mode := settings.endpoint_mode())[0] == "lb":
+            from handler import lb
+
+            return lb.serve(settings, mode[1], lambda: build_worker(per_token=True), started)
     worker = started(build_worker())
     if test_job is not None or (worker.settings.RUNPOD_WEBHOOK_GET_JOB is None and "--rp_serve_api" not in argv):
         from handler.worker import run_test_job

@@ -9,12 +9,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine import AsyncEngine, InvalidRequestError, LoRARequest, RequestOutput, SamplingParams, Timeline, ValidRequest
 from handler.pacing import BatchSizer
 from handler.pacing import paced as _paced
 from handler.schemas import JobError
 from handler.settings import Settings
+
+if TYPE_CHECKING:
+    from handler.metrics import Metrics
 
 log = logging.getLogger("handler")
 
@@ -69,6 +73,7 @@ class JobContext:
     served_name: str  # the model name OpenAI routes answer to
     gate: Gate = field(default_factory=Gate)
     cold_start: ColdStart | None = None  # lent until the worker's first token (see ColdStart)
+    metrics: Metrics | None = None  # the worker's Prometheus metrics (/metrics): every request's stream is observed
 
 
 @dataclass(frozen=True)
@@ -122,9 +127,12 @@ def _named(e: InvalidRequestError, where: Fields) -> Exception:
 
 
 async def generate(ctx: JobContext, valid: ValidRequest, rid: str) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request, unless the worker has stopped taking work."""
+    """The engine's outputs for one request, unless the worker has stopped taking work; watched by the worker's
+    metrics and its cold start where it has them."""
     ctx.gate.check()
     outputs = ctx.engine.generate(valid, request_id=rid)
+    if ctx.metrics is not None:
+        outputs = ctx.metrics.watch(outputs)
     async for out in outputs if ctx.cold_start is None else ctx.cold_start.watch(outputs):
         yield out
 

@@ -1,6 +1,7 @@
 """Local Runpod emulator: Runpod's public endpoint API in front, the SDK's real worker loop behind.
 
     python -m handler.local --port 8000 [--host 127.0.0.1] [--worker-cmd "python -m handler"]
+    python -m handler.local --lb --workers 2 --port 8000: a load-balancing endpoint instead (handler/local_lb.py)
 
 Front, endpoint id ``local``: ``runpod.Endpoint("local")`` (``runpod.endpoint_url_base = "http://H:P/v2"``)
 and the ``openai`` client (``base_url="http://H:P/v2/local/openai/v1"``) work unmodified.
@@ -32,30 +33,20 @@ import shlex
 import signal
 import sys
 import time
-import uuid
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
 
-from handler import openai_compat as oa
-from handler.local_jobs import (
-    EP,
-    Job,
-    Pulse,
-    error_response,
-    json_body,
-    log_changes,
-    openai_result,
-    sse_events,
-)
+from handler import local_lb
+from handler.job_front import JobFront
+from handler.local_jobs import EP, Job, Pulse, log_changes
 from handler.local_worker import WorkerSide
 
 log = logging.getLogger("handler.local")
 
 
-class Emulator(WorkerSide):
+class Emulator(JobFront, WorkerSide):
     def __init__(
         self,
         worker_cmd: list[str],
@@ -68,56 +59,34 @@ class Emulator(WorkerSide):
         grace: float = 5.0,
         retention: float = 900.0,
     ) -> None:
+        super().__init__(runsync_wait=runsync_wait, stream_wait=stream_wait, retention=retention)
         self.worker_cmd, self.base, self.restart, self.grace = worker_cmd, base_url, restart, grace
-        self.runsync_wait, self.stream_wait, self.poll_hold = runsync_wait, stream_wait, poll_hold
-        self.retention = retention
-        self.jobs: dict[str, Job] = {}
+        self.poll_hold = poll_hold
         self.queue: collections.deque[str] = collections.deque()
         self.stops: list[str] = []
         self.queue_pulse, self.stop_pulse = Pulse(), Pulse()
-        self.counts: collections.Counter = collections.Counter()  # requests by kind
-        self.totals: collections.Counter = collections.Counter()  # jobs by final status
         self.proc: asyncio.subprocess.Process | None = None
         self.state = "initializing"  # -> ready -> exited
         self.spawned = self.last_ping = None
         self.shutting_down = False
         self.tasks: list[asyncio.Task] = []
 
-    # ------------------------------------------------------------------ jobs
-    def submit(self, job_input: Any, prefix: str = "") -> Job:
-        now = time.monotonic()
-        for old in [j.id for j in self.jobs.values() if j.done and now - j.finished > self.retention]:
-            del self.jobs[old]
-        job = self.jobs.setdefault(jid := prefix + str(uuid.uuid4()), Job(jid, job_input))
+    # ------------------------------------------------------------------ jobs (JobFront's hooks)
+    def refusal(self) -> str | None:
         if self.shutting_down or (self.state == "exited" and not self.restart):
-            self.finish(job, "FAILED", error=f"local worker is not running ({self.state})")
-        else:
-            self.queue.append(job.id)
-            self.queue_pulse.fire()
-        return job
+            return f"local worker is not running ({self.state})"
+        return None
 
-    def finish(self, job: Job, status: str, output: Any = None, error: Any = None) -> None:
-        if not job.done:
-            job.status, job.output, job.error, job.finished = status, output, error, time.monotonic()
-            self.totals[status] += 1
-            job.changed.fire()
+    def dispatch(self, job: Job) -> None:
+        self.queue.append(job.id)
+        self.queue_pulse.fire()
 
-    def cancel(self, job: Job) -> None:
-        was = job.status
+    def withdraw(self, job: Job, was: str) -> None:
         if was == "IN_QUEUE":
             self.queue.remove(job.id)
-        self.finish(job, "CANCELLED")
         if was == "IN_PROGRESS" and job.id not in self.stops:
             self.stops.append(job.id)
             self.stop_pulse.fire()
-
-    async def wait_done(self, job: Job, timeout: float | None, request: Request | None = None) -> None:
-        """Wait for a terminal state (or ``timeout``); with ``request``, cancel if its client goes away."""
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e12)
-        while not job.done and (left := deadline - time.monotonic()) > 0:
-            if not await job.changed.wait(min(1.0, left)) and request and await request.is_disconnected():
-                log.info("client went away: cancelling %s", job.id)
-                self.cancel(job)
 
     # ---------------------------------------------------------------- worker
     async def start(self) -> None:
@@ -156,54 +125,6 @@ class Emulator(WorkerSide):
         jobs = " ".join(f"{k.lower()}={v}" for k, v in sorted(self.totals.items()))
         return f"requests: {reqs or '-'} | jobs: {jobs or '-'}"
 
-    # ------------------------------------------------------------ public API
-    async def _new_job(self, request: Request, prefix: str) -> Job | Response:
-        self.counts[prefix.rstrip("-") or "run"] += 1
-        try:
-            body = json_body(await request.body())
-        except ValueError as e:
-            return JSONResponse({"error": f"the request body is not valid JSON: {e}"}, 400)
-        if isinstance(body, dict) and "input" in body:
-            return self.submit(body["input"], prefix)
-        return JSONResponse({"error": "the request body must be JSON with an 'input' key"}, 400)
-
-    def _lookup(self, job_id: str, kind: str) -> Job | Response:
-        self.counts[kind] += 1
-        return self.jobs.get(job_id) or JSONResponse({"error": f"job {job_id} not found"}, 404)
-
-    async def run(self, request: Request):
-        job = await self._new_job(request, "")
-        return job if isinstance(job, Response) else {"id": job.id, "status": job.status}
-
-    async def runsync(self, request: Request):
-        job = await self._new_job(request, "sync-")
-        if isinstance(job, Response):
-            return job
-        await self.wait_done(job, self.runsync_wait)
-        return job.public() if job.done else {"id": job.id, "status": job.status}
-
-    async def status(self, job_id: str):
-        job = self._lookup(job_id, "status")
-        return job if isinstance(job, Response) else job.public()
-
-    async def stream(self, job_id: str):
-        job = self._lookup(job_id, "stream")
-        if isinstance(job, Response):
-            return job
-        deadline = time.monotonic() + self.stream_wait
-        while job.stream_pos >= len(job.chunks) and not job.done and time.monotonic() < deadline:
-            await job.changed.wait(deadline - time.monotonic())
-        new, job.stream_pos = job.chunks[job.stream_pos :], len(job.chunks)
-        out = {"id": job.id, "status": job.status, "stream": [{"output": c} for c in new]}
-        return out | ({"error": job.error} if job.error is not None else {})
-
-    async def cancel_route(self, job_id: str):
-        job = self._lookup(job_id, "cancel")
-        if isinstance(job, Response):
-            return job
-        self.cancel(job)
-        return {"id": job.id, "status": job.status}
-
     async def purge_queue(self):
         self.counts["purge-queue"] += 1
         queued = [self.jobs[jid] for jid in self.queue]
@@ -240,34 +161,6 @@ class Emulator(WorkerSide):
                 "lastPingAgoS": self.last_ping and round(time.monotonic() - self.last_ping, 1),
             },
         }
-
-    async def openai(self, request: Request) -> Response:
-        self.counts["openai"] += 1
-        route = request.url.path.split("/openai", 1)[1]
-        if wrong := oa.route_error(route, request.method):
-            fields, status = wrong
-            allow = {"Allow": oa.ROUTES[route]} if status == 405 else None
-            return JSONResponse(oa.error(**fields), status, headers=allow)
-        body: Any = {}
-        if request.method == "POST":
-            try:
-                body = json_body(await request.body())
-            except ValueError as e:
-                return error_response({"message": f"the request body is not valid JSON: {e}"})
-        job = self.submit({"openai_route": route, "openai_input": body})
-        if not (isinstance(body, dict) and body.get("stream")):
-            await self.wait_done(job, None, request)
-            return openai_result(job)
-        while not job.chunks and not job.done:  # hold the headers until we know it is not an error
-            if not await job.changed.wait(1.0) and await request.is_disconnected():
-                self.cancel(job)
-        if not job.chunks:
-            return openai_result(job)
-        return StreamingResponse(
-            sse_events(job, self.cancel),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job.id},
-        )
 
 
 def create_app(worker_cmd: list[str] | str, *, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> FastAPI:
@@ -338,10 +231,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runsync-wait", type=float, default=90.0, help="seconds /runsync waits (90)")
     ap.add_argument("--stream-wait", type=float, default=1.0, help="seconds /stream long-polls (1)")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--lb", action="store_true", help="a load-balancing endpoint: a router in front of --workers")
+    ap.add_argument("--workers", type=int, default=1, help="with --lb: how many workers (1)")
+    local_lb.add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s local-rp | %(message)s", datefmt="%H:%M:%S"
     )
+    if args.lb:
+        return local_lb.serve(args)
     app = create_app(
         args.worker_cmd,
         host=args.host,

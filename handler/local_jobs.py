@@ -56,6 +56,7 @@ class Job:
     started: float | None = None
     finished: float | None = None
     changed: Pulse = field(default_factory=Pulse)
+    worker_id: str = WORKER_ID  # who runs it (the load-balancing server: its own id)
 
     @property
     def done(self) -> bool:
@@ -67,7 +68,7 @@ class Job:
         if self.started is not None:
             out |= {
                 "executionTime": int(((self.finished or now) - self.started) * 1e3),
-                "workerId": WORKER_ID,
+                "workerId": self.worker_id,
                 "streamPosts": len(self.chunks),
             }  # an emulator extension: one chunk per job-stream POST
         if self.output is not None:

@@ -103,6 +103,16 @@ class Settings(_EngineVariables):
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
     TOOL_CALL_PARSER: Literal["hermes", "llama3_json"] | None = None
+    # load-balancing endpoints (handler/lb.py; the mode rule is endpoint_mode below). Runpod's names: PORT,
+    # PORT_HEALTH, HEALTH_CHECK_PATH; the rest are ours
+    RUNPOD_ENDPOINT_TYPE: Literal["queue", "lb"] | None = None
+    PORT: int | None = Field(default=None, ge=1, le=65535)
+    PORT_HEALTH: int | None = Field(default=None, ge=1, le=65535)  # default: PORT
+    HEALTH_CHECK_PATH: str = "/ping"
+    API_KEY: SecretStr | None = None  # as `vllm serve --api-key`: every route but the health check needs it
+    MAX_REQUEST_BYTES: int = Field(default=30 * 2**20, ge=1024)  # Runpod's cap on a load-balanced request
+    LB_MAX_WAITING: int = Field(default=16, ge=0)  # requests waiting for one of MAX_CONCURRENCY slots, at most
+    LB_MAX_WAIT_S: float = Field(default=30.0, gt=0)  # then 503: Runpod runs a request 5.5 minutes at most
 
     @field_validator(
         *_OPTIONAL_TEXT,
@@ -113,6 +123,10 @@ class Settings(_EngineVariables):
         "TRITON_CACHE_DIR",
         "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
         "CUSTOM_CHAT_TEMPLATE",
+        "RUNPOD_ENDPOINT_TYPE",
+        "PORT",
+        "PORT_HEALTH",
+        "API_KEY",
         mode="before",
     )
     @classmethod
@@ -165,6 +179,22 @@ class Settings(_EngineVariables):
         # so a bad value fails the load as a bad type does, not later at the engine's start
         self._engine(self._engine_values())
         return self
+
+    def endpoint_mode(self) -> tuple[str, str]:
+        """("lb" or "queue", why). A queue worker always has RUNPOD_WEBHOOK_GET_JOB (Runpod and handler.local set
+        it), so PORT alone never turns one into a load-balancing worker: only RUNPOD_ENDPOINT_TYPE=lb does that."""
+        if self.RUNPOD_ENDPOINT_TYPE == "lb":
+            why = "RUNPOD_ENDPOINT_TYPE=lb"
+            return "lb", why + (
+                " (RUNPOD_WEBHOOK_GET_JOB is set too, and ignored)" if self.RUNPOD_WEBHOOK_GET_JOB else ""
+            )
+        if self.RUNPOD_ENDPOINT_TYPE == "queue":
+            return "queue", "RUNPOD_ENDPOINT_TYPE=queue"
+        if self.RUNPOD_WEBHOOK_GET_JOB:
+            return "queue", "RUNPOD_WEBHOOK_GET_JOB is set" + (" (PORT is ignored)" if self.PORT else "")
+        if self.PORT:
+            return "lb", f"PORT={self.PORT} is set and RUNPOD_WEBHOOK_GET_JOB is not"
+        return "queue", "neither RUNPOD_ENDPOINT_TYPE, RUNPOD_WEBHOOK_GET_JOB nor PORT is set"
 
     @property
     def on_runpod(self) -> bool:

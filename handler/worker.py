@@ -71,6 +71,10 @@ class Worker:
     def concurrency(self, current: int) -> int:
         return self.settings.MAX_CONCURRENCY
 
+    def use_metrics(self, metrics) -> None:
+        """Every job's engine outputs go through `metrics` (handler/metrics.py) from now on."""
+        self.ctx = replace(self.ctx, metrics=metrics)
+
     def ready(self) -> None:
         """Mark ready and print the cold-start table (once the worker is about to take jobs)."""
         if self.timeline is not None:

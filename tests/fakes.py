@@ -62,9 +62,12 @@ class FakeAsyncEngine:
         return {
             "num_free_blocks": NUM_BLOCKS - used,
             "num_total_blocks": NUM_BLOCKS,
+            "kv_usage": used / NUM_BLOCKS,
             "running": len(self._blocks),
             "waiting": 0,
             "num_preemptions": 0,
+            "prefix_cache_queried_tokens": 0,  # the scripted model caches nothing
+            "prefix_cache_hit_tokens": 0,
         }
 
     async def abort(self, request_id: str, error: BaseException | None = None) -> None:

@@ -144,9 +144,10 @@ def test_copied_files_exist_and_are_in_the_build_context():
 
 
 def test_modules_it_runs_import():
-    text = " ".join(of("RUN") + [" ".join(json.loads(c)) for c in of("CMD")])
+    health = [" ".join(json.loads(h.split(" CMD ", 1)[1])) for h in of("HEALTHCHECK")]
+    text = " ".join(of("RUN") + [" ".join(json.loads(c)) for c in of("CMD")] + health)
     mods = set(re.findall(r"\bpython3?(?:\.\d+)?\s+-m\s+([\w.]+)", text))
-    assert {"handler", "warmup"} <= mods
+    assert {"handler", "warmup", "handler.healthcheck"} <= mods
     for mod in sorted(mods):
         spec = importlib.util.find_spec(mod)
         assert spec is not None, f"`python -m {mod}`: no module {mod}"

@@ -19,6 +19,10 @@ NO_TORCH = {
     "engine/memory.py",
     "engine/host_memory.py",  # the automatic CPU pool's size and the machine's memory it is sized from
     "engine/models/spec.py",  # config.json -> ModelSpec: the memory planner and warmup.plan read it without torch
+    # the load-balancing server answers its health check before torch is imported (the engine builds on a thread)
+    "handler/settings.py",
+    "handler/lb.py",
+    "handler/healthcheck.py",
 }
 MAX_LINES = 400
 

@@ -1,0 +1,340 @@
+"""Load-balancing endpoint mode: the worker is the HTTP server Runpod routes each request to (no queue in front).
+
+    RUNPOD_ENDPOINT_TYPE=lb python -m handler     (or PORT=8080 with no RUNPOD_WEBHOOK_GET_JOB: Settings.endpoint_mode)
+
+The server listens on PORT (80) before the engine exists, and builds it on a thread:
+  GET  HEALTH_CHECK_PATH (/ping; on PORT_HEALTH when that differs): 204 while starting, 200 ready, 503 when the
+       start failed, the engine faulted, or the worker is shutting down
+  POST /v1/chat/completions | /v1/completions, GET /v1/models (also under /openai/v1/...): the queue path's OpenAI
+       routes, straight from this process, streamed one SSE event per engine step
+  POST /run | /runsync, GET /status/{id} | /stream/{id}, POST /cancel/{id}: worker-vllm's job body, answered as a
+       queue endpoint would (a client polling /status/{id} must pin this worker: X-Runpod-Worker-Id below)
+  GET  /metrics: Prometheus' text format (handler/metrics.py)
+Every job goes through the same Worker.handle as on a queue endpoint (handler/job_front.py records it), so
+validation, errors, LoRA, structured output and tool calls are the queue path's own.
+
+No queue: at most MAX_CONCURRENCY requests run and LB_MAX_WAITING wait (handler/admission.py); past that, 429 with
+Retry-After at once; a wait past LB_MAX_WAIT_S gets 503. A body over MAX_REQUEST_BYTES is refused (413) before it is
+read. With API_KEY every route but the health check needs `Authorization: Bearer <key>`. Every response carries
+X-Runpod-Worker-Id (RUNPOD_POD_ID), which a client sends back to be routed here again (its prefix cache).
+SIGTERM: the health check answers 503 and new requests 503 at once; running requests get SHUTDOWN_GRACE_S, then
+fail with a 503 error; then the engine stops and the process exits 0. A second SIGTERM exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hmac
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from handler import openai_compat as oa
+from handler.admission import Admission, Overloaded, Ticket, WaitedTooLong
+from handler.job_front import JobFront
+from handler.local_jobs import Job
+from handler.settings import Settings
+
+log = logging.getLogger("handler.lb")
+
+_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("lb_ticket", default=None)
+
+
+class TooLarge(Exception):
+    pass
+
+
+class LBJobs(JobFront):
+    """Jobs run here, each a task draining Worker.handle into its record, as runpod's loop would: a chunk with an
+    "error" fails the job with it; otherwise the job completes with every chunk (return_aggregate_stream)."""
+
+    def __init__(self, server: LBServer):
+        # /runsync waits up to Runpod's 5.5-minute request cap; /run's results are kept 5 minutes for /status
+        super().__init__(runsync_wait=330.0, retention=300.0, worker_id=server.worker_id)
+        self.server = server
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def refusal(self) -> str | None:
+        return self.server.unavailable()
+
+    async def body(self, request: Request) -> bytes:
+        limit, out = self.server.settings.MAX_REQUEST_BYTES, bytearray()
+        async for part in request.stream():  # a chunked body has no Content-Length to check first
+            out += part
+            if len(out) > limit:
+                raise TooLarge
+        return bytes(out)
+
+    def dispatch(self, job: Job) -> None:
+        ticket = _TICKET.get()
+        if ticket is not None:
+            ticket.taken = True  # the job's task leaves it
+        self.tasks[job.id] = asyncio.create_task(self._run(job, ticket))
+
+    def withdraw(self, job: Job, was: str) -> None:
+        if (task := self.tasks.get(job.id)) is not None:
+            task.cancel()  # CancelledError in Worker.handle: it aborts the engine request
+
+    async def _run(self, job: Job, ticket: Ticket | None) -> None:
+        t0 = time.monotonic()
+        job.status, job.started = "IN_PROGRESS", t0
+        job.changed.fire()
+        error: Any = None
+        try:
+            async for chunk in self.server.worker.handle({"id": job.id, "input": job.input}):
+                if isinstance(chunk, dict) and chunk.get("error"):
+                    error = str(chunk["error"])
+                    break
+                job.chunks.append(chunk)
+                job.changed.fire()
+            if error is None:
+                self.finish(job, "COMPLETED", list(job.chunks))
+            else:
+                self.finish(job, "FAILED", error=error)
+        except asyncio.CancelledError:
+            self.finish(job, "CANCELLED")  # (cancel() has already said so)
+        except Exception as e:  # noqa: BLE001 - Worker.handle turns failures into error chunks; this is a bug
+            log.exception("job %s failed", job.id)
+            self.finish(job, "FAILED", error=f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.tasks.pop(job.id, None)
+            if isinstance(job.input, dict) and "openai_route" in job.input:
+                self.jobs.pop(job.id, None)  # its response holds it; no one asks /status for it
+            if ticket is not None:
+                self.server.admission.observe(time.monotonic() - t0)
+                ticket.leave()
+
+
+class LBServer:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.worker_id = settings.RUNPOD_POD_ID or f"{socket.gethostname()}-{os.getpid()}"
+        self.worker = None  # handler.worker.Worker, once built
+        self.state = "initializing"  # -> ready | failed; -> shutting down
+        self.admission = Admission(settings.MAX_CONCURRENCY, settings.LB_MAX_WAITING, settings.LB_MAX_WAIT_S)
+        self.jobs = LBJobs(self)
+        self.metrics = None  # handler.metrics.Metrics, with the worker
+        self.servers: list[uvicorn.Server] = []
+        self._drain: asyncio.Task | None = None
+
+    # ---- state
+    def unavailable(self) -> str | None:
+        """Why no request can run now (None: they can)."""
+        if self.state == "ready" and self.worker is not None and self.worker.fault:
+            return f"the engine faulted: {self.worker.fault}"
+        return {
+            "initializing": "the worker is still starting",
+            "failed": f"the worker could not start: {self.worker and self.worker.start_error}",
+            "shutting down": "the worker is shutting down",
+        }.get(self.state)
+
+    async def build(self, build_worker, started) -> None:
+        """The engine, built on a thread while the server answers (handler/__main__.py's build_worker, started)."""
+        worker = await asyncio.to_thread(build_worker)
+        if worker.engine is not None:
+            from handler.metrics import Metrics
+
+            self.metrics = Metrics(worker.engine, worker.served_name)
+            worker.use_metrics(self.metrics)
+        self.worker = started(worker)
+        if self.state == "initializing":
+            self.state = "ready" if worker.engine is not None else "failed"
+            worker.ready()  # the cold-start table
+        log.info("load-balancing worker %s: %s", self.worker_id, self.state)
+
+    # ---- routes
+    async def ping(self, request: Request) -> Response:
+        if self.state == "initializing":
+            return Response(status_code=204)
+        if self.unavailable() is None:
+            return JSONResponse({"status": "ready", "workerId": self.worker_id})
+        return JSONResponse({"status": "unhealthy", "reason": self.unavailable()}, 503)
+
+    async def metrics_route(self, request: Request) -> Response:
+        if self.metrics is None:
+            return Response(b"", media_type="text/plain")
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    def admitted(self, route):
+        """A route that runs a job: 503 unless ready, then one of the admission's slots."""
+
+        async def endpoint(request: Request) -> Response:
+            if why := self.unavailable():
+                return _error(f"{why}; send the request again", 503, "server_error", "unavailable")
+            try:
+                ticket = self.admission.enter()
+            except Overloaded as e:
+                headers = {"Retry-After": str(e.retry_after_s)}
+                return _error(str(e), 429, "rate_limit_error", "worker_busy", headers)
+            token = _TICKET.set(ticket)
+            try:
+                await ticket.wait()
+                out = await route(request)
+                return out if isinstance(out, Response) else JSONResponse(out)
+            except WaitedTooLong as e:
+                return _error(str(e), 503, "server_error", "waited_too_long")
+            except TooLarge:
+                return self.too_large()
+            finally:
+                _TICKET.reset(token)
+                if not ticket.taken:  # no job took it (the request was refused before one started)
+                    ticket.leave()
+
+        return endpoint
+
+    async def free(self, request: Request, route) -> Response:
+        if why := self.unavailable():
+            return _error(f"{why}; send the request again", 503, "server_error", "unavailable")
+        try:
+            return await route(request)
+        except TooLarge:
+            return self.too_large()
+
+    def too_large(self) -> Response:
+        n = self.settings.MAX_REQUEST_BYTES
+        return _error(f"the request body is over MAX_REQUEST_BYTES={n} bytes", 413, code="request_too_large")
+
+    # ---- shutdown
+    def on_signal(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self.drain())
+        else:  # a second signal: now
+            for s in self.servers:
+                s.should_exit = s.force_exit = True
+
+    async def drain(self) -> None:
+        grace = self.settings.SHUTDOWN_GRACE_S
+        log.info("SIGTERM: /ping answers 503; %d requests running get %g s", len(self.jobs.tasks), grace)
+        self.state = "shutting down"
+        deadline = time.monotonic() + grace
+        while self.jobs.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.jobs.tasks and self.worker is not None:
+            self.worker.end_all(
+                f"the worker is shutting down (SIGTERM) and this request did not finish within its {grace:g} s grace "
+                "period; send it again"
+            )
+            await asyncio.wait(list(self.jobs.tasks.values()), timeout=5)
+        await asyncio.sleep(0.2)  # the last responses out
+        for s in self.servers:
+            s.should_exit = True
+
+
+def _error(message: str, status: int, kind: str = "invalid_request_error", code: str | None = None, headers=None):
+    return JSONResponse(oa.error(message, kind, None, code), status, headers=headers)
+
+
+class _Server(uvicorn.Server):
+    """SIGTERM and SIGINT start the server's drain (LBServer.drain) instead of uvicorn's own exit."""
+
+    def __init__(self, config: uvicorn.Config, lb: LBServer):
+        super().__init__(config)
+        self.lb = lb
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        asyncio.get_event_loop().call_soon_threadsafe(self.lb.on_signal)
+
+
+class _Guard:
+    """ASGI middleware: X-Runpod-Worker-Id on every response; API_KEY on every route but the health check; a body
+    whose Content-Length is over MAX_REQUEST_BYTES refused before it is read."""
+
+    def __init__(self, app, lb: LBServer):
+        self.app, self.lb = app, lb
+        key = lb.settings.API_KEY
+        self.key = key.get_secret_value().encode() if key else None
+        self.health = lb.settings.HEALTH_CHECK_PATH
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        worker = (b"x-runpod-worker-id", self.lb.worker_id.encode())
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), worker]
+            await send(message)
+
+        headers = dict(scope["headers"])
+        refusal = None
+        if self.key is not None and scope["path"] != self.health:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.key):
+                message = "a valid API key is required: Authorization: Bearer <API_KEY>"
+                refusal = _error(message, 401, "authentication_error", "invalid_api_key")
+        length = headers.get(b"content-length", b"0")
+        if refusal is None and length.isdigit() and int(length) > self.lb.settings.MAX_REQUEST_BYTES:
+            refusal = self.lb.too_large()
+        if refusal is not None:
+            return await refusal(scope, receive, send_with_id)
+        return await self.app(scope, receive, send_with_id)
+
+
+def create_app(lb: LBServer) -> FastAPI:
+    app = FastAPI(title="rp-llm-worker (load-balancing endpoint)", docs_url=None, redoc_url=None, openapi_url=None)
+    jobs = lb.jobs
+    openai = lb.admitted(jobs.openai)
+
+    async def models(request: Request) -> Response:  # no job slot for the model list
+        return await lb.free(request, jobs.openai)
+
+    for prefix in ("", "/openai"):
+        app.router.add_route(f"{prefix}/v1/chat/completions", openai, methods=["POST"])
+        app.router.add_route(f"{prefix}/v1/completions", openai, methods=["POST"])
+        app.router.add_route(f"{prefix}/v1/models", models, methods=["GET"])
+        # the rest: 404 or 405 in OpenAI's shape, listing the routes
+        app.router.add_route(
+            f"{prefix}/v1/{{rest:path}}", jobs.openai, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]
+        )
+    app.router.add_route("/run", lb.admitted(jobs.run), methods=["POST"])
+    app.router.add_route("/runsync", lb.admitted(jobs.runsync), methods=["POST"])
+    for path, endpoint, method in [
+        ("/status/{job_id}", jobs.status, "GET"),
+        ("/stream/{job_id}", jobs.stream, "GET"),
+        ("/cancel/{job_id}", jobs.cancel_route, "POST"),
+    ]:
+        app.add_api_route(path, endpoint, methods=[method])
+    app.router.add_route("/metrics", lb.metrics_route, methods=["GET"])
+    app.router.add_route(lb.settings.HEALTH_CHECK_PATH, lb.ping, methods=["GET"])
+    return app
+
+
+def serve(settings: Settings, why: str, build_worker, started) -> int:
+    """Run the load-balancing server until SIGTERM; 0 once drained. build_worker() -> Worker runs on a thread
+    while the server answers; started(worker) ends the start (handler/__main__.py's)."""
+    lb = LBServer(settings)
+    port = settings.PORT or 80
+    health = settings.PORT_HEALTH if settings.PORT_HEALTH not in (None, port) else None
+    log.info("load-balancing endpoint mode (%s): port %d, health %s on port %d", why, port,
+             settings.HEALTH_CHECK_PATH, health or port)  # fmt: skip
+    opts = dict(host="0.0.0.0", log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
+    lb.servers = [_Server(uvicorn.Config(_Guard(create_app(lb), lb), port=port, **opts), lb)]
+    if health is not None:
+        only_ping = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        only_ping.router.add_route(settings.HEALTH_CHECK_PATH, lb.ping, methods=["GET"])
+        lb.servers.append(_Server(uvicorn.Config(_Guard(only_ping, lb), port=health, **opts), lb))
+
+    async def main() -> None:
+        build = asyncio.create_task(lb.build(build_worker, started))
+        try:
+            await asyncio.gather(*(s.serve() for s in lb.servers))
+        finally:
+            if not build.done():  # shut down while starting: the engine is left to the process's exit
+                log.warning("shut down before the engine was ready")
+            elif lb.worker is not None and lb.worker.engine is not None:
+                await asyncio.to_thread(lb.worker.engine.shutdown)
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+    return 0

@@ -1,0 +1,113 @@
+"""handler/admission.py (the load-balancing server's limit on requests) and Settings.endpoint_mode (which kind of
+endpoint a worker serves), without processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from handler.admission import Admission, Overloaded, WaitedTooLong
+from handler.settings import load_settings
+
+
+def test_endpoint_mode_rule():
+    mode = lambda **env: load_settings(env).endpoint_mode()  # noqa: E731
+    assert mode() == ("queue", "neither RUNPOD_ENDPOINT_TYPE, RUNPOD_WEBHOOK_GET_JOB nor PORT is set")
+    assert mode(PORT="8080")[0] == "lb"
+    # a queue worker (Runpod and handler.local always set the webhook) never turns LB because PORT is set
+    got = mode(PORT="8080", RUNPOD_WEBHOOK_GET_JOB="http://x/job-take/$ID")
+    assert got == ("queue", "RUNPOD_WEBHOOK_GET_JOB is set (PORT is ignored)")
+    assert mode(RUNPOD_ENDPOINT_TYPE="lb")[0] == "lb"
+    assert "ignored" in mode(RUNPOD_ENDPOINT_TYPE="lb", RUNPOD_WEBHOOK_GET_JOB="http://x")[1]
+    assert mode(RUNPOD_ENDPOINT_TYPE="queue", PORT="8080")[0] == "queue"
+    assert mode(RUNPOD_ENDPOINT_TYPE="", PORT="")[0] == "queue"  # empty is unset
+    from handler.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="RUNPOD_ENDPOINT_TYPE"):
+        load_settings({"RUNPOD_ENDPOINT_TYPE": "balanced"})
+    with pytest.raises(SettingsError, match="PORT"):
+        load_settings({"PORT": "70000"})
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_slots_then_a_bounded_wait_list_then_429_at_once():
+    async def main():
+        adm = Admission(running=2, waiting=1, max_wait_s=5)
+        a, b = adm.enter(), adm.enter()
+        await a.wait(), await b.wait()  # free slots: no wait
+        c = adm.enter()  # the one wait place
+        with pytest.raises(Overloaded, match="2 requests running.*1 waiting") as e:
+            adm.enter()
+        assert e.value.retry_after_s >= 1
+        waiter = asyncio.ensure_future(c.wait())
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and adm.active == 2
+        a.leave()  # its slot goes to c
+        await asyncio.wait_for(waiter, 1)
+        assert adm.active == 2 and adm.queued == 0
+        a.leave()  # idempotent
+        assert adm.active == 2
+        b.leave(), c.leave()
+        assert adm.active == 0
+
+    _run(main())
+
+
+def test_waiters_are_served_in_order_and_a_long_wait_is_refused():
+    async def main():
+        adm = Admission(running=1, waiting=3, max_wait_s=0.2)
+        first = adm.enter()
+        waits = [adm.enter() for _ in range(3)]
+        order = []
+
+        async def run(i, t):
+            await t.wait()
+            order.append(i)
+
+        tasks = [asyncio.ensure_future(run(i, t)) for i, t in enumerate(waits)]
+        await asyncio.sleep(0.01)
+        first.leave()
+        await asyncio.sleep(0.01)
+        waits[0].leave()
+        await asyncio.sleep(0.01)
+        # waits[2] is still waiting when max_wait_s passes: refused, and its place is given up
+        with pytest.raises(WaitedTooLong, match="waited 0.2 s"):
+            await asyncio.gather(*tasks)
+        assert order == [0, 1]
+        waits[1].leave()
+        assert adm.active == 0 and adm.queued == 0
+
+    _run(main())
+
+
+def test_a_waiter_that_goes_away_gives_up_its_place():
+    async def main():
+        adm = Admission(running=1, waiting=1, max_wait_s=10)
+        first = adm.enter()
+        second = adm.enter()
+        task = asyncio.ensure_future(second.wait())
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client left while waiting
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert adm.queued == 0
+        third = adm.enter()  # the place is free again
+        first.leave()
+        await asyncio.wait_for(third.wait(), 1)
+        assert adm.active == 1
+
+    _run(main())
+
+
+def test_retry_after_follows_the_requests_time():
+    adm = Admission(running=1, waiting=0, max_wait_s=1)
+    for _ in range(100):
+        adm.observe(7.2)
+    assert adm.retry_after() == 8
+    for _ in range(100):
+        adm.observe(0.01)
+    assert adm.retry_after() == 1
