@@ -85,16 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     test_job = None if "--rp_serve_api" in argv else _test_input(argv)
     if test_job is None and "--rp_serve_api" not in argv:
-        from handler.settings import SettingsError, load_settings
+        from handler.settings import serving_settings
 
-        try:
-            settings = load_settings()
-        except SettingsError:
-            settings = None  # build_worker reports it, on every job
-        if settings is not None and (mode := settings.endpoint_mode())[0] == "lb":
+        settings, _ = serving_settings()  # invalid: build_worker reports why, on every job (and /ping: 503)
+        mode = settings.endpoint_mode() if settings is not None else ("queue", "the settings are invalid")
+        log.info("%s endpoint mode: %s", "load-balancing" if mode[0] == "lb" else "queue", mode[1])
+        if mode[0] == "lb":
             from handler import lb
 
-            return lb.serve(settings, mode[1], lambda: build_worker(per_token=True), started)
+            return lb.serve(settings, lambda: build_worker(per_token=True), started)
     worker = started(build_worker())
     if test_job is not None or (worker.settings.RUNPOD_WEBHOOK_GET_JOB is None and "--rp_serve_api" not in argv):
         from handler.worker import run_test_job

@@ -306,14 +306,13 @@ def create_app(lb: LBServer) -> FastAPI:
     return app
 
 
-def serve(settings: Settings, why: str, build_worker, started) -> int:
+def serve(settings: Settings, build_worker, started) -> int:
     """Run the load-balancing server until SIGTERM; 0 once drained. build_worker() -> Worker runs on a thread
     while the server answers; started(worker) ends the start (handler/__main__.py's)."""
     lb = LBServer(settings)
     port = settings.PORT or 80
     health = settings.PORT_HEALTH if settings.PORT_HEALTH not in (None, port) else None
-    log.info("load-balancing endpoint mode (%s): port %d, health %s on port %d", why, port,
-             settings.HEALTH_CHECK_PATH, health or port)  # fmt: skip
+    log.info("serving on port %d, health check %s on port %d", port, settings.HEALTH_CHECK_PATH, health or port)
     opts = dict(host="0.0.0.0", log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
     lb.servers = [_Server(uvicorn.Config(_Guard(create_app(lb), lb), port=port, **opts), lb)]
     if health is not None:

@@ -274,6 +274,24 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise SettingsError(f"environment variable {shown}={env.get(shown)!r}: {err['msg']}") from None
 
 
+# what the load-balancing server needs to serve at all: read on their own when another variable is invalid, so that
+# the worker still serves its endpoint kind and reports the error on every request (a crash loop says nothing)
+_SERVING = ("RUNPOD_ENDPOINT_TYPE", "RUNPOD_WEBHOOK_GET_JOB", "PORT", "PORT_HEALTH", "HEALTH_CHECK_PATH", "API_KEY",
+            "RUNPOD_POD_ID", "MAX_REQUEST_BYTES", "SHUTDOWN_GRACE_S")  # fmt: skip
+
+
+def serving_settings(env: Mapping[str, str] | None = None) -> tuple[Settings | None, str | None]:
+    """(settings, None), or when the environment is invalid: (the _SERVING variables alone, else None; the error)."""
+    env = os.environ if env is None else env
+    try:
+        return load_settings(env), None
+    except SettingsError as e:
+        try:
+            return load_settings({k: env[k] for k in _SERVING if k in env}), str(e)
+        except SettingsError:
+            return None, str(e)
+
+
 # Libraries that read environment variables of their own: the worker sets these defaults before they first run (an
 # endpoint's own value wins).
 LIBRARY_DEFAULTS = {

@@ -111,3 +111,14 @@ def test_retry_after_follows_the_requests_time():
     for _ in range(100):
         adm.observe(0.01)
     assert adm.retry_after() == 1
+
+
+def test_an_invalid_variable_still_leaves_the_endpoint_kind_known():
+    from handler.settings import serving_settings
+
+    settings, error = serving_settings({"PORT": "8080", "MAX_MODEL_LEN": "lots", "API_KEY": "k"})
+    assert settings.endpoint_mode()[0] == "lb" and settings.API_KEY.get_secret_value() == "k"
+    assert "MAX_MODEL_LEN" in error
+    settings, error = serving_settings({"PORT": "eighty"})
+    assert settings is None and "PORT" in error
+    assert serving_settings({"PORT": "8080"})[1] is None

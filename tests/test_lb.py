@@ -25,7 +25,9 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 def _env(**kw) -> dict:
-    return emulator_env(DTYPE="bfloat16", MAX_MODEL_LEN="4096", OPENAI_SERVED_MODEL_NAME_OVERRIDE=MODEL, **kw)
+    return emulator_env(
+        **{"DTYPE": "bfloat16", "MAX_MODEL_LEN": "4096", "OPENAI_SERVED_MODEL_NAME_OVERRIDE": MODEL, **kw}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +269,18 @@ def test_docker_healthcheck(lb):
     closed = check(RUNPOD_ENDPOINT_TYPE="lb", PORT=str(free_port()))
     assert closed.returncode == 1 and "unhealthy" in closed.stderr
     assert check().returncode == 0  # a queue worker: no server to ask
+
+
+def test_a_worker_with_an_invalid_setting_serves_the_reason():
+    """Not a crash loop: /ping is 503 with the reason, and every request gets it, naming the variable."""
+    w = LBWorker(_env(MAX_MODEL_LEN="lots"), wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while (status := w.ping(1)) in (0, 204) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status == 503
+        assert "MAX_MODEL_LEN" in httpx.get(f"{w.api}/ping").json()["reason"]
+        r = httpx.post(f"{w.base_url}/completions", json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 503 and "MAX_MODEL_LEN" in r.json()["error"]["message"]
+    finally:
+        w.close()
