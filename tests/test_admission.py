@@ -122,3 +122,29 @@ def test_an_invalid_variable_still_leaves_the_endpoint_kind_known():
     settings, error = serving_settings({"PORT": "eighty"})
     assert settings is None and "PORT" in error
     assert serving_settings({"PORT": "8080"})[1] is None
+
+
+def test_ping_follows_the_worker_state():
+    """handler/lb.py's health check over its states, in process (no engine: a stand-in Worker with its fields)."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from handler.lb import LBServer, _Guard, create_app
+
+    lb = LBServer(load_settings({"PORT": "8080", "RUNPOD_POD_ID": "pod-1", "API_KEY": "k"}))
+    client = TestClient(_Guard(create_app(lb), lb))
+    r = client.get("/ping")
+    assert r.status_code == 204 and r.headers["x-runpod-worker-id"] == "pod-1"  # starting; no key needed
+    r = client.post("/v1/completions", json={}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 503 and "still starting" in r.json()["error"]["message"]
+    lb.worker, lb.state = SimpleNamespace(fault=None, start_error=None), "ready"
+    assert client.get("/ping").status_code == 200
+    lb.worker.fault = "engine step failed: boom"
+    r = client.get("/ping")
+    assert r.status_code == 503 and "boom" in r.json()["reason"]
+    lb.worker.fault, lb.state = None, "shutting down"
+    assert client.get("/ping").status_code == 503
+    lb.state, lb.worker.start_error = "failed", "ModelNotFoundError: nope"
+    assert "nope" in client.get("/ping").json()["reason"]
+    assert client.get("/metrics").status_code == 401  # the key guards the rest
