@@ -306,12 +306,17 @@ def create_app(lb: LBServer) -> FastAPI:
     return app
 
 
+def ports(settings: Settings) -> tuple[int, int | None]:
+    """The server's port, and the health check's own port where it differs (None: the same)."""
+    port = settings.PORT or 80
+    return port, (settings.PORT_HEALTH if settings.PORT_HEALTH not in (None, port) else None)
+
+
 def serve(settings: Settings, build_worker, started) -> int:
     """Run the load-balancing server until SIGTERM; 0 once drained. build_worker() -> Worker runs on a thread
     while the server answers; started(worker) ends the start (handler/__main__.py's)."""
     lb = LBServer(settings)
-    port = settings.PORT or 80
-    health = settings.PORT_HEALTH if settings.PORT_HEALTH not in (None, port) else None
+    port, health = ports(settings)
     log.info("serving on port %d, health check %s on port %d", port, settings.HEALTH_CHECK_PATH, health or port)
     opts = dict(host="0.0.0.0", log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
     lb.servers = [_Server(uvicorn.Config(_Guard(create_app(lb), lb), port=port, **opts), lb)]

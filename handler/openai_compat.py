@@ -152,6 +152,7 @@ class ChatShapes:
                 {
                     "index": c["index"],
                     "message": {"role": "assistant", "content": c["text"]}
+                    | ({"reasoning": c["reasoning"], "reasoning_content": c["reasoning"]} if "reasoning" in c else {})
                     | ({"tool_calls": c["tool_calls"]} if c.get("tool_calls") else {}),
                     "logprobs": c.get("logprobs"),
                     "finish_reason": c["finish_reason"],

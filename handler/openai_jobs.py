@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import LoRARequest
-from handler import jobs, tool_calls
+from handler import jobs, reasoning, tool_calls
 from handler import openai_compat as oa
 from handler import openai_completions as completions
 from handler import openai_extras as extras
@@ -73,6 +73,10 @@ class _Reply:
     tools: tuple | None  # tool_calls.ToolCallStream's arguments, when the reply may call tools
     echo: str  # vLLM's chat echo: the text the reply starts with ("" without echo)
     prompt_token_ids: list[int]
+    in_content: bool | None = None  # REASONING_PARSER set: whether the reply starts with its answer (reasoning.py)
+
+    def reasoning(self) -> reasoning.ReasoningStream | None:
+        return None if self.in_content is None else reasoning.ReasoningStream(self.in_content)
 
 
 async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, sizer: BatchSizer):
@@ -88,7 +92,11 @@ async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, siz
     valid = jobs.prepare(ctx, prompt, params, model_lora or lora, where, default_room=not max_tokens)
     outputs = jobs.generate(ctx, valid, rid)
     tools = (tool_mode, tool_name, None if parallel else 1) if tool_mode else None
-    reply = _Reply(req, shapes, top_n, tools, echo, valid.prompt_token_ids)
+    in_content = None
+    if parser := ctx.settings.REASONING_PARSER:
+        tail = ctx.engine.tok.decode(valid.prompt_token_ids[-32:], skip_special_tokens=False)
+        in_content = reasoning.starts_in_content(parser, tail, req.chat_template_kwargs)
+    reply = _Reply(req, shapes, top_n, tools, echo, valid.prompt_token_ids, in_content)
     if req.stream:
         async for chunk in _stream(ctx, outputs, reply, sizer):
             yield chunk
@@ -150,16 +158,18 @@ def _shape_args(ctx: JobContext, req) -> tuple[str, bool]:
 
 async def _whole(ctx: JobContext, outputs, reply: _Reply) -> dict:
     """A chat completion in one response."""
-    n_in, n_out, choices, cached, prompt_lps = 0, 0, [], 0, None
+    n_in, n_out, choices, cached, prompt_lps, thinking = 0, 0, [], 0, None, {}
     async for out in outputs:
         n_in = len(out.prompt_token_ids)
+        for c in out.outputs if reply.in_content is not None else ():  # the reasoning's tokens, as they came
+            thinking.setdefault(c.index, reply.reasoning()).feed(c.delta_text, len(c.delta_token_ids))
         if out.finished:
             prompt_lps, cached = out.prompt_logprobs, out.metrics.cached_prompt_tokens
             for c in out.outputs:
                 n_out += len(c.token_ids)
-                choices.append(_choice(ctx, reply, c))
+                choices.append(_choice(ctx, reply, c, thinking.get(c.index)))
     req = reply.req
-    full = reply.shapes.full(choices, oa.usage(n_in, n_out, cached))
+    full = reply.shapes.full(choices, _usage(reply, n_in, n_out, cached, thinking.values()))
     if req.return_token_ids:  # vLLM's: the token ids beside the text
         full["prompt_token_ids"] = reply.prompt_token_ids
         for shaped, choice in zip(full["choices"], choices):
@@ -171,15 +181,29 @@ async def _whole(ctx: JobContext, outputs, reply: _Reply) -> dict:
     return full
 
 
-def _choice(ctx: JobContext, reply: _Reply, c) -> dict:
-    """One finished choice of a whole chat completion."""
+def _usage(reply: _Reply, n_in: int, n_out: int, cached: int, thinking) -> dict:
+    """OpenAI's usage; with a reasoning parser, how many of the completion tokens were reasoning (vLLM's)."""
+    u = oa.usage(n_in, n_out, cached)
+    if reply.in_content is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": sum(t.reasoning_tokens for t in thinking)}
+    return u
+
+
+def _choice(ctx: JobContext, reply: _Reply, c, thinking: reasoning.ReasoningStream | None = None) -> dict:
+    """One finished choice of a whole chat completion; `thinking`: its text split by the reasoning parser."""
     lp = None
     if reply.top_n is not None and c.logprobs:
         lp = oa.chat_logprobs(extras.token_names(ctx, reply.req), c.token_ids, c.logprobs, reply.top_n)
-    choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp}
-    if reply.tools:  # the whole text through the same parser a stream uses
+    text, why = c.text, None
+    if thinking is not None:
+        thinking.finish()
+        why, text = thinking.split()  # vLLM's message fields: reasoning (and its old name), content
+    choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp}
+    if thinking is not None:
+        choice["reasoning"] = why
+    if reply.tools:  # the answer through the same parser a stream uses
         st = tool_calls.ToolCallStream(*reply.tools)
-        st.feed(c.text)
+        st.feed(text or "")
         st.pending_content()
         choice["text"], choice["tool_calls"] = st.message()
         # "length": cut off, whatever was parsed (a call may be partial), as OpenAI reports it
@@ -193,14 +217,14 @@ def _choice(ctx: JobContext, reply: _Reply, c) -> dict:
 async def _stream(ctx: JobContext, outputs, reply: _Reply, sizer: BatchSizer) -> AsyncIterator[str]:
     """A chat completion as SSE events (completions stream in handler/openai_completions.py)."""
     req, shapes = reply.req, reply.shapes
-    events, n_out, cached, parsers = [], 0, 0, {}
+    events, n_out, cached, parsers, thinking = [], 0, 0, {}, {}
     n_in = len(reply.prompt_token_ids)
     each_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     ids_due, names = extras.TokenIdsDue(bool(req.return_token_ids)), extras.token_names(ctx, req)
 
     def event(obj: dict) -> str:  # continuous_usage_stats: vLLM's running usage on every chunk
         obj = ids_due.attach(obj)
-        return oa.sse(obj | {"usage": oa.usage(n_in, n_out, cached)} if each_usage else obj)
+        return oa.sse(obj | {"usage": _usage(reply, n_in, n_out, cached, thinking.values())} if each_usage else obj)
 
     heads = [shapes.chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
     if req.return_token_ids:  # vLLM's: the prompt's ids in the first chunk
@@ -218,6 +242,12 @@ async def _stream(ctx: JobContext, outputs, reply: _Reply, sizer: BatchSizer) ->
                 if not (c.delta_text or c.finish_reason or c.delta_token_ids):
                     continue
                 lp, text = None, c.delta_text
+                if reply.in_content is not None:  # the reasoning apart: both of vLLM's names for it
+                    st = thinking.setdefault(c.index, reply.reasoning())
+                    why, text = st.feed(text, len(c.delta_token_ids))
+                    why += st.finish()[0] if c.finish_reason else ""
+                    if why:
+                        events.append(event(shapes.chunk(c.index, {"reasoning": why, "reasoning_content": why})))
                 if reply.top_n is not None and c.delta_token_ids and c.logprobs:
                     lp = oa.chat_logprobs(names, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids) :], reply.top_n)
                 finish = c.finish_reason
@@ -234,4 +264,4 @@ async def _stream(ctx: JobContext, outputs, reply: _Reply, sizer: BatchSizer) ->
         if events and not group[-1].finished:
             yield "".join(events)
             events = []
-    yield oa.stream_end(events, shapes, req, oa.usage(n_in, n_out, cached))
+    yield oa.stream_end(events, shapes, req, _usage(reply, n_in, n_out, cached, thinking.values()))

@@ -103,6 +103,8 @@ class Settings(_EngineVariables):
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
     TOOL_CALL_PARSER: Literal["hermes", "llama3_json"] | None = None
+    # vLLM's --reasoning-parser (worker-vllm's variable): thinking apart from the answer (handler/reasoning.py)
+    REASONING_PARSER: Literal["qwen3", "deepseek_r1"] | None = None
     # load-balancing endpoints (handler/lb.py; the mode rule is endpoint_mode below). Runpod's names: PORT,
     # PORT_HEALTH, HEALTH_CHECK_PATH; the rest are ours
     RUNPOD_ENDPOINT_TYPE: Literal["queue", "lb"] | None = None
@@ -124,6 +126,7 @@ class Settings(_EngineVariables):
         "OPENAI_SERVED_MODEL_NAME_OVERRIDE",
         "CUSTOM_CHAT_TEMPLATE",
         "RUNPOD_ENDPOINT_TYPE",
+        "REASONING_PARSER",
         "PORT",
         "PORT_HEALTH",
         "API_KEY",

@@ -127,6 +127,26 @@ def triton(s: Settings, ctx):
     return env["TRITON_CACHE_DIR"] == s.TRITON_CACHE_DIR
 
 
+def mode(s: Settings, ctx):
+    return s.endpoint_mode()
+
+
+def lb_server(s: Settings, ctx):
+    """The load-balancing server, in process (its worker stand-in ready): its ports, what /ping, /metrics and a
+    2 KiB body get, and its admission's limits."""
+    from fastapi.testclient import TestClient
+
+    from handler import lb
+
+    server = lb.LBServer(s)
+    server.worker, server.state = SimpleNamespace(fault=None, start_error=None), "ready"
+    client = TestClient(lb._Guard(lb.create_app(server), server))
+    body, json_type = b"{" + b" " * 2048 + b"}", {"Content-Type": "application/json"}
+    big = client.post("/v1/completions", content=body, headers=json_type)
+    statuses = [client.get("/ping").status_code, client.get("/metrics").status_code, big.status_code]
+    return lb.ports(s), statuses, (server.admission.waiting, server.admission.max_wait_s)
+
+
 FLUSH_BY_COUNT = {"STREAM_FLUSH_MS": "3600000"}  # job yields by count alone: the same job, the same chunks
 ON_RUNPOD = {"RUNPOD_WEBHOOK_GET_JOB": "http://127.0.0.1:9/job-take/$ID"}
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -185,6 +205,19 @@ CASES = {
     "S3_ENDPOINT_URL": ("http://127.0.0.1:9", LORA_ON, config),
     "LORA_CACHE_BYTES": ("1000000", LORA_ON, config),
     "LORA_LOAD_TIMEOUT_S": ("5", LORA_ON, config),
+    "RUNPOD_ENDPOINT_TYPE": ("lb", {}, mode),
+    "PORT": ("8080", {}, mode),
+    "PORT_HEALTH": ("8081", {"PORT": "8080"}, lb_server),
+    "HEALTH_CHECK_PATH": ("/healthz", {}, lb_server),
+    "API_KEY": ("k", {}, lb_server),
+    "MAX_REQUEST_BYTES": ("1024", {}, lb_server),
+    "LB_MAX_WAITING": ("3", {}, lb_server),
+    "LB_MAX_WAIT_S": ("5", {}, lb_server),
+    "REASONING_PARSER": (
+        "qwen3",
+        {"CUSTOM_CHAT_TEMPLATE": TEMPLATE, "ENABLE_AUTO_TOOL_CHOICE": "true", "TOOL_CALL_PARSER": "hermes"},
+        chat,
+    ),  # the tiny model never writes </think>: all of its reply is reasoning
 }
 ALIAS_CASES = {
     "MIN_BATCH_SIZE": ("2", FLUSH_BY_COUNT, stream),

@@ -187,3 +187,41 @@ def check_logprobs_close(
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj))
+
+
+def build_scripted_model(
+    out: Path, script: list[str], after: str = "<|assistant|>", template: str | None = None
+) -> Path:
+    """A tiny Llama that, once its input ends with the token `after`, writes `script` (each piece one token of its
+    own, added to the tokenizer) and then its EOS, greedily, whatever came before: a real checkpoint through the
+    real engine, with an output a test can choose (a think block, a tool call). How: attention and MLP write
+    nothing into the residual stream (o_proj, down_proj zero), each piece's embedding is a one-hot direction, and
+    lm_head maps that direction to the next piece's logit. `template`: the tokenizer's chat template."""
+    import transformers
+    from tokenizers import AddedToken
+
+    chain = [after, *script]
+    assert len(set(chain)) == len(chain) <= 90, "each piece once, and fewer pieces than hidden dimensions"
+    build_tiny_model(out, "llama")
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(out))
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in chain])
+    if template is not None:
+        tok.chat_template = template
+    ids = tok.convert_tokens_to_ids(chain)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    model.resize_token_embeddings(len(tok))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for i, t in enumerate(ids):
+            emb[t].zero_()
+            emb[t, i] = 1.0
+        for i in range(len(ids)):
+            nxt = ids[i + 1] if i + 1 < len(ids) else model.config.eos_token_id
+            head[nxt, i] = 10.0
+    model.config.vocab_size = len(tok)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out
