@@ -55,6 +55,7 @@ def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
         "settings",
         "engine setup",
         "model resolution",
+        "model build",
         "weight read",
         "KV allocation",
         "kernel warmup",
