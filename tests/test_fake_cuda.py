@@ -58,11 +58,12 @@ def llama64(models):
     return models("llama")
 
 
-def _fake_load(cfg, facts, max_positions):
+def _fake_load(cfg, facts, max_positions, on_built=lambda: None):
     """The rank's model built on the fake device, its parameters left unread (they hold no data anyway)."""
     model = rank_model(
         facts.spec, facts.rank, cfg.tensor_parallel_size, facts.dtype, facts.device, max_positions, cfg.quantization
     )
+    on_built()
     return model, LoadedWeights("checkpoint", [])
 
 
