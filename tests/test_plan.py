@@ -178,7 +178,7 @@ def engine_start_plans(monkeypatch, cfg: EngineConfig, gpu: memory.GPU):
             seen["predicted"], seen["facts"] = plan, facts
         return plan
 
-    def load_model(cfg, path, prequantized, build_model, device, dtype):
+    def load_model(cfg, path, prequantized, build_model, device, dtype, on_built=lambda: None):
         facts = seen["facts"]
         free[0] -= (
             memory.weight_bytes(facts.rank_spec, facts.dtype.itemsize, cfg.quantization) + memory.CUDA_CONTEXT_BYTES
