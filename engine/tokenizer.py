@@ -113,6 +113,11 @@ class Tokenizer:
             return self.hf(text, add_special_tokens=add_special_tokens).input_ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added tokens included (the model's embedding may have more rows)."""
+        return self.backend.get_vocab_size(with_added_tokens=True) if self.backend is not None else len(self.hf)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.backend is not None:
             return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -5,8 +5,8 @@
 The server listens on PORT (80) before the engine exists, and builds it on a thread:
   GET  HEALTH_CHECK_PATH (/ping; on PORT_HEALTH when that differs): 204 while starting, 200 ready, 503 when the
        start failed, the engine faulted, or the worker is shutting down
-  POST /v1/chat/completions | /v1/completions, GET /v1/models (also under /openai/v1/...): the queue path's OpenAI
-       routes, straight from this process, streamed one SSE event per engine step
+  POST /v1/chat/completions | /v1/completions, GET /v1/models, POST /tokenize | /detokenize (also under /openai/):
+       the queue path's OpenAI routes, straight from this process, streamed one SSE event per engine step
   POST /run | /runsync, GET /status/{id} | /stream/{id}, POST /cancel/{id}: worker-vllm's job body, answered as a
        queue endpoint would (a client polling /status/{id} must pin this worker: X-Runpod-Worker-Id below)
   GET  /metrics: Prometheus' text format (handler/metrics.py)
@@ -282,13 +282,15 @@ def create_app(lb: LBServer) -> FastAPI:
     jobs = lb.jobs
     openai = lb.admitted(jobs.openai)
 
-    async def models(request: Request) -> Response:  # no job slot for the model list
+    async def free(request: Request) -> Response:  # no job slot: the model list, (de)tokenizing
         return await lb.free(request, jobs.openai)
 
     for prefix in ("", "/openai"):
         app.router.add_route(f"{prefix}/v1/chat/completions", openai, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/completions", openai, methods=["POST"])
-        app.router.add_route(f"{prefix}/v1/models", models, methods=["GET"])
+        app.router.add_route(f"{prefix}/v1/models", free, methods=["GET"])
+        app.router.add_route(f"{prefix}/tokenize", free, methods=["POST"])
+        app.router.add_route(f"{prefix}/detokenize", free, methods=["POST"])
         # the rest: 404 or 405 in OpenAI's shape, listing the routes
         app.router.add_route(
             f"{prefix}/v1/{{rest:path}}", jobs.openai, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]

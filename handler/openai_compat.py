@@ -11,7 +11,13 @@ import time
 import uuid
 
 # The routes an OpenAI job serves (the emulator's /openai prefix forwards exactly these): path -> method
-ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET"}
+ROUTES = {
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/models": "GET",
+    "/tokenize": "POST",  # vLLM's (handler/openai_tokenize.py)
+    "/detokenize": "POST",
+}
 
 # Error types by HTTP status, as OpenAI names them (see error()); the status itself travels beside the object
 STATUS = {"invalid_request_error": 400, "not_found_error": 404, "server_error": 500}

@@ -13,6 +13,7 @@ from handler import jobs, reasoning, tool_calls
 from handler import openai_compat as oa
 from handler import openai_completions as completions
 from handler import openai_extras as extras
+from handler import openai_tokenize as tokens
 from handler.guided import FIELDS as GUIDED_FIELDS
 from handler.guided import structured_params
 from handler.jobs import JobContext
@@ -58,6 +59,10 @@ async def openai_job(
     elif route == COMPLETIONS:
         async for chunk in _completions(ctx, parse(CompletionRequest, body, WHERE), rid, sizer):
             yield chunk
+    elif route == tokens.TOKENIZE:
+        yield await tokens.tokenize(ctx, body, WHERE)
+    elif route == tokens.DETOKENIZE:
+        yield tokens.detokenize(ctx, body, WHERE)
     else:
         fields, status = oa.route_error(str(route))  # names it and lists the routes (oa.ROUTES)
         raise JobError(**fields, status=status)

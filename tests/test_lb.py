@@ -284,3 +284,15 @@ def test_a_worker_with_an_invalid_setting_serves_the_reason():
         assert r.status_code == 503 and "MAX_MODEL_LEN" in r.json()["error"]["message"]
     finally:
         w.close()
+
+
+def test_tokenize_and_detokenize(lb):
+    r = httpx.post(f"{lb.api}/tokenize", headers=AUTH, json={"model": MODEL, "messages": CHAT})
+    tokens = r.json()["tokens"]
+    assert r.status_code == 200 and r.json()["count"] == len(tokens) > 5
+    full = httpx.post(f"{lb.base_url}/chat/completions", headers=AUTH,
+                      json={"model": MODEL, "messages": CHAT, "max_tokens": 1}).json()  # fmt: skip
+    assert full["usage"]["prompt_tokens"] == len(tokens)
+    back = httpx.post(f"{lb.api}/detokenize", headers=AUTH, json={"tokens": tokens}).json()
+    assert "Name three colors." in back["prompt"]
+    assert httpx.post(f"{lb.api}/tokenize", json={"prompt": "x"}).status_code == 401
