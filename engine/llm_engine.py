@@ -153,6 +153,7 @@ class LLMEngine:
             seq.cache_key, seq.lora_key = key, lora_key
             if params.structured_outputs is not None:  # each sequence its own matcher (compiled once, cached)
                 seq.matcher = self.structured.matcher(params.structured_outputs)
+                seq.grammar_after = params.structured_outputs.after
             seqs.append(seq)
         self.output.add(request_id, ids, params, seqs)
         for s in seqs:

@@ -234,6 +234,10 @@ def _advance_grammar(req: Request, token: int) -> None:
     (`grammar_stop_at`), which _check_stop applies, so a run of accepted drafts stops exactly there."""
     if req.grammar_stop_at is not None:
         return
+    if (after := req.grammar_after) is not None:  # not started: it starts after the output has written `after`
+        if tuple(req.output_token_ids[-len(after) :]) == after:
+            req.grammar_after = None
+        return
     ok = req.matcher.accept_token(token)
     if not ok:
         log.warning("%s: the grammar allows no token here; the sequence stops", req.request_id)

@@ -110,7 +110,7 @@ class StructuredOutputs:
     def masks(self, reqs: list[Request], drafts: dict[Request, list[int]]) -> GrammarMasks:
         """The token bitmasks of this step's sampling rows: `reqs` in batch order, each with one row per draft
         and one more."""
-        if all(r.matcher is None for r in reqs):
+        if all(r.matcher is None or r.grammar_after is not None for r in reqs):
             return NO_MASKS
         return GrammarMasks(reqs, [drafts.get(r, []) for r in reqs], self.vocab_size)
 
@@ -135,7 +135,7 @@ class GrammarMasks:
         rows, row = [], 0
         for req, ds in zip(self.reqs, self.drafts):
             m = req.matcher
-            if m is not None:
+            if m is not None and req.grammar_after is None:  # (one waiting for its marker: not yet)
                 advanced = 0
                 for j in range(len(ds) + 1):
                     if m.is_terminated():

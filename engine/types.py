@@ -21,10 +21,17 @@ class StructuredOutputsParams:
     grammar: str | None = None  # EBNF (GBNF), as xgrammar reads it
     json_object: bool = False  # any JSON object (response_format {"type": "json_object"})
     field: str = "structured_outputs"
+    # the constraint starts once the output has written these tokens (a reasoning parser's end marker: vLLM applies
+    # the grammar to the answer, not the thinking); None: from the first token
+    after: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.after is not None:
+            object.__setattr__(self, "after", tuple(self.after))
+            if not self.after or not all(isinstance(t, int) for t in self.after):
+                raise InvalidRequestError(f"{self.field}: after must be token ids", field=self.field)
         set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
@@ -224,6 +231,8 @@ class Request:
     matcher: Any = None
     # the output length at which the grammar ended (terminated, or refused a token the other rules forced): it stops
     grammar_stop_at: int | None = None
+    # structured_outputs.after, until the output has written it: the matcher waits (no mask, no token fed)
+    grammar_after: tuple[int, ...] | None = None
     # Per prompt position, top-N logprobs (None for the first token), when params.prompt_logprobs is set
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Prefix caching (owned by BlockManager). cache_key: the extra keys hashed into every block (the

@@ -4,6 +4,7 @@ openai_completions.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,15 +93,17 @@ async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, siz
     shapes = oa.ChatShapes(ctx.served_name, *_shape_args(ctx, req))
     top_n = req.top_logprobs or 0 if req.logprobs else None
     model_lora = _checked(ctx, req)
-    params = _params(req, top_n, max_tokens, req.prompt_logprobs, tool_grammar)
+    in_content = after = None
+    if parser := ctx.settings.REASONING_PARSER:
+        tail = ctx.engine.tok.decode(prompt["prompt_token_ids"][-32:], skip_special_tokens=False)
+        in_content = reasoning.starts_in_content(parser, tail, req.chat_template_kwargs)
+        # a grammar (structured output, a forced tool call) constrains the answer, not the thinking (as vLLM)
+        after = None if in_content else tuple(ctx.engine.tok.encode(reasoning.END, add_special_tokens=False))
+    params = _params(req, top_n, max_tokens, req.prompt_logprobs, tool_grammar, after)
     where = jobs.Fields(f"{WHERE}.max_tokens", f"{WHERE}.messages", req.model if model_lora else None)
     valid = jobs.prepare(ctx, prompt, params, model_lora or lora, where, default_room=not max_tokens)
     outputs = jobs.generate(ctx, valid, rid)
     tools = (tool_mode, tool_name, None if parallel else 1) if tool_mode else None
-    in_content = None
-    if parser := ctx.settings.REASONING_PARSER:
-        tail = ctx.engine.tok.decode(valid.prompt_token_ids[-32:], skip_special_tokens=False)
-        in_content = reasoning.starts_in_content(parser, tail, req.chat_template_kwargs)
     reply = _Reply(req, shapes, top_n, tools, echo, valid.prompt_token_ids, in_content)
     if req.stream:
         async for chunk in _stream(ctx, outputs, reply, sizer):
@@ -140,14 +143,16 @@ def _checked(ctx: JobContext, req) -> LoRARequest | None:
     return LoRARequest(req.model)
 
 
-def _params(req, top_n: int | None, max_tokens: int | None, prompt_top: int | None, tool_grammar=None):
+def _params(req, top_n: int | None, max_tokens: int | None, prompt_top: int | None, tool_grammar=None, after=None):
     """The request's SamplingParams; tool_grammar: what tool_choice forces (it and a structured-output field
-    cannot both constrain)."""
+    cannot both constrain); after: the tokens the constraint starts after (the reasoning's end)."""
     structured = structured_params({f: getattr(req, f) for f in GUIDED_FIELDS}, WHERE)
     if tool_grammar is not None:
         if structured is not None:
             raise JobError("tool_choice and a structured-output field cannot both constrain", param=structured.field)
         structured = tool_grammar
+    if structured is not None and after:
+        structured = dataclasses.replace(structured, after=after)
     fields = {f: getattr(req, f) for f in _SAMPLING_FIELDS} | {"structured_outputs": structured}
     fields |= {"logprobs": top_n, "max_tokens": max_tokens or 1, "prompt_logprobs": prompt_top}
     return sampling_params(fields, WHERE)

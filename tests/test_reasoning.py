@@ -94,7 +94,7 @@ def _chat(worker, stream=False, **body):
         return chunks[0]
     events = [json.loads(e[6:]) for c in chunks for e in c.split("\n\n") if e.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
-    usage = next(e["usage"] for e in events if e.get("usage"))
+    usage = next((e["usage"] for e in events if e.get("usage")), None)
     join = lambda k: "".join(d.get(k) or "" for d in deltas) or None  # noqa: E731
     return join("reasoning"), join("reasoning_content"), join("content"), usage, deltas
 
@@ -142,3 +142,20 @@ def test_a_tool_call_after_the_reasoning(engines):
     assert r == "Need a tool" and not (c or "").strip()
     args = "".join(tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls") or [])
     assert json.loads(args) == {"city": "Paris"}
+
+
+def test_a_grammar_constrains_the_answer_not_the_thinking(engines):
+    """The JSON schema is enforced after </think>: the think block is written as the model wants, then the answer
+    is what the schema allows (the scripted model wanted "\\n\\nBlue!"). Without a parser the grammar holds from the
+    first token, and there is no think block."""
+    schema = {"type": "string", "enum": ["red", "green"]}
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    worker = Worker(load_settings({"REASONING_PARSER": "qwen3"}), engines["think"])
+    m = _chat(worker, **fmt)["choices"][0]["message"]
+    assert m["reasoning"] == "Let me see" and json.loads(m["content"]) in ("red", "green")
+    r, _, c, _, _ = _chat(worker, stream=True, **fmt)
+    assert r == "Let me see" and json.loads(c) in ("red", "green")
+    plain = _chat(Worker(load_settings({}), engines["think"]), **fmt)["choices"][0]["message"]
+    assert json.loads(plain["content"]) in ("red", "green")  # no think block: the grammar held from the start
+    off = _chat(worker, chat_template_kwargs={"enable_thinking": False}, **fmt)["choices"][0]["message"]
+    assert off["reasoning"] is None and json.loads(off["content"]) in ("red", "green")
