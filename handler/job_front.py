@@ -16,6 +16,7 @@ A subclass decides where a job runs: `dispatch(job)` starts it, `withdraw(job, w
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from handler import anthropic_messages as anthropic
 from handler import openai_compat as oa
 from handler.local_jobs import WORKER_ID, Job, error_response, json_body, openai_result, sse_events
 
@@ -154,16 +156,31 @@ class JobFront:
             except ValueError as e:
                 return error_response({"message": f"the request body is not valid JSON: {e}"})
         job = self.submit({"openai_route": route, "openai_input": body})
+        shaped = _anthropic_errors if route.startswith(anthropic.MESSAGES) else (lambda r: r)
         if not (isinstance(body, dict) and body.get("stream")):
             await self.wait_done(job, None, request)
-            return openai_result(job)
+            return shaped(openai_result(job))
         while not job.chunks and not job.done:  # hold the headers until we know it is not an error
             if not await job.changed.wait(1.0) and await request.is_disconnected():
                 self.cancel(job)
         if not job.chunks:
-            return openai_result(job)
+            return shaped(openai_result(job))
+        failed = None
+        if route.startswith(anthropic.MESSAGES):  # Anthropic's stream ends in an error event
+
+            def failed(r):
+                return f"event: error\ndata: {shaped(r).body.decode()}\n\n"
+
         return StreamingResponse(
-            sse_events(job, self.cancel),
+            sse_events(job, self.cancel, failed),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job.id},
         )
+
+
+def _anthropic_errors(response: Response) -> Response:
+    """An OpenAI-shaped error response as Anthropic's ({"type": "error", "error": {"type", "message"}})."""
+    if response.status_code < 400:
+        return response
+    fields = json.loads(response.body)["error"]
+    return JSONResponse(anthropic.error_body(fields, response.status_code), response.status_code)

@@ -5,8 +5,8 @@
 The server listens on PORT (80) before the engine exists, and builds it on a thread:
   GET  HEALTH_CHECK_PATH (/ping; on PORT_HEALTH when that differs): 204 while starting, 200 ready, 503 when the
        start failed, the engine faulted, or the worker is shutting down
-  POST /v1/chat/completions | /v1/completions, GET /v1/models, POST /tokenize | /detokenize (also under /openai/):
-       the queue path's OpenAI routes, straight from this process, streamed one SSE event per engine step
+  POST /v1/chat/completions | /v1/completions | /v1/messages (Anthropic's), GET /v1/models, POST /tokenize |
+       /detokenize (also under /openai/): the queue path's routes, in this process, an SSE event per engine step
   POST /run | /runsync, GET /status/{id} | /stream/{id}, POST /cancel/{id}: worker-vllm's job body, answered as a
        queue endpoint would (a client polling /status/{id} must pin this worker: X-Runpod-Worker-Id below)
   GET  /metrics: Prometheus' text format (handler/metrics.py)
@@ -15,8 +15,9 @@ validation, errors, LoRA, structured output and tool calls are the queue path's 
 
 No queue: at most MAX_CONCURRENCY requests run and LB_MAX_WAITING wait (handler/admission.py); past that, 429 with
 Retry-After at once; a wait past LB_MAX_WAIT_S gets 503. A body over MAX_REQUEST_BYTES is refused (413) before it is
-read. With API_KEY every route but the health check needs `Authorization: Bearer <key>`. Every response carries
-X-Runpod-Worker-Id (RUNPOD_POD_ID), which a client sends back to be routed here again (its prefix cache).
+read. With API_KEY every route but the health check needs `Authorization: Bearer <key>` (or `x-api-key: <key>`).
+Every response carries X-Runpod-Worker-Id (RUNPOD_POD_ID), which a client sends back to be routed here again (its
+prefix cache).
 SIGTERM: the health check answers 503 and new requests 503 at once; running requests get SHUTDOWN_GRACE_S, then
 fail with a 503 error; then the engine stops and the process exits 0. A second SIGTERM exits at once."""
 
@@ -265,8 +266,8 @@ class _Guard:
         headers = dict(scope["headers"])
         refusal = None
         if self.key is not None and scope["path"] != self.health:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.key):
+            bearer, given = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")  # OpenAI's; Anthropic's
+            if not (hmac.compare_digest(bearer, b"Bearer " + self.key) or hmac.compare_digest(given, self.key)):
                 message = "a valid API key is required: Authorization: Bearer <API_KEY>"
                 refusal = _error(message, 401, "authentication_error", "invalid_api_key")
         length = headers.get(b"content-length", b"0")
@@ -288,6 +289,8 @@ def create_app(lb: LBServer) -> FastAPI:
     for prefix in ("", "/openai"):
         app.router.add_route(f"{prefix}/v1/chat/completions", openai, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/completions", openai, methods=["POST"])
+        app.router.add_route(f"{prefix}/v1/messages", openai, methods=["POST"])  # Anthropic's
+        app.router.add_route(f"{prefix}/v1/messages/count_tokens", free, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/models", free, methods=["GET"])
         app.router.add_route(f"{prefix}/tokenize", free, methods=["POST"])
         app.router.add_route(f"{prefix}/detokenize", free, methods=["POST"])

@@ -95,8 +95,9 @@ def sse(chunk: Any) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-async def sse_events(job: Job, cancel) -> AsyncIterator[str]:
-    """A streamed OpenAI job's chunks as SSE text, as they arrive; if the client leaves first, cancel(job)."""
+async def sse_events(job: Job, cancel, failed=None) -> AsyncIterator[str]:
+    """A streamed OpenAI job's chunks as SSE text, as they arrive; if the client leaves first, cancel(job).
+    failed(response): the last event of a stream whose job failed (default: the error and [DONE], as vLLM)."""
     pos = 0
     try:
         while True:
@@ -107,7 +108,8 @@ async def sse_events(job: Job, cancel) -> AsyncIterator[str]:
                 break
             await job.changed.wait(5.0)
         if job.status != "COMPLETED":  # failed (or cancelled) mid-stream: an error event, then [DONE], as vLLM does
-            yield f"data: {failure(job).body.decode()}\n\ndata: [DONE]\n\n"
+            error = failure(job)
+            yield failed(error) if failed else f"data: {error.body.decode()}\n\ndata: [DONE]\n\n"
     finally:
         if not job.done:
             log.info("stream client went away: cancelling %s", job.id)

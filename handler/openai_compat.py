@@ -17,6 +17,8 @@ ROUTES = {
     "/v1/models": "GET",
     "/tokenize": "POST",  # vLLM's (handler/openai_tokenize.py)
     "/detokenize": "POST",
+    "/v1/messages": "POST",  # Anthropic's (handler/anthropic_messages.py)
+    "/v1/messages/count_tokens": "POST",
 }
 
 # Error types by HTTP status, as OpenAI names them (see error()); the status itself travels beside the object

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import LoRARequest
+from handler import anthropic_messages as anthropic
 from handler import jobs, reasoning, tool_calls
 from handler import openai_compat as oa
 from handler import openai_completions as completions
@@ -60,6 +61,9 @@ async def openai_job(
     elif route == COMPLETIONS:
         async for chunk in _completions(ctx, parse(CompletionRequest, body, WHERE), rid, sizer):
             yield chunk
+    elif route in (anthropic.MESSAGES, anthropic.COUNT_TOKENS):
+        async for chunk in _anthropic(ctx, route, body, rid, sizer):
+            yield chunk
     elif route == tokens.TOKENIZE:
         yield await tokens.tokenize(ctx, body, WHERE)
     elif route == tokens.DETOKENIZE:
@@ -67,6 +71,23 @@ async def openai_job(
     else:
         fields, status = oa.route_error(str(route))  # names it and lists the routes (oa.ROUTES)
         raise JobError(**fields, status=status)
+
+
+async def _anthropic(ctx: JobContext, route: str, body: Any, rid: str, sizer: BatchSizer):
+    """Anthropic's Messages API through the chat route (handler/anthropic_messages.py)."""
+    req = anthropic.parse_request(body, route)
+    chat = anthropic.chat_body(req)
+    if route == anthropic.COUNT_TOKENS:
+        keep = ("model", "messages", "tools", "chat_template_kwargs")
+        yield {"input_tokens": (await tokens.tokenize(ctx, {k: chat[k] for k in keep if k in chat}, WHERE))["count"]}
+        return
+    replies = _chat(ctx, parse(ChatCompletionRequest, chat, WHERE), rid, None, sizer)
+    if req.stream:
+        async for event in anthropic.events(replies, req.model):
+            yield event
+    else:
+        async for whole in replies:
+            yield anthropic.message(whole)
 
 
 @dataclass(frozen=True)
