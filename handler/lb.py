@@ -289,6 +289,7 @@ def create_app(lb: LBServer) -> FastAPI:
     for prefix in ("", "/openai"):
         app.router.add_route(f"{prefix}/v1/chat/completions", openai, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/completions", openai, methods=["POST"])
+        app.router.add_route(f"{prefix}/v1/responses", openai, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/messages", openai, methods=["POST"])  # Anthropic's
         app.router.add_route(f"{prefix}/v1/messages/count_tokens", free, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/models", free, methods=["GET"])

@@ -171,6 +171,6 @@ def openai_result(job: Job) -> JSONResponse:
     if job.status != "COMPLETED":
         return failure(job)
     out = job.output[0] if isinstance(job.output, list) and len(job.output) == 1 else job.output
-    if isinstance(out, dict) and ("error" in out or out.get("object") == "error"):
+    if isinstance(out, dict) and (out.get("error") or out.get("object") == "error"):  # (a response has error: null)
         return error_response(out)
     return JSONResponse(out)

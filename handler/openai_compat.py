@@ -17,6 +17,7 @@ ROUTES = {
     "/v1/models": "GET",
     "/tokenize": "POST",  # vLLM's (handler/openai_tokenize.py)
     "/detokenize": "POST",
+    "/v1/responses": "POST",  # handler/openai_responses.py
     "/v1/messages": "POST",  # Anthropic's (handler/anthropic_messages.py)
     "/v1/messages/count_tokens": "POST",
 }

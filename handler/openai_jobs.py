@@ -15,6 +15,7 @@ from handler import jobs, reasoning, tool_calls
 from handler import openai_compat as oa
 from handler import openai_completions as completions
 from handler import openai_extras as extras
+from handler import openai_responses as responses
 from handler import openai_tokenize as tokens
 from handler.guided import FIELDS as GUIDED_FIELDS
 from handler.guided import structured_params
@@ -61,6 +62,9 @@ async def openai_job(
     elif route == COMPLETIONS:
         async for chunk in _completions(ctx, parse(CompletionRequest, body, WHERE), rid, sizer):
             yield chunk
+    elif route == responses.RESPONSES:
+        async for chunk in _responses(ctx, body, rid, sizer):
+            yield chunk
     elif route in (anthropic.MESSAGES, anthropic.COUNT_TOKENS):
         async for chunk in _anthropic(ctx, route, body, rid, sizer):
             yield chunk
@@ -88,6 +92,18 @@ async def _anthropic(ctx: JobContext, route: str, body: Any, rid: str, sizer: Ba
     else:
         async for whole in replies:
             yield anthropic.message(whole)
+
+
+async def _responses(ctx: JobContext, body: Any, rid: str, sizer: BatchSizer):
+    """OpenAI's Responses API through the chat route (handler/openai_responses.py)."""
+    req, items = responses.parse_request(body, WHERE)
+    replies = _chat(ctx, parse(ChatCompletionRequest, responses.chat_body(req, items), WHERE), rid, None, sizer)
+    if req.stream:
+        async for event in responses.events(req, items, req.model or ctx.served_name, replies):
+            yield event
+    else:
+        async for whole in replies:
+            yield responses.whole(req, items, whole)
 
 
 @dataclass(frozen=True)
