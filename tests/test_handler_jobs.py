@@ -329,3 +329,26 @@ def test_random_json_never_crashes_the_schema(data):
             parse(model, data)
         except JobError as e:
             assert e.message
+
+
+_NEW_ROUTES = ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize"]
+_KEYS = ["input", "messages", "model", "max_tokens", "max_output_tokens", "tools", "tool_choice", "system", "role"]
+_KEYS += ["content", "type", "text", "stream", "prompt", "tokens", "call_id", "previous_response_id", "thinking"]
+
+
+@hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.sampled_from(_NEW_ROUTES),
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 70000) | st.text(max_size=6) | st.sampled_from(["user", "text"]),
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(_KEYS), kids, max_size=4),
+        max_leaves=10,
+    ),
+)
+def test_random_bodies_on_the_newer_routes_get_answers_or_field_errors(worker, route, body):
+    """Responses, Anthropic Messages and (de)tokenize: any JSON gets an answer or an error object, never a crash."""
+    chunks = run_job(worker, {"openai_route": route, "openai_input": body})
+    assert chunks
+    err = error_of(chunks)
+    if err is not None:
+        assert err["message"] and not err["message"].startswith("internal error"), (route, body, err)
