@@ -159,3 +159,31 @@ def test_a_grammar_constrains_the_answer_not_the_thinking(engines):
     assert json.loads(plain["content"]) in ("red", "green")  # no think block: the grammar held from the start
     off = _chat(worker, chat_template_kwargs={"enable_thinking": False}, **fmt)["choices"][0]["message"]
     assert off["reasoning"] is None and json.loads(off["content"]) in ("red", "green")
+
+
+def test_reasoning_items_in_the_responses_api(engines):
+    worker = Worker(load_settings({"REASONING_PARSER": "qwen3"}), engines["think"])
+    body = {"input": "Which colour?", "max_output_tokens": 40, "temperature": 0}
+    whole = run_job(worker, {"openai_route": "/v1/responses", "openai_input": body})[0]
+    assert [o["type"] for o in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"][0]["text"] == "Let me see"
+    assert whole["output"][1]["content"][0]["text"] == "\n\nBlue!"
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 7
+    chunks = run_job(worker, {"openai_route": "/v1/responses", "openai_input": body | {"stream": True}})
+    events = [json.loads(e.split("data: ", 1)[1]) for c in chunks for e in c.split("\n\n") if "data: " in e]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    thinking = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (thinking, answer) == ("Let me see", "\n\nBlue!")
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and [o["type"] for o in final["output"]] == [
+        "reasoning",
+        "message",
+    ]
+
+
+def test_a_thinking_block_in_anthropics_messages(engines):
+    worker = Worker(load_settings({"REASONING_PARSER": "deepseek_r1"}), engines["think"])
+    body = {"model": worker.served_name, "max_tokens": 40, "messages": [{"role": "user", "content": "Which colour?"}]}
+    msg = run_job(worker, {"openai_route": "/v1/messages", "openai_input": body})[0]
+    assert [b["type"] for b in msg["content"]] == ["thinking", "text"] and msg["content"][0]["thinking"] == "Let me see"
