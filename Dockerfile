@@ -91,8 +91,8 @@ RUN --mount=type=secret,id=hf_token,uid=10001 \
     fi
 
 # One image for both kinds of endpoint (README "Endpoint kinds"). A load-balancing endpoint routes HTTP to PORT
-# (Runpod's default 80; set PORT and PORT_HEALTH in the endpoint, as Runpod's docs do); a queue endpoint ignores
-# it. The health check asks the worker's /ping in load-balancing mode and passes in queue mode (no server there).
+# (Runpod's default 80; set PORT and PORT_HEALTH in the endpoint, as Runpod's docs do, 1024 or above for this
+# non-root user where the runtime keeps low ports privileged); a queue endpoint ignores it. The health check asks the worker's /ping in load-balancing mode and passes in queue mode (no server there).
 EXPOSE 80
 HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 CMD ["python", "-m", "handler.healthcheck"]
 
