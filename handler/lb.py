@@ -177,6 +177,8 @@ class LBServer:
             token = _TICKET.set(ticket)
             try:
                 await ticket.wait()
+                if why := self.unavailable():  # it changed while this one waited (SIGTERM, a fault)
+                    return _error(f"{why}; send the request again", 503, "server_error", "unavailable")
                 out = await route(request)
                 return out if isinstance(out, Response) else JSONResponse(out)
             except WaitedTooLong as e:
