@@ -195,6 +195,9 @@ def test_ping_stays_fast_during_a_long_prefill(lb):
     threading.Thread(target=prefill, daemon=True).start()
     took = []
     with httpx.Client() as client:
+        while not done.is_set() and not _metric(client.get(f"{lb.api}/metrics", headers=AUTH).text,
+                                                "vllm:num_requests_running"):  # fmt: skip
+            time.sleep(0.005)  # from when the engine has it (before: the request's intake)
         while not done.is_set():
             t = time.perf_counter()
             assert client.get(f"{lb.api}/ping", timeout=1).status_code == 200
