@@ -50,9 +50,10 @@ def started(worker):
     return worker
 
 
-def build_worker(per_token: bool = False):
+def build_worker(per_token: bool = False, settings=None):
     """The Worker, its engine built (or the reason it could not be, for every job). per_token: streams send each
-    engine step's tokens at once (the load-balancing server's own HTTP stream, no POST per yield to batch for)."""
+    engine step's tokens at once (the load-balancing server's own HTTP stream, no POST per yield to batch for).
+    settings: already loaded (main's), else loaded here."""
     from engine import AsyncEngine, Timeline
     from handler.settings import Settings, SettingsError, load_settings, set_library_defaults
     from handler.worker import Worker
@@ -61,7 +62,7 @@ def build_worker(per_token: bool = False):
     tl = Timeline(start=T0)
     tl.mark("imports")
     try:
-        settings = load_settings()
+        settings = settings or load_settings()
         if per_token:
             one = {"DEFAULT_BATCH_SIZE": 1, "DEFAULT_MIN_BATCH_SIZE": 1, "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": 1.0}
             settings = settings.model_copy(update=one)
@@ -87,14 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     if test_job is None and "--rp_serve_api" not in argv:
         from handler.settings import serving_settings
 
-        settings, _ = serving_settings()  # invalid: build_worker reports why, on every job (and /ping: 503)
+        settings, error = serving_settings()  # invalid: build_worker reports why, on every job (and /ping: 503)
         mode = settings.endpoint_mode() if settings is not None else ("queue", "the settings are invalid")
         log.info("%s endpoint mode: %s", "load-balancing" if mode[0] == "lb" else "queue", mode[1])
+        whole = settings if error is None else None  # valid: not loaded a second time
         if mode[0] == "lb":
             from handler import lb
 
-            return lb.serve(settings, lambda: build_worker(per_token=True), started)
-    worker = started(build_worker())
+            return lb.serve(settings, lambda: build_worker(per_token=True, settings=whole), started)
+        worker = started(build_worker(settings=whole))
+    else:
+        worker = started(build_worker())
     if test_job is not None or (worker.settings.RUNPOD_WEBHOOK_GET_JOB is None and "--rp_serve_api" not in argv):
         from handler.worker import run_test_job
 

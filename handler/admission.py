@@ -66,7 +66,7 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return sum(not f.done() for f in self._queue)
+        return len(self._queue)  # only waiters: one granted a slot or giving up leaves it
 
     def enter(self) -> Ticket:
         fut = asyncio.get_running_loop().create_future()
@@ -95,9 +95,6 @@ class Admission:
         if fut.cancelled():
             return
         self.active -= 1
-        while self._queue:  # the slot goes to the longest waiter still waiting
-            nxt = self._queue.popleft()
-            if not nxt.done():
-                self.active += 1
-                nxt.set_result(None)
-                break
+        if self._queue:  # the slot goes to the longest waiter
+            self.active += 1
+            self._queue.popleft().set_result(None)

@@ -201,10 +201,7 @@ async def events(chunks: AsyncIterator[str], model: str) -> AsyncIterator[str]:
     msg_id = oa.new_id("msg")
     async for group in chunks:
         out = []
-        for raw in group.split("\n\n"):
-            if not raw.startswith("data: {"):
-                continue
-            chunk = json.loads(raw[6:])
+        for chunk in oa.sse_objects(group):
             usage = chunk.get("usage") or usage
             if not started:
                 started = True

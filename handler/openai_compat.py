@@ -66,6 +66,13 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_objects(text: str):
+    """The JSON objects of `text`'s SSE events (sse()'s output; [DONE] and other events skipped)."""
+    for raw in text.split("\n\n"):
+        if raw.startswith("data: {"):
+            yield json.loads(raw[6:])
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -332,10 +332,7 @@ async def events(req: ResponsesRequest, items: list, model: str, chunks: AsyncIt
 
     async for group in chunks:
         out: list[str] = []
-        for raw in group.split("\n\n"):
-            if not raw.startswith("data: {"):
-                continue
-            chunk = json.loads(raw[6:])
+        for chunk in oa.sse_objects(group):
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 d = choice.get("delta") or {}

@@ -85,7 +85,7 @@ def entry(s: Settings, ctx):
     seen = {}
     with ctx.monkeypatch.context() as m:
         m.chdir(ctx.tmp)  # no test_input.json
-        m.setattr(main_mod, "build_worker", lambda: Worker(s, None))
+        m.setattr(main_mod, "build_worker", lambda **kw: Worker(s, None))
         m.setattr(runpod_sdk, "install", lambda grace, on_expired: seen.update(grace=grace))
         m.setattr(runpod.serverless, "start", lambda config: seen.update(started=True))
         return main_mod.main([]), seen
