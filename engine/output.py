@@ -148,8 +148,12 @@ class OutputProcessor:
             group.stats[i].arrived(now)
             p = req.params
             for j, token in enumerate(new):
+                # the token that stopped the sequence (EOS, a stop token id) has no text unless asked for, as in
+                # vLLM, also with skip_special_tokens false (the mistral tool parser's)
+                ended = j == len(new) - 1 and req.finish_reason == "stop"
+                ended = ended and (req.stop_reason == token or (token in req.eos_token_ids and not p.ignore_eos))
                 hidden = (token in self.eos_token_ids and p.skip_special_tokens) or (
-                    req.stop_reason == token and j == len(new) - 1 and not p.include_stop_str_in_output
+                    ended and not p.include_stop_str_in_output
                 )
                 stop_str = group.detoks[i].add_token(token, emit=not hidden)
                 # a stop string ends the sequence, unless a stop rule already ended it at this same token; one

@@ -136,11 +136,13 @@ async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, siz
         in_content = reasoning.starts_in_content(parser, tail, req.chat_template_kwargs)
         # a grammar (structured output, a forced tool call) constrains the answer, not the thinking (as vLLM)
         after = None if in_content else tuple(ctx.engine.tok.encode(reasoning.END, add_special_tokens=False))
+    if tool_mode == "auto:mistral":  # its [TOOL_CALLS] is a special token: keep it in the text (as vLLM)
+        req = req.model_copy(update={"skip_special_tokens": False})
     params = _params(req, top_n, max_tokens, req.prompt_logprobs, tool_grammar, after)
     where = jobs.Fields(f"{WHERE}.max_tokens", f"{WHERE}.messages", req.model if model_lora else None)
     valid = jobs.prepare(ctx, prompt, params, model_lora or lora, where, default_room=not max_tokens)
     outputs = jobs.generate(ctx, valid, rid)
-    tools = (tool_mode, tool_name, None if parallel else 1) if tool_mode else None
+    tools = (tool_mode, tool_name, None if parallel else 1, tool_calls.schemas(req.tools)) if tool_mode else None
     reply = _Reply(req, shapes, top_n, tools, echo, valid.prompt_token_ids, in_content)
     if req.stream:
         async for chunk in _stream(ctx, outputs, reply, sizer):

@@ -102,7 +102,9 @@ class Settings(_EngineVariables):
     TRUST_REQUEST_CHAT_TEMPLATE: bool = False
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
-    TOOL_CALL_PARSER: Literal["hermes", "llama3_json"] | None = None
+    TOOL_CALL_PARSER: (
+        Literal["hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml"] | None
+    ) = None
     # vLLM's --reasoning-parser (worker-vllm's variable): thinking apart from the answer (handler/reasoning.py)
     REASONING_PARSER: Literal["qwen3", "deepseek_r1"] | None = None
     # load-balancing endpoints (handler/lb.py; the mode rule is endpoint_mode below). Runpod's names: PORT,

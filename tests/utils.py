@@ -190,13 +190,14 @@ def write_json(path: Path, obj) -> None:
 
 
 def build_scripted_model(
-    out: Path, script: list[str], after: str = "<|assistant|>", template: str | None = None
+    out: Path, script: list[str], after: str = "<|assistant|>", template: str | None = None, special: tuple = ()
 ) -> Path:
     """A tiny Llama that, once its input ends with the token `after`, writes `script` (each piece one token of its
     own, added to the tokenizer) and then its EOS, greedily, whatever came before: a real checkpoint through the
     real engine, with an output a test can choose (a think block, a tool call). How: attention and MLP write
     nothing into the residual stream (o_proj, down_proj zero), each piece's embedding is a one-hot direction, and
-    lm_head maps that direction to the next piece's logit. `template`: the tokenizer's chat template."""
+    lm_head maps that direction to the next piece's logit. `template`: the tokenizer's chat template; `special`: the
+    pieces added as special tokens (which skip_special_tokens drops from the text)."""
     import transformers
     from tokenizers import AddedToken
 
@@ -204,7 +205,9 @@ def build_scripted_model(
     assert len(set(chain)) == len(chain) <= 90, "each piece once, and fewer pieces than hidden dimensions"
     build_tiny_model(out, "llama")
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(out))
-    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in chain])
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in chain if p not in special])
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": [AddedToken(p, normalized=False) for p in special]})
     if template is not None:
         tok.chat_template = template
     ids = tok.convert_tokens_to_ids(chain)
