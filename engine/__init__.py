@@ -46,12 +46,14 @@ _LAZY = {
         for n in (
             "CompletionOutput",
             "LoRARequest",
+            "PoolingParams",
             "RequestMetrics",
             "RequestOutput",
             "SamplingParams",
             "StructuredOutputsParams",
         )
     },
+    "model_pooling": ("engine.pooling", "model_pooling"),
 }
 
 
@@ -74,12 +76,14 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.models.spec import ModelSpec
     from engine.parallel import shard as tensor_parallel
+    from engine.pooling import model_pooling
     from engine.startup import draft_model, memory_needs, plan_memory
     from engine.timeline import Timeline
     from engine.tokenizer import Tokenizer, compare_with_transformers, template_iterates_content
     from engine.types import (
         CompletionOutput,
         LoRARequest,
+        PoolingParams,
         RequestMetrics,
         RequestOutput,
         SamplingParams,
@@ -99,6 +103,7 @@ __all__ = [
     "LoRARequest",
     "ModelNotFoundError",
     "ModelSpec",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
@@ -113,6 +118,7 @@ __all__ = [
     "memory",
     "memory_needs",
     "model_dtype",
+    "model_pooling",
     "plan_memory",
     "template_iterates_content",
     "tensor_parallel",

@@ -80,6 +80,15 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def model_pooling(self):
+        """How the checkpoint says to pool an embedding (engine/pooling.py ModelPooling)."""
+        return self.engine.model_pooling
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.facts.spec.hidden_size
+
     async def generate(
         self,
         prompt: str | dict | ValidRequest,

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 class ValidRequest:
     """A request this engine accepts as it is."""
 
-    prompt_token_ids: list[int]  # ints in [0, vocab_size), at least 1 and at most max_model_len - 1 of them
+    prompt_token_ids: list[int]  # ints in [0, vocab_size), at least 1 and at most max_model_len - 1 of them (an
+    # embedding's: max_model_len)
     params: SamplingParams  # within this engine's limits: n, stop_token_ids, logit_bias ids
     lora: AdapterRef | None = None  # the adapter, resolved to where it is read from (None: the base model)
 
@@ -35,6 +36,7 @@ class Intake:
     vocab_size: int
     max_model_len: int
     cfg: EngineConfig  # max_num_seqs, and how adapter names resolve (enable_lora, lora_modules, buckets)
+    generates: bool = True  # False: the model has no LM head and serves embeddings only
 
     def validate(
         self,
@@ -49,13 +51,15 @@ class Intake:
                 raise ValueError("a ValidRequest carries its params and adapter: pass neither again")
             return prompt
         ref = resolve(self.cfg, lora.name, lora.s3_uri) if lora is not None else None
-        ids = self.tokenize(prompt)
+        embedding = params is not None and params.pooling is not None
+        ids = self.tokenize(prompt, room=0 if embedding else 1)  # an embedding generates nothing
         params = params if params is not None else SamplingParams()
         self.check_params(params)
         return ValidRequest(ids, params, ref)
 
-    def tokenize(self, prompt: str | dict) -> list[int]:
-        """Prompt text or {"prompt_token_ids": [...]} -> token ids that fit this engine."""
+    def tokenize(self, prompt: str | dict, room: int = 1) -> list[int]:
+        """Prompt text or {"prompt_token_ids": [...]} -> token ids that fit this engine with `room` tokens to
+        generate."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise InvalidRequestError("a dict prompt needs 'prompt_token_ids'", field="prompt")
@@ -76,11 +80,10 @@ class Intake:
             raise InvalidRequestError(
                 f"prompt_token_ids must be ints in [0, {self.vocab_size})", field="prompt_token_ids"
             )
-        if len(ids) >= self.max_model_len:
+        if len(ids) + room > self.max_model_len:
+            more = " and at least one token must be generated" if room else ""
             raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} and at least one "
-                f"token must be generated",
-                field="prompt",
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}{more}", field="prompt"
             )
         return ids
 
@@ -90,6 +93,14 @@ class Intake:
             raise InvalidRequestError(
                 f"n={params.n} is more than this worker runs at once (max_num_seqs={self.cfg.max_num_seqs})", field="n"
             )
+        if params.pooling is None and not self.generates:
+            raise InvalidRequestError(
+                "this model has no LM head (its checkpoint is a base model's): it serves embeddings only "
+                "(/v1/embeddings)",
+                field="model",
+            )
+        if params.pooling is not None and params.n != 1:
+            raise InvalidRequestError("an embedding request has one sequence (n=1)", field="n")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.types import LoRARequest, RequestOutput, SamplingParams
+from engine.types import LoRARequest, PoolingParams, RequestOutput, SamplingParams
 
 
 class LLM:
@@ -63,3 +63,10 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return results
+
+    def embed(
+        self, prompts: str | dict | Sequence[str | dict], pooling: PoolingParams | None = None
+    ) -> list[list[float]]:
+        """One vector per prompt, in input order (engine/pooling.py; by default the last token's state, normed)."""
+        params = SamplingParams(max_tokens=1, pooling=pooling or PoolingParams())
+        return [out.embedding for out in self.generate(prompts, params)]

@@ -3,12 +3,13 @@ outputs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import torch
 
-from engine import memory, startup
+from engine import memory, pooling, startup
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.intake import Intake, ValidRequest
@@ -60,7 +61,7 @@ class LLMEngine:
                 self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len,
                 cfg.long_prefill_token_threshold, admission=self.lora, lookahead=self.speculator.lookahead,
             )  # fmt: skip
-            self.intake = Intake(self.tok, facts.spec.vocab_size, plan.max_model_len, cfg)  # checks each request once
+            self.intake = Intake(self.tok, facts.spec.vocab_size, plan.max_model_len, cfg, model.generates)  # each once
             self.structured = StructuredOutputs(self.tok, facts.spec.vocab_size, self.eos_token_ids)  # imports nothing
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
             self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
@@ -112,6 +113,11 @@ class LLMEngine:
         """Tokenize, check against this engine and resolve the adapter, once; raises InvalidRequestError."""
         return self.intake.validate(prompt, params, lora)
 
+    @functools.cached_property
+    def model_pooling(self) -> pooling.ModelPooling:
+        """How the checkpoint says to pool an embedding: its sentence-transformers files, else a decoder's default."""
+        return pooling.model_pooling(self.facts.path)
+
     def tokenize(self, prompt: str | dict) -> list[int]:
         """Prompt text or {"prompt_token_ids": [...]} -> validated token ids."""
         return self.intake.tokenize(prompt)
@@ -139,6 +145,8 @@ class LLMEngine:
         if not self.cfg.enable_prefix_caching:
             key = key + ("n", request_id) if params.n > 1 else ()
         if params.prompt_logprobs is not None:  # every prompt token is computed (cached KV has no logits)
+            key = ()
+        if params.pooling is not None and pooling.needs_every_position(params.pooling):  # ... or hidden states
             key = ()
         seqs = []
         for i in range(params.n):

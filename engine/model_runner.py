@@ -135,6 +135,11 @@ class ModelRunner:
         with kernels.backend(self.kernel_backend):
             return self.model.compute_logits(hidden)
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's last norm over these hidden states (what the LM head reads; HF's last_hidden_state)."""
+        with kernels.backend(self.kernel_backend):
+            return self.model.final_norm(hidden)
+
     def _forward(self, ids, positions, slots, block_tables, seq_lens, query_start_loc, max_query_len=1):
         """The model over one step's device tensors (what a graph captures): hidden [T, hidden]."""
         meta = TritonAttnMetadata(slots, block_tables, seq_lens, query_start_loc, max_query_len)

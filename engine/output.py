@@ -165,6 +165,9 @@ class OutputProcessor:
                     req.finish_reason, req.stop_reason = "stop", stop_str
                     break
             group.detok_tokens[i] = len(req.output_token_ids)
+        for req in scheduled.requests:  # embeddings sample nothing: their output is the vector, once finished
+            if req.params.pooling is not None and req.finished and req in self.group_of:
+                touched[self.group_of[req]] = None
         return failed + [self._output(g) for g in touched]
 
     def _fail(self, req: Request, error: BaseException) -> RequestOutput:
@@ -203,6 +206,7 @@ class OutputProcessor:
             sum(s.num_preemptions for s in group.seqs),
             metrics(group, time.monotonic()) if finished else None,
             prompt_logprobs=group.seqs[0].prompt_logprobs,
+            embedding=group.seqs[0].embedding,
         )
 
     def stats(self) -> dict:

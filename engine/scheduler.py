@@ -90,7 +90,7 @@ class Scheduler:
         out.sampling = [
             r
             for r, n in zip(out.requests, out.num_scheduled_tokens)
-            if r.num_computed_tokens + n - out.spec.get(r, 0) == r.num_tokens
+            if r.num_computed_tokens + n - out.spec.get(r, 0) == r.num_tokens and r.params.pooling is None
         ]
         return out
 
@@ -181,6 +181,10 @@ class Scheduler:
             granted = out.spec.get(req, 0)
             # the KV of accepted drafts is valid; that of rejected ones is not
             req.num_computed_tokens += n - granted + (len(tokens) - 1 if tokens and granted else 0)
+            if req.params.pooling is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                self.finish(req, "stop")  # an embedding: its prompt is computed and pooled (engine/pooling.py)
+                finished.append(req)
+                continue
             for token in tokens or ():
                 req.output_token_ids.append(token)
                 if req.matcher is not None:

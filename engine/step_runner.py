@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import pooling
 from engine.block_table import h2d
 from engine.model_runner import FlatBatch, flat_batch
 from engine.sampler import Sampler
@@ -37,7 +38,8 @@ class StepRunner:
         self.runner = runner
         self.sampler = sampler
         self.block_size = runner.block_size
-        self.max_rows = max_rows or getattr(runner, "runner", runner).max_num_seqs
+        self.rank0 = getattr(runner, "runner", runner)  # rank 0's own ModelRunner (the TPRunner wraps it)
+        self.max_rows = max_rows or self.rank0.max_num_seqs
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -47,6 +49,7 @@ class StepRunner:
         batch, rows = self._batch(out, drafts)
         hidden = self.runner.forward(batch)  # [T, hidden]; on a GPU it runs on while the host goes on below
         self._prompt_logprobs(hidden, out, batch.query_start_loc)
+        self._pool(hidden, out, batch.query_start_loc)
         if not rows:  # only prefill chunks that do not reach their prompt's end
             return EMPTY
         logits = self.runner.logits(hidden, rows)  # [S, vocab] fp32
@@ -103,6 +106,14 @@ class StepRunner:
                 d = dict(zip(map(int, row[1 + top :]), row[1 : 1 + top]))
                 d.setdefault(t, row[0])
                 req.prompt_logprobs.append(d)
+
+    def _pool(self, hidden: torch.Tensor, out: SchedulerOutput, qsl: list[int]) -> None:
+        """Embedding requests (params.pooling): this chunk's final hidden states, normed as HF's last_hidden_state,
+        pooled into the request (engine/pooling.py). Only rank 0 runs this: its hidden states are whole."""
+        for i, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            if req.params.pooling is not None:
+                normed = self.rank0.final_norm(hidden[qsl[i] : qsl[i] + n])
+                pooling.pool_chunk(req, normed, req.num_computed_tokens, n)
 
 
 def _token_slots(out: SchedulerOutput) -> list[int] | tuple[()]:

@@ -57,6 +57,26 @@ class StructuredOutputsParams:
         return (schema, self.regex, self.choice, self.grammar, self.json_object)
 
 
+POOLINGS = ("last", "mean", "cls")  # engine/pooling.py
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request (engine/pooling.py): the prompt's final hidden states pooled into one vector."""
+
+    pooling: str = "last"  # one of POOLINGS
+    normalize: bool = True
+    dimensions: int | None = None  # keep the first k values, before normalizing (Matryoshka)
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise InvalidRequestError(f"pooling must be one of {POOLINGS}, not {self.pooling!r}", field="pooling")
+        if self.dimensions is not None and not (isinstance(self.dimensions, int) and self.dimensions >= 1):
+            raise InvalidRequestError(
+                f"dimensions must be an integer >= 1, not {self.dimensions!r}", field="dimensions"
+            )
+
+
 @dataclass
 class SamplingParams:
     """vLLM's names and defaults. Validated on construction; errors name the field."""
@@ -82,6 +102,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (the first has none)
     # token id -> bias added to its logit before sampling (vLLM's and OpenAI's); str keys (JSON) are parsed
     logit_bias: dict[int, float] | None = None
+    pooling: PoolingParams | None = None  # an embedding: the prompt's prefill, pooled; nothing is sampled
 
     def __post_init__(self) -> None:
         self.logit_bias = _logit_bias(self.logit_bias)
@@ -245,6 +266,11 @@ class Request:
     # Set by the scheduler at first admission (output-side metrics live in engine/output.py's SeqStats)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
     first_scheduled_time: float | None = None  # monotonic seconds
+    # params.pooling (engine/pooling.py): the sum (mean) or the first state (cls) so far, the prompt positions
+    # pooled, and at the prompt's end the vector
+    pooled: Any = None
+    num_pooled: int = 0
+    embedding: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -351,3 +377,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt position top-N {token: logprob} and the prompt's own token; the
     # first position has None (nothing predicts it)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # SamplingParams.pooling: the pooled vector, on the finished output

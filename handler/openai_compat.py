@@ -15,6 +15,7 @@ ROUTES = {
     "/v1/chat/completions": "POST",
     "/v1/completions": "POST",
     "/v1/models": "GET",
+    "/v1/embeddings": "POST",  # handler/openai_embeddings.py
     "/tokenize": "POST",  # vLLM's (handler/openai_tokenize.py)
     "/detokenize": "POST",
     "/v1/responses": "POST",  # handler/openai_responses.py

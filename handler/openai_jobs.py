@@ -14,6 +14,7 @@ from handler import anthropic_messages as anthropic
 from handler import jobs, reasoning, tool_calls
 from handler import openai_compat as oa
 from handler import openai_completions as completions
+from handler import openai_embeddings as embeddings
 from handler import openai_extras as extras
 from handler import openai_responses as responses
 from handler import openai_tokenize as tokens
@@ -68,6 +69,8 @@ async def openai_job(
     elif route in (anthropic.MESSAGES, anthropic.COUNT_TOKENS):
         async for chunk in _anthropic(ctx, route, body, rid, sizer):
             yield chunk
+    elif route == embeddings.EMBEDDINGS:
+        yield await embeddings.embeddings(ctx, body, rid, WHERE)
     elif route == tokens.TOKENIZE:
         yield await tokens.tokenize(ctx, body, WHERE)
     elif route == tokens.DETOKENIZE:

@@ -107,6 +107,11 @@ class Settings(_EngineVariables):
     ) = None
     # vLLM's --reasoning-parser (worker-vllm's variable): thinking apart from the answer (handler/reasoning.py)
     REASONING_PARSER: Literal["qwen3", "deepseek_r1"] | None = None
+    # /v1/embeddings (handler/openai_embeddings.py): unset, each comes from the checkpoint (sentence-transformers'
+    # modules, config.json's is_matryoshka), else last-token pooling, normalized, no truncation
+    POOLING: Literal["last", "mean", "cls"] | None = None
+    NORMALIZE: bool | None = None
+    IS_MATRYOSHKA: bool | None = None
     # load-balancing endpoints (handler/lb.py; the mode rule is endpoint_mode below). Runpod's names: PORT,
     # PORT_HEALTH, HEALTH_CHECK_PATH; the rest are ours
     RUNPOD_ENDPOINT_TYPE: Literal["queue", "lb"] | None = None

@@ -1,11 +1,12 @@
 """A scripted stand-in for engine.AsyncEngine, so that handler logic is tested in seconds without a model.
 
 FakeAsyncEngine has exactly the surface the handler uses: validate, generate, abort, stats, tok, max_model_len,
-lora_names. Validation is the engine's own (engine/intake.py over the model's real tokenizer, vocabulary and
-context), so a job's errors are the real ones; only the model is scripted. Each of a request's n sequences answers
-with REPLY's tokens, repeated (sequence i starts i tokens in), one token per step of `step_s` seconds, until
-max_tokens: finish_reason is always "length" (no EOS, no stop strings). Logprobs are made up but shaped as the
-engine's: the sampled token first, then the next ids, top-N in all; prompt_logprobs likewise, the first None."""
+lora_names, model_pooling, hidden_size. Validation is the engine's own (engine/intake.py over the model's real
+tokenizer, vocabulary and context), so a job's errors are the real ones; only the model is scripted. Each of a
+request's n sequences answers with REPLY's tokens, repeated (sequence i starts i tokens in), one token per step of
+`step_s` seconds, until max_tokens: finish_reason is always "length" (no EOS, no stop strings). Logprobs are made up
+but shaped as the engine's: the sampled token first, then the next ids, top-N in all; prompt_logprobs likewise, the
+first None. An embedding request gets a made-up unit vector."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from engine import (
     ValidRequest,
 )
 from engine.intake import Intake
+from engine.pooling import model_pooling
 
 REPLY = " Paris. The quick brown fox jumps over the lazy dog, then it naps in the sun."
 NUM_BLOCKS, BLOCK_SIZE = 1024, 16
@@ -40,7 +42,9 @@ class FakeAsyncEngine:
         cfg = EngineConfig(model=str(model), max_model_len=max_model_len, **config)
         self.tok = Tokenizer(model)
         self.max_model_len = max_model_len
-        self.vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        config_json = json.loads((Path(model) / "config.json").read_text())
+        self.vocab_size, self.hidden_size = config_json["vocab_size"], config_json["hidden_size"]
+        self.model_pooling = model_pooling(model)
         self._intake = Intake(self.tok, self.vocab_size, max_model_len, cfg)
         self._lora_names = sorted(name for name, _ in cfg.lora_modules)
         self._reply = self.tok.encode(REPLY, add_special_tokens=False)
@@ -93,6 +97,10 @@ class FakeAsyncEngine:
         arrival = time.monotonic()
         try:
             await asyncio.sleep(self._step_s)  # the prefill step
+            if p.pooling is not None:  # an embedding: a made-up unit vector, at once
+                k = p.pooling.dimensions or self.hidden_size
+                yield RequestOutput(rid, ids, [], True, embedding=[float(i == len(ids) % k) for i in range(k)])
+                return
             first, last, gaps = time.monotonic(), None, []
             for step in range(p.max_tokens):
                 if (error := self._errors.pop(rid, None)) is not None:

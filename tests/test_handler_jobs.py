@@ -157,7 +157,7 @@ BAD_JOBS = [
     ({"messages": [{"content": "hi"}]}, "messages.0.role"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content"),
-    ({"openai_route": "/v1/embeddings", "openai_input": {}}, "/v1/embeddings"),  # the route, named
+    ({"openai_route": "/v1/moderations", "openai_input": {}}, "/v1/moderations"),  # the route, named
     ({"openai_route": "/v1/chat/completions", "openai_input": {"messages": []}}, "messages"),
     (
         {
@@ -286,9 +286,9 @@ def test_error_params_are_field_paths(worker):
     assert err["message"].startswith("wat: unknown field"), err
     err = error_of(run_job(worker, {"use_openai_format": True, **chat, "sampling_params": {"max_tokens": 10**6}}))
     assert (err["param"], err["code"]) == ("sampling_params.max_tokens", "context_length_exceeded"), err
-    err = error_of(run_job(worker, {"openai_route": "/v1/embeddings", "openai_input": {}}))
+    err = error_of(run_job(worker, {"openai_route": "/v1/moderations", "openai_input": {}}))
     assert (err["type"], err["code"], err["status"], err["param"]) == ("not_found_error", "unknown_url", 404, None)
-    assert "/v1/embeddings" in err["message"] and "POST /v1/chat/completions" in err["message"], err
+    assert "/v1/moderations" in err["message"] and "POST /v1/chat/completions" in err["message"], err
 
 
 @hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -332,8 +332,10 @@ def test_random_json_never_crashes_the_schema(data):
 
 
 _NEW_ROUTES = ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize"]
+_NEW_ROUTES += ["/v1/embeddings"]
 _KEYS = ["input", "messages", "model", "max_tokens", "max_output_tokens", "tools", "tool_choice", "system", "role"]
 _KEYS += ["content", "type", "text", "stream", "prompt", "tokens", "call_id", "previous_response_id", "thinking"]
+_KEYS += ["dimensions", "encoding_format", "truncate_prompt_tokens", "normalize"]
 
 
 @hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -346,7 +348,8 @@ _KEYS += ["content", "type", "text", "stream", "prompt", "tokens", "call_id", "p
     ),
 )
 def test_random_bodies_on_the_newer_routes_get_answers_or_field_errors(worker, route, body):
-    """Responses, Anthropic Messages and (de)tokenize: any JSON gets an answer or an error object, never a crash."""
+    """Responses, Anthropic Messages, (de)tokenize and embeddings: any JSON gets an answer or an error object, never a
+    crash."""
     chunks = run_job(worker, {"openai_route": route, "openai_input": body})
     assert chunks
     err = error_of(chunks)

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, processors
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams, StructuredOutputsParams
+from engine import LLM, AsyncEngine, EngineConfig, PoolingParams, SamplingParams, StructuredOutputsParams
 from handler import schemas
 from handler.settings import load_settings
 from handler.worker import Worker
@@ -423,11 +423,12 @@ ENGINE_CASES = {  # field: (base, change)
     "structured_outputs": (PLAIN, {"structured_outputs": StructuredOutputsParams(choice=["ab", "cd"])}),
     "prompt_logprobs": (PLAIN, {"prompt_logprobs": 1}),
     "logit_bias": (PLAIN, {"logit_bias": {5: 100.0}}),
+    "pooling": (PLAIN, {"pooling": PoolingParams()}),  # an embedding: nothing generated, a vector
 }
 
 
 def _seen(out) -> tuple:
-    return out.prompt_logprobs, [(c.text, c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs]
+    return out.prompt_logprobs, out.embedding, [(c.text, c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs]
 
 
 def test_the_engine_honours_every_sampling_field(eos_model):

@@ -127,6 +127,13 @@ def triton(s: Settings, ctx):
     return env["TRITON_CACHE_DIR"] == s.TRITON_CACHE_DIR
 
 
+def embed(s: Settings, ctx):
+    """An embedding of 8 dimensions: the vector, or its error."""
+    body = {"input": "The quick brown fox", "dimensions": 8}
+    out = _run(Worker(s, ctx.eng), {"openai_route": "/v1/embeddings", "openai_input": body})[0]
+    return out.get("error") or out["data"][0]["embedding"]
+
+
 def mode(s: Settings, ctx):
     return s.endpoint_mode()
 
@@ -218,6 +225,9 @@ CASES = {
         {"CUSTOM_CHAT_TEMPLATE": TEMPLATE, "ENABLE_AUTO_TOOL_CHOICE": "true", "TOOL_CALL_PARSER": "hermes"},
         chat,
     ),  # the tiny model never writes </think>: all of its reply is reasoning
+    "POOLING": ("mean", {"IS_MATRYOSHKA": "true"}, embed),
+    "NORMALIZE": ("false", {"IS_MATRYOSHKA": "true"}, embed),
+    "IS_MATRYOSHKA": ("true", {}, embed),  # without it: dimensions refused
 }
 ALIAS_CASES = {
     "MIN_BATCH_SIZE": ("2", FLUSH_BY_COUNT, stream),

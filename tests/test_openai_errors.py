@@ -61,7 +61,7 @@ def oai(emu):
 def test_unknown_routes_and_methods_answer_openais_error_object(emu, oai):
     for call, route in [
         (lambda: oai.images.generate(model="smol", prompt="hi"), "POST /v1/images/generations"),
-        (lambda: oai.embeddings.create(model="smol", input="hi"), "POST /v1/embeddings"),
+        (lambda: oai.moderations.create(model="smol", input="hi"), "POST /v1/moderations"),
         (lambda: oai.models.retrieve("smol"), "GET /v1/models/smol"),
     ]:
         with pytest.raises(openai.NotFoundError) as e:

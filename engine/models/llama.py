@@ -5,6 +5,7 @@ The differences are config flags, so one file covers them. Weights are fused at 
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import torch
@@ -18,6 +19,8 @@ from engine.models.spec import ModelSpec
 from kernels.activation import silu_and_mul
 from kernels.fp8 import fp8_linear, quant_per_channel
 from kernels.rmsnorm import add_rms_norm, rms_norm
+
+log = logging.getLogger("engine")
 
 
 class DecoderLayer(nn.Module):
@@ -128,6 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.shard, self.tp = shard, tp
         self.kept = loading.Kept()  # which parameters are views of the weights file (CPU), bytes kept and copied
+        self.generates = True  # False: the checkpoint had no LM head (an embedding model's)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, attn, meta, lora=None
@@ -199,10 +203,13 @@ class LlamaForCausalLM(nn.Module):
 
     act_and_mul = staticmethod(silu_and_mul)
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32 (gathered to rank 0 under tensor
         # parallelism: each rank holds vocab / tp rows of the head)
-        logits = F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        logits = F.linear(self.final_norm(hidden), self.lm_head).float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
     # ---- weights ---------------------------------------------------------------------------
@@ -226,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
         for name, t in weights:
             parts = name.split(".")
             if parts[0] != "layers":
-                if not self.kept.place(p := getattr(self, name), None, t):
+                if name == "lm_head" and t.shape[0] == 0:
+                    self._headless()
+                elif not self.kept.place(p := getattr(self, name), None, t):
                     loading.copy_weight(p, t, name)
                 continue
             layer = self.layers[int(parts[1])]
@@ -251,4 +260,12 @@ class LlamaForCausalLM(nn.Module):
             if loader is None:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
             filled[d.layer, d.param] += loader(self, d, t, name)
+        if not self.spec.tie_word_embeddings and filled[None, "lm_head"] == 0:
+            self._headless()  # a base model's checkpoint (an embedding model's): nothing to generate with
         loading.check_complete(self, filled, table)
+
+    def _headless(self) -> None:
+        """No LM head: the model serves embeddings only (engine/pooling.py); generation is refused at intake."""
+        self.lm_head = nn.Parameter(self.embed.new_empty(0, self.spec.hidden_size), False)
+        self.generates = False
+        log.warning("the checkpoint has no lm_head: this model serves embeddings (/v1/embeddings) only")

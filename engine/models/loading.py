@@ -26,7 +26,7 @@ from engine.weights.reader import mapped
 from kernels.fp8 import quant_per_channel
 
 OPTIONAL = {"qkv_bias"}  # zeros unless the checkpoint has them; every other parameter must be filled whole
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")  # a base model's checkpoint (AutoModel's) has no "model."
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)(\..*)")
 
 
@@ -53,6 +53,8 @@ def locate(name: str, table: dict) -> Dest | None:
         layer, module = int(m[1]), m[2]
         if m := _EXPERT.fullmatch(module):
             module, expert = f"{m[1]}.*{m[3]}", int(m[2])
+    elif module not in table and f"model.{module}" in table:  # a base model's embed_tokens, norm
+        module = f"model.{module}"
     if module not in table:
         raise UnsupportedModelError(f"unexpected weight {name!r}")
     row = table[module]

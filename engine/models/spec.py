@@ -19,6 +19,9 @@ ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+# a family's base model (AutoModel's class, no LM head: how embedding models such as Qwen3-Embedding ship) loads as
+# its causal LM without a head (engine/models/llama.py _headless)
+_BASE = {a.replace("ForCausalLM", "Model"): a for a in ARCHITECTURES}
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class ModelSpec:
     @classmethod
     def from_hf(cls, cfg: dict, generation_cfg: dict | None = None) -> ModelSpec:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((_BASE.get(a, a) for a in archs if _BASE.get(a, a) in ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
                 f"architectures {archs} not supported; this engine runs {', '.join(ARCHITECTURES)}"
