@@ -150,8 +150,8 @@ class Scheduler:
         for j, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
             if budget <= 0:
                 break
-            if n != 1 or req.num_computed_tokens != req.num_tokens - 1:  # only a decode speculates
-                continue
+            if n != 1 or req.num_computed_tokens != req.num_tokens - 1 or req.params.pooling is not None:
+                continue  # only a decode speculates (an embedding's one-token last chunk is not one)
             k = min(self.lookahead(req), budget)
             while k and not self.bm.allocate_slots(req, n, num_lookahead=k):
                 k -= 1  # the pool is short: fewer drafts

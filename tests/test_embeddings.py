@@ -270,3 +270,20 @@ def test_a_base_model_checkpoint_serves_embeddings_only(tmp_path, tiny_models, a
         assert e.value.field == "model"
     finally:
         llm.engine.shutdown()
+
+
+def test_embeddings_beside_speculative_decoding(tiny_llama):
+    """An embedding whose last chunk is one token is not a decode: it gets no lookahead slots, even with
+    max_tokens left at its default."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, log_stats_interval=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
+    try:
+        ids = [5, 6, 7, 8] * 4 + [5]  # 17 tokens: the last chunk is the one token left, which n-gram would extend
+        outs = llm.generate([{"prompt_token_ids": ids}] * 2, [SamplingParams(pooling=PoolingParams()),
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])  # fmt: skip
+        plain = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+        assert_close([outs[0].embedding], [torch.tensor(plain.embed([{"prompt_token_ids": ids}])[0])])
+        assert len(outs[1].outputs[0].token_ids) == 8
+        plain.engine.shutdown()
+    finally:
+        llm.engine.shutdown()
