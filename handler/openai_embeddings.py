@@ -16,19 +16,24 @@ import uuid
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine import InvalidRequestError, LoRARequest, PoolingParams, SamplingParams
 from handler import jobs
+from handler import openai_extras as extras
 from handler.jobs import JobContext
-from handler.schemas import JobError, _Strict, parse, warn_ignored
+from handler.schemas import ChatCompletionRequest, JobError, Message, _Strict, parse, warn_ignored
 
 EMBEDDINGS = "/v1/embeddings"
 
 
 class EmbeddingRequest(_Strict):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]  # OpenAI's four forms, as the completions prompt
+    input: str | list[str] | list[int] | list[list[int]] | None = None  # OpenAI's four forms (completions' prompt)
+    # vLLM's chat form (worker-vllm's EmbeddingChatRequest): one input, the messages rendered by the chat template
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes (the openai SDK's)
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None  # IGNORED_FIELDS
@@ -37,13 +42,19 @@ class EmbeddingRequest(_Strict):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k tokens; -1: all that fit
     normalize: bool | None = None  # this request's; default: NORMALIZE or the model's
 
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of input and messages")
+        return self
+
 
 async def embeddings(ctx: JobContext, body: Any, rid: str, where: str) -> dict:
     req = parse(EmbeddingRequest, body, where)
     warn_ignored(req, where)
     lora = _adapter(ctx, req.model)
     params = SamplingParams(max_tokens=1, pooling=_pooling(ctx, req, where))
-    inputs = _inputs(req.input, where)
+    inputs = _inputs(req.input, where) if req.messages is None else [await _chat_ids(ctx, req)]
     valid = [_valid(ctx, req, x, params, lora, f"{where}.input" + (f".{i}" if len(inputs) > 1 else ""))
              for i, x in enumerate(inputs)]  # fmt: skip
 
@@ -63,6 +74,13 @@ async def embeddings(ctx: JobContext, body: Any, rid: str, where: str) -> dict:
     usage = {"prompt_tokens": n, "total_tokens": n}
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": req.model or ctx.served_name, "data": data, "usage": usage}  # fmt: skip
+
+
+async def _chat_ids(ctx: JobContext, req: EmbeddingRequest) -> list[int]:
+    """The messages rendered as the chat route renders them (its template, its checks), as token ids."""
+    chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                                 chat_template_kwargs=req.chat_template_kwargs)  # fmt: skip
+    return (await extras.chat_prompt(ctx, chat, None))[0]["prompt_token_ids"]
 
 
 def _pooling(ctx: JobContext, req: EmbeddingRequest, where: str) -> PoolingParams:

@@ -187,6 +187,17 @@ def test_every_field_of_the_route(tiny_engine, tiny_llama):
     assert same(cut["data"][0]["embedding"], _embed(worker, input=ids[-4:])["data"][0]["embedding"])
     assert _embed(worker, input=TEXTS[0], add_special_tokens=False)["usage"]["prompt_tokens"] == len(
         tiny_engine.tok.encode(TEXTS[0], add_special_tokens=False))  # fmt: skip
+    # messages (vLLM's chat form): the chat template's rendering, embedded
+    chat = Worker(load_settings({"CUSTOM_CHAT_TEMPLATE": "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                                                         "{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"}),
+                  tiny_engine)  # fmt: skip
+    msgs = [{"role": "user", "content": "hi there"}]
+    for gen in (False, True):
+        rendered = run_job(chat, {"openai_route": "/tokenize", "openai_input": {
+            "messages": msgs, "add_generation_prompt": gen}})[0]["tokens"]  # fmt: skip
+        by_msgs = _embed(chat, messages=msgs, **({"add_generation_prompt": True} if gen else {}))
+        assert by_msgs["usage"]["prompt_tokens"] == len(rendered)
+        assert same(by_msgs["data"][0]["embedding"], _embed(chat, input=rendered)["data"][0]["embedding"])
     # settings: POOLING, NORMALIZE, IS_MATRYOSHKA
     mean = _embed(Worker(load_settings({"POOLING": "mean", "NORMALIZE": "false"}), tiny_engine), input=TEXTS[0])
     assert_close([mean["data"][0]["embedding"]], hf_pooled(tiny_llama, TEXTS[:1], "mean", normalize=False))
@@ -207,7 +218,9 @@ def test_every_field_of_the_route(tiny_engine, tiny_llama):
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
         ({"input": "x", "model": "other"}, "model", "not served"),
         ({"input": "x", "pooling": "mean"}, "pooling", "unknown field"),
-        ({}, "input", ""),
+        ({}, None, "exactly one of input and messages"),
+        ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, None, "exactly one"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", ""),
     ],
 )
 def test_bad_inputs_name_their_field(tiny_engine, body, param, words):
