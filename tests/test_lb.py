@@ -73,7 +73,7 @@ def test_errors_name_the_field_and_unknown_routes_list_the_served_ones(lb):
     r = httpx.post(f"{lb.base_url}/chat/completions", headers=AUTH, json={"model": MODEL, "messages": CHAT,
                                                                        "max_tokens": -3})  # fmt: skip
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["param"]
-    r = httpx.post(f"{lb.base_url}/embeddings", headers=AUTH, json={})
+    r = httpx.post(f"{lb.base_url}/moderations", headers=AUTH, json={})
     assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
     r = httpx.get(f"{lb.base_url}/chat/completions", headers=AUTH)
     assert r.status_code == 405 and r.headers["allow"] == "POST"
