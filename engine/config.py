@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ConfigError
+from engine.quant.scheme import ALIASES as QUANT_ALIASES
+from engine.quant.scheme import METHODS as QUANT_METHODS
 from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -53,7 +55,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed pool size; overrides both budgets (tests, planner)
     cache_root: str = dataclasses.field(default_factory=default_cache_root)
     hf_cache_dirs: tuple[str, ...] = dataclasses.field(default_factory=default_hf_cache_dirs)
-    quantization: str | None = None  # None | fp8: W8A8 linear layers, quantized per channel at load
+    # None; fp8: a 16-bit checkpoint's linears quantized per channel at load (W8A8); awq | gptq | compressed-tensors
+    # (and vLLM's awq_marlin, gptq_marlin): the checkpoint's own method, checked against its quantization_config
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model dtype | fp8 (e4m3, per-layer scales; half the bytes)
     kernel_backend: str = "auto"  # auto: Triton kernels on CUDA, torch references on CPU | torch | triton
     # CUDA graphs for decode steps (engine/cuda_graphs.py) are off until a GPU check shows them equal and faster
@@ -96,7 +100,8 @@ class EngineConfig:
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0 bytes")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
-        need(self.quantization in (None, "fp8"), "quantization", "must be None or fp8")
+        need(self.quantization in (None, *QUANT_METHODS, *QUANT_ALIASES), "quantization",
+             f"must be one of {', '.join((*QUANT_METHODS, *QUANT_ALIASES))}, or unset")  # fmt: skip
         need(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype", "must be auto, fp8 or fp8_e4m3")
         need(self.kernel_backend in ("auto", "torch", "triton"), "kernel_backend", "must be auto, torch or triton")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")

@@ -62,7 +62,7 @@ def resolve(cfg: EngineConfig, rank: int = 0) -> ModelFacts:
     path = resolve_model_path(cfg)
     safetensors_files(path)  # refuse pickle-only checkpoints before anything else
     hf_cfg = read_json(path / "config.json")
-    spec = ModelSpec.from_hf(hf_cfg, read_json(path / "generation_config.json"))
+    spec = ModelSpec.from_hf(hf_cfg, read_json(path / "generation_config.json"), cfg.quantization)
     cuda = device.type == "cuda"
     shard.check(spec, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None)
     if cuda and rank == 0:  # configs read, nothing loaded yet
@@ -171,7 +171,7 @@ def load_rank(
     checkpoint, or the fp8 snapshot (engine/weights/load.py)."""
     build = functools.partial(
         rank_model, facts.spec, facts.rank, cfg.tensor_parallel_size, facts.dtype, facts.device, max_positions,
-        cfg.quantization,
+        cfg.quantization, facts.kernel_backend == "triton",
     )  # fmt: skip
     return load_model(cfg, facts.path, facts.spec.prequantized, build, facts.device, facts.dtype, on_built)
 
@@ -330,7 +330,7 @@ def plan_memory(
         reserve = needs.reserve_bytes + needs.draft_weight_bytes
         return memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len, **kv)
     if gpu.capability is not None:
-        check_fp8_support(cfg, spec.prequantized, gpu.name, gpu.capability)
+        check_fp8_support(cfg, spec.fp8_checkpoint, gpu.name, gpu.capability)
     return memory.plan_gpu_start(
         free=gpu.free,
         reserve=needs.reserve_bytes,

@@ -175,13 +175,14 @@ def test_unsupported_quantization_config_is_refused(tiny_llama, tmp_path):
 
     from engine import UnsupportedModelError
 
-    dst = tmp_path / "awq"
+    dst = tmp_path / "q"
     shutil.copytree(tiny_llama, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="awq"):
-        LLM(model=str(dst))
+    for qc, words in (({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported"),
+                      ({"quant_method": "awq", "bits": 4}, "no tensor of the checkpoint")):  # fmt: skip
+        (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+        with pytest.raises(UnsupportedModelError, match=words):
+            LLM(model=str(dst))
 
 
 def test_a_snapshot_is_kept_per_model_dtype(tiny_models, tmp_path):

@@ -34,8 +34,8 @@ def load_norm(model, d: loading.Dest, t: torch.Tensor, name: str) -> int:
 
 
 class GemmaLayer(DecoderLayer):
-    def __init__(self, s, dtype, device, fp8: bool = False):
-        super().__init__(s, dtype, device, fp8)
+    def __init__(self, s, dtype, device, fp8: bool = False, packed=None):
+        super().__init__(s, dtype, device, fp8, packed=packed)
         self.pre_ffn_norm = nn.Parameter(torch.empty(s.hidden_size, dtype=dtype, device=device), False)
         self.post_ffn_norm = nn.Parameter(torch.empty(s.hidden_size, dtype=dtype, device=device), False)
 
@@ -50,8 +50,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     LOADERS = LlamaForCausalLM.LOADERS | {f"{n}.weight": load_norm for n in NORMS}
     act_and_mul = staticmethod(gelu_tanh_and_mul)
 
-    def __init__(self, spec, dtype, device, max_positions: int, quantization: str | None = None, shard=None, tp=None):
-        super().__init__(spec, dtype, device, max_positions, quantization, shard, tp)
+    def __init__(self, spec, dtype, device, max_positions: int, quantization=None, shard=None, tp=None, packed=False):
+        super().__init__(spec, dtype, device, max_positions, quantization, shard, tp, packed)
         self.local_rotary = None
         if spec.local_rope is not None:
             self.local_rotary = RotaryCache(spec.head_dim, max_positions, *spec.local_rope, device)

@@ -16,6 +16,9 @@ from engine.errors import UnsupportedModelError
 from engine.layers.rotary import RotaryCache
 from engine.models import loading
 from engine.models.spec import ModelSpec
+from engine.quant import linear as quant_linear
+from engine.quant.convert import Converter
+from engine.quant.linear import IntLinears
 from kernels.activation import silu_and_mul
 from kernels.fp8 import fp8_linear, quant_per_channel
 from kernels.rmsnorm import add_rms_norm, rms_norm
@@ -24,7 +27,9 @@ log = logging.getLogger("engine")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelSpec, dtype, device, fp8: bool = False, mlp: bool = True):
+    def __init__(self, s: ModelSpec, dtype, device, fp8: bool = False, mlp: bool = True, packed=None):
+        """fp8: e4m3 linears with per-channel scales; packed: a QuantScheme whose layout the linears keep
+        (engine/quant/linear.py), None for 16-bit or fp8 ones."""
         super().__init__()
         if not mlp:  # a mixture-of-experts layer: its MLP weights are the experts' (engine/models/moe.py)
             self.LINEARS = ("qkv", "o_proj")
@@ -33,6 +38,7 @@ class DecoderLayer(nn.Module):
         # fp8 (a quantized checkpoint, or QUANTIZATION=fp8): the linears never exist in 16 bits, so a model that
         # fits only as fp8 loads; online quantization writes each streamed tensor straight into them
         lin = dict(dtype=torch.float8_e4m3fn, device=device) if fp8 else kw
+        lin = dict(dtype=dtype, device="meta") if packed is not None else lin  # shapes only: replaced below
         self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, s.hidden_size, **lin), False)
         self.qkv_bias = (
             nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) if s.attention_bias else None
@@ -44,6 +50,10 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
+        self.int_linears = None
+        if packed is not None:
+            shapes = {n: tuple(getattr(self, n).shape) for n in self.LINEARS}
+            self.int_linears = IntLinears(self, packed, shapes, dtype, device)
         self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32 when the linears are fp8
         if fp8:  # filled from the checkpoint's weight_scale tensors, or by quantizing while loading
             self.fp8_scales = {n: torch.ones(getattr(self, n).shape[0], 1, device=device) for n in self.LINEARS}
@@ -61,6 +71,8 @@ class DecoderLayer(nn.Module):
         return self.fp8_scales.get(name)
 
     def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int_linears is not None:
+            return self.int_linears.linear(self, name, x, bias)
         scale = self.fp8_scales.get(name)
         if scale is None:
             return F.linear(x, getattr(self, name), bias)
@@ -101,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         "post_attention_layernorm": ("post_norm", None),
     }
     # how: by the name's suffix (weight, bias, weight_scale, k_scale, ...), or "{param}.{suffix}" for one parameter
-    LOADERS = loading.LOADERS
+    LOADERS = {**loading.LOADERS, **quant_linear.LOADERS}
 
     def __init__(
         self,
@@ -112,15 +124,22 @@ class LlamaForCausalLM(nn.Module):
         quantization: str | None = None,
         shard=None,
         tp=None,
+        packed: bool = False,
     ):
         """shard, tp: under tensor parallelism (engine/parallel/rank.py), this rank's part of the checkpoint and
-        its collectives; None for the whole model."""
+        its collectives; None for the whole model. packed: a quantized checkpoint keeps its own layout (the Triton
+        kernels run it); else it is dequantized at load (engine/quant/convert.py)."""
         super().__init__()
         s = self.spec = spec
-        self.quantization = None if spec.prequantized else quantization  # a fp8 checkpoint is already quantized
+        q = spec.quant
+        # QUANTIZATION=fp8: a 16-bit checkpoint's linears quantized while loading (a quantized one is already)
+        self.quantization = "fp8" if quantization == "fp8" and q is None else None
+        self.dense = q is not None and (q.kind == "int" or q.strategy == "block") and not packed
+        self.converter = Converter(q, dtype, self.dense) if q is not None else None
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
-        fp8 = spec.prequantized or quantization == "fp8"
+        fp8 = self.quantization == "fp8" or (q is not None and q.kind == "fp8" and q.strategy != "block")
+        self.layer_quant = q if q is not None and q.kind == "int" and not self.dense else None
         self.layers = nn.ModuleList(self.make_layer(i, dtype, device, fp8) for i in range(s.num_layers))
         self.norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.lm_head = (
@@ -164,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         return add_rms_norm(h, residual, layer.input_norm, self.spec.rms_norm_eps)
 
     def make_layer(self, i: int, dtype, device, fp8: bool) -> DecoderLayer:
-        return self.LAYER(self.spec, dtype, device, fp8)
+        return self.LAYER(self.spec, dtype, device, fp8, packed=self.layer_quant)
 
     def attention(self, i: int, layer, x, positions, kv_caches, attn, meta, lora) -> torch.Tensor:
         """Layer i's attention block on normed x [T, hidden] -> o_proj's output [T, hidden]."""
@@ -251,6 +270,8 @@ class LlamaForCausalLM(nn.Module):
         Raises UnsupportedModelError for a tensor we do not know, or a parameter the checkpoint left unfilled."""
         table = self.WEIGHTS | ({"lm_head": None} if self.spec.tie_word_embeddings else {})  # tied: the embedding
         filled = Counter()  # (layer, parameter) -> elements written
+        if self.converter is not None:  # a quantized checkpoint: its tensors in our layout, or dequantized
+            weights = self.converter(weights)
         if self.shard is not None:  # tensor parallelism: this rank's rows and columns of each tensor
             weights = self.shard.weights(weights)
         for name, t in weights:

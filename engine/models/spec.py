@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import UnsupportedModelError
+from engine.quant import scheme
+from engine.quant.scheme import QuantScheme
 
 ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -44,7 +46,7 @@ class ModelSpec:
     attention_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
-    prequantized: bool = False  # linear weights stored as fp8 + scales (compressed-tensors float-quantized)
+    quant: QuantScheme | None = None  # how the checkpoint's linear weights are quantized (engine/quant/scheme.py)
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
     # Gemma (engine/models/gemma.py): (1 + w) norms, norms around attention and MLP, GeGLU, scaled embeddings,
     # query_pre_attn_scalar, soft-caps, and (Gemma 3) its own rope for the sliding layers
@@ -81,8 +83,19 @@ class ModelSpec:
         embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * attn + mlps + embeds + h
 
+    @property
+    def prequantized(self) -> bool:
+        """The checkpoint's linears are quantized already (nothing is quantized online, no fp8 snapshot)."""
+        return self.quant is not None
+
+    @property
+    def fp8_checkpoint(self) -> bool:
+        """Its linears are fp8 (per channel, per tensor or per block): a GPU below sm89 cannot run them."""
+        return self.quant is not None and self.quant.kind == "fp8"
+
     @classmethod
-    def from_hf(cls, cfg: dict, generation_cfg: dict | None = None) -> ModelSpec:
+    def from_hf(cls, cfg: dict, generation_cfg: dict | None = None, quantization: str | None = None) -> ModelSpec:
+        """quantization: QUANTIZATION, checked against the checkpoint's quantization_config."""
         archs = cfg.get("architectures") or []
         arch = next((_BASE.get(a, a) for a in archs if _BASE.get(a, a) in ARCHITECTURES), None)
         if arch is None:
@@ -127,7 +140,7 @@ class ModelSpec:
             attention_bias=_attention_bias(cfg, arch),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=tuple(dict.fromkeys(eos)),
-            prequantized=_check_quantization(cfg.get("quantization_config")),
+            quant=_quant(cfg, arch, quantization),
             layer_windows=_layer_windows(cfg | {"layer_types": types}, arch),
             **_moe_fields(cfg, arch),
             **extra,
@@ -220,24 +233,10 @@ def _layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
     return (None,) * n
 
 
-def _check_quantization(qc: dict | None) -> bool:
-    """True for a compressed-tensors fp8 checkpoint we can load (float 8-bit weights per channel or per
-    tensor, dynamic per-token or no activation quant); an unsupported scheme is a clear error."""
-    if not qc:
-        return False
-    method = qc.get("quant_method")
-    if method != "compressed-tensors":
-        raise UnsupportedModelError(
-            f"quantization_config.quant_method={method!r} is not supported; fp8 "
-            "checkpoints in the compressed-tensors format are (or QUANTIZATION=fp8 online)"
-        )
-    for name, group in (qc.get("config_groups") or {}).items():
-        w, a = group.get("weights") or {}, group.get("input_activations")
-        ok_w = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor")
-        ok_a = a is None or (a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True)
-        if not (ok_w and ok_a):
-            raise UnsupportedModelError(
-                f"compressed-tensors group {name!r}: only fp8 weights (per channel or per "
-                "tensor) with dynamic fp8 activations are supported"
-            )
-    return True
+def _quant(cfg: dict, arch: str, setting: str | None) -> QuantScheme | None:
+    q = scheme.parse(cfg.get("quantization_config"), scheme.method_setting(setting))
+    moe = arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    if q is not None and q.kind == "int" and moe:
+        raise UnsupportedModelError(f"{arch} with {q.source} int{q.bits} weights: quantized mixture-of-experts "
+                                    "experts are not supported yet in int formats (fp8 ones are)")  # fmt: skip
+    return q

@@ -69,14 +69,16 @@ def join_group(device: torch.device, init_method: str, rank: int, tp: int, timeo
 
 
 def rank_model(
-    spec: ModelSpec, rank: int, tp: int, dtype, device: torch.device, max_positions: int, quantization: str | None
-):
+    spec: ModelSpec, rank: int, tp: int, dtype, device: torch.device, max_positions: int, quantization: str | None,
+    packed: bool = False,
+):  # fmt: skip
     """Rank `rank`'s model, not loaded yet: the shapes of its shard, and (tp > 1) the shard its checkpoint stream is
-    cut to and its collectives. At tp 1, the whole model."""
+    cut to and its collectives. At tp 1, the whole model. packed: a quantized checkpoint keeps its layout (the
+    Triton backend runs it), else it is dequantized at load."""
     lspec = local_spec(spec, tp)
     parallel = {}
     if tp > 1:
         parallel = dict(
             shard=Shard(spec, rank, tp), tp=TPComm(rank, tp, spec.vocab_size, backend_for(device) == "gloo")
         )
-    return model_class(lspec)(lspec, dtype, device, max_positions, quantization, **parallel)
+    return model_class(lspec)(lspec, dtype, device, max_positions, quantization, packed=packed, **parallel)
