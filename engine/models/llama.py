@@ -18,7 +18,7 @@ from engine.models import loading
 from engine.models.spec import ModelSpec
 from engine.quant import linear as quant_linear
 from engine.quant.convert import Converter
-from engine.quant.linear import IntLinears
+from engine.quant.linear import Fp8BlockLinears, IntLinears
 from kernels.activation import silu_and_mul
 from kernels.fp8 import fp8_linear, quant_per_channel
 from kernels.rmsnorm import add_rms_norm, rms_norm
@@ -50,10 +50,13 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
-        self.int_linears = None
+        self.quant_linears = None  # a quantized checkpoint's own layout (engine/quant/linear.py)
         if packed is not None:
             shapes = {n: tuple(getattr(self, n).shape) for n in self.LINEARS}
-            self.int_linears = IntLinears(self, packed, shapes, dtype, device)
+            if packed.kind == "int":
+                self.quant_linears = IntLinears(self, packed, shapes, dtype, device)
+            else:
+                self.quant_linears = Fp8BlockLinears(self, packed, shapes, device)
         self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32 when the linears are fp8
         if fp8:  # filled from the checkpoint's weight_scale tensors, or by quantizing while loading
             self.fp8_scales = {n: torch.ones(getattr(self, n).shape[0], 1, device=device) for n in self.LINEARS}
@@ -71,8 +74,8 @@ class DecoderLayer(nn.Module):
         return self.fp8_scales.get(name)
 
     def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.int_linears is not None:
-            return self.int_linears.linear(self, name, x, bias)
+        if self.quant_linears is not None:
+            return self.quant_linears.linear(self, name, x, bias)
         scale = self.fp8_scales.get(name)
         if scale is None:
             return F.linear(x, getattr(self, name), bias)
@@ -132,14 +135,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         s = self.spec = spec
         q = spec.quant
-        # QUANTIZATION=fp8: a 16-bit checkpoint's linears quantized while loading (a quantized one is already)
-        self.quantization = "fp8" if quantization == "fp8" and q is None else None
         self.dense = q is not None and (q.kind == "int" or q.strategy == "block") and not packed
+        # fp8 quantization while loading: QUANTIZATION=fp8 on a 16-bit checkpoint; a block-fp8 checkpoint's experts
+        # (the fused MoE kernel takes per-channel scales: they arrive dequantized and are quantized again)
+        requant = q is not None and q.strategy == "block" and not self.dense and bool(spec.num_experts)
+        self.quantization = "fp8" if (quantization == "fp8" and q is None) or requant else None
         self.converter = Converter(q, dtype, self.dense) if q is not None else None
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
         fp8 = self.quantization == "fp8" or (q is not None and q.kind == "fp8" and q.strategy != "block")
-        self.layer_quant = q if q is not None and q.kind == "int" and not self.dense else None
+        self.layer_quant = (
+            q if q is not None and (q.kind == "int" or q.strategy == "block") and not self.dense else None
+        )
         self.layers = nn.ModuleList(self.make_layer(i, dtype, device, fp8) for i in range(s.num_layers))
         self.norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.lm_head = (

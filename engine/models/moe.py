@@ -27,8 +27,10 @@ FP8 = torch.float8_e4m3fn
 
 
 class MoELayer(DecoderLayer):
-    def __init__(self, s, dtype, device, fp8: bool, moe: bool):
-        super().__init__(s, dtype, device, fp8, mlp=not moe)
+    def __init__(self, s, dtype, device, fp8: bool, moe: bool, packed=None):
+        super().__init__(s, dtype, device, fp8, mlp=not moe, packed=packed)
+        # a block-fp8 checkpoint's experts are requantized per channel while loading (engine/quant/convert.py)
+        fp8 = fp8 or (packed is not None and packed.kind == "fp8")
         self.moe = moe
         self.expert_scales: dict[str, torch.Tensor] = {}  # w13 / w2 -> [E, N, 1] fp32 when the experts are fp8
         if not moe:
@@ -70,7 +72,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     }
 
     def make_layer(self, i: int, dtype, device, fp8: bool) -> MoELayer:
-        return MoELayer(self.spec, dtype, device, fp8, self.spec.is_moe(i))
+        return MoELayer(self.spec, dtype, device, fp8, self.spec.is_moe(i), self.layer_quant)
 
     def mlp(self, i: int, layer, x, lora) -> torch.Tensor:
         if not layer.moe:

@@ -30,6 +30,7 @@ from engine.errors import UnsupportedModelError
 from engine.quant.scheme import QuantScheme
 from kernels.int_gemm import dequantize, pack
 
+FP8 = torch.float8_e4m3fn
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its eight
 # per source: (the suffixes a module needs, the ones it may have)
 SUFFIXES = {
@@ -102,7 +103,7 @@ class Converter:
 
     def __call__(self, stream: Iterator) -> Iterator:
         if self.scheme.kind == "fp8":
-            yield from (self._fp8_block(stream) if self.scheme.strategy == "block" and self.dense else stream)
+            yield from (self._fp8_block(stream) if self.scheme.strategy == "block" else stream)
             return
         need, may = SUFFIXES[self.scheme.source]
         pending: dict[str, dict] = {}
@@ -143,11 +144,13 @@ class Converter:
                 yield f"{module}.iq_{key}", c[key]
 
     def _fp8_block(self, stream: Iterator) -> Iterator:
-        """CPU: block-scaled fp8 weights dequantized (weight * its block's scale_inv), in the model dtype."""
+        """Block-scaled fp8 weights dequantized (weight * its block's scale_inv) in the model dtype: all of them
+        when dense (CPU); else only the experts' and shared experts' (requantized per channel by the MoE layer)."""
         held: dict[str, dict] = {}
         for name, t in stream:
             module, _, suffix = name.rpartition(".")
-            if suffix not in ("weight", "weight_scale_inv") or (suffix == "weight" and t.dtype != torch.float8_e4m3fn):
+            keep = not self.dense and ".experts." not in module and ".shared_expert." not in module
+            if keep or suffix not in ("weight", "weight_scale_inv") or (suffix == "weight" and t.dtype != FP8):
                 yield name, t
                 continue
             got = held.setdefault(module, {})

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.quant.scheme import QuantScheme
+from kernels.fp8_block import fp8_block_linear
 from kernels.int_gemm import int_linear
 
 
@@ -42,13 +43,53 @@ class IntLinears:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class Fp8BlockLinears:
+    """Block-scaled fp8 (HF's fine-grained fp8): the layer's linear parameters are e4m3 [N, K] (filled by the usual
+    weight loader, rows fused as always); their scales [ceil(N / bn), ceil(K / bk)] are kept here. A fused
+    linear's parts must start on a block row (q, k and v sizes multiples of bn), or the start is refused."""
+
+    def __init__(self, layer: nn.Module, scheme: QuantScheme, shapes: dict[str, tuple[int, int]], device):
+        self.block = scheme.block
+        bn, bk = self.block
+        self.scales = {name: torch.ones(-(-n // bn), -(-k // bk), device=device) for name, (n, k) in shapes.items()}
+        for name, (n, k) in shapes.items():
+            setattr(layer, name, nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device), False))
+
+    def linear(self, layer: nn.Module, name: str, x: torch.Tensor, bias=None) -> torch.Tensor:
+        return fp8_block_linear(x, getattr(layer, name), self.scales[name], self.block, bias)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in self.scales.values())
+
+
+def load_block_scales(model, d, t: torch.Tensor, name: str) -> int:
+    owner = model.layers[d.layer]
+    q = getattr(owner, "quant_linears", None)
+    if not isinstance(q, Fp8BlockLinears):
+        raise UnsupportedModelError(f"unexpected weight {name!r}: this layer is not block-quantized fp8")
+    dst = q.scales[d.param]
+    if d.part is not None:
+        bn = q.block[0]
+        start, rows = owner.parts[d.param][d.part]
+        if start % bn:
+            raise UnsupportedModelError(
+                f"{name}: its rows start at {start}, inside a {bn}-row scale block of the fused {d.param}; "
+                f"block-wise fp8 needs part sizes that are multiples of {bn}"
+            )
+        dst = dst.narrow(0, start // bn, -(-rows // bn))
+    if dst.shape != t.shape:
+        raise UnsupportedModelError(f"{name}: shape {tuple(t.shape)} does not match config ({tuple(dst.shape)})")
+    dst.copy_(t)
+    return 0
+
+
 def _rows(owner, d, x: torch.Tensor) -> torch.Tensor:
     return x if d.part is None else x.narrow(0, *owner.parts[d.param][d.part])
 
 
 def _int(owner, name: str) -> IntLinears:
-    q = getattr(owner, "int_linears", None)
-    if q is None:
+    q = getattr(owner, "quant_linears", None)
+    if not isinstance(q, IntLinears):
         raise UnsupportedModelError(f"unexpected weight {name!r}: this layer is not int-quantized")
     return q
 
@@ -87,4 +128,4 @@ def load_iq_perm(model, d, t: torch.Tensor, name: str) -> int:
 
 
 LOADERS = {"iq_weight": load_iq_weight, "iq_scales": load_iq_scales, "iq_zeros": load_iq_scales,
-           "iq_perm": load_iq_perm}  # fmt: skip
+           "iq_perm": load_iq_perm, "weight_scale_inv": load_block_scales}  # fmt: skip

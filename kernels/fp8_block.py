@@ -1,0 +1,146 @@
+"""Block-scaled FP8 (HF's fine-grained fp8: Qwen3-FP8, DeepSeek): W8A8 with one weight scale per [bn, bk] block
+and one activation scale per token per bk columns. Triton kernels, launchers and torch references.
+
+- `quant_per_token_group(x, bk)`: x [M, K] -> xq [M, K] e4m3, scales [M, ceil(K / bk)] fp32 (max |x| / 448 per
+  token per group, >= 1e-12), the values rounded onto the e4m3 grid by kernels/fp8.py's rule.
+- `fp8_block_linear(x, wq, w_scale, block, bias)`: y = sum over K blocks of (xq_b @ wq_b.T) * x_scale[:, b] *
+  w_scale[n // bn, b]. The GEMM (vLLM's w8a8_block_fp8_matmul shape): a K tile never crosses a block, so each
+  tile's fp32 partial product takes both scales before it is added; fp8 values are exact in fp32 and tf32.
+  torch._scaled_mm's block-wise scaling (torch 2.13, sm90+ only) is not used: this kernel runs on sm89 as well,
+  and one path is measured and tested (docs/decisions.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import FP8, FP8_MAX, cdiv, jit, next_power_of_2, tl, use_triton
+from kernels._library import triton_op
+from kernels.fp8 import MIN_SCALE, fp8e4m3_rne
+
+
+@jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K, GROUP, BLOCK: tl.constexpr):
+    # grid (M, ceil(K / GROUP)); BLOCK >= GROUP
+    row, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    m = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
+    tl.store(s_ptr + row * stride_s + g, scale)
+    q = fp8e4m3_rne(tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0))
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=m)
+
+
+@triton_op(
+    "quant_token_groups(Tensor x, int group) -> (Tensor, Tensor)",
+    lambda x, group: (
+        x.new_empty(x.shape, dtype=FP8),
+        x.new_empty((x.shape[0], cdiv(x.shape[1], group)), dtype=torch.float32),
+    ),  # fmt: skip
+)
+def quant_token_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    assert x.stride(-1) == 1, "last dim must be contiguous"
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=x.device)
+    if m and k:
+        _quant_groups_kernel[(m, cdiv(k, group))](x, q, s, x.stride(0), q.stride(0), s.stride(0), k, group,
+                                                  BLOCK=next_power_of_2(group))  # fmt: skip
+    return q, s
+
+
+def quant_token_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    xf = torch.nn.functional.pad(x.float(), (0, (-k) % group)).reshape(m, -1, group)  # [M, G, group]
+    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, -1)[:, :k]
+    return q, scale.squeeze(-1)
+
+
+def quant_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant_token_groups_triton(x, group) if use_triton(x) else quant_token_groups_ref(x, group)
+
+
+@jit
+def _block_gemm_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr,
+    M, N, K, BN, BK,
+    stride_am, stride_bn, stride_sam, stride_sbn, stride_cm,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # c[M, N] = sum_k (a[M, k] * sa[M, k // BK]) (b[N, k] * sb[N // BN, k // BK]); BK a multiple of BLOCK_K
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn
+    sb_rows = sb_ptr + (rn // BN).to(tl.int64) * stride_sbn  # [BLOCK_N]: each column's weight-block row
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_cols + kk[:, None], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        kb = k0 // BK
+        sa = tl.load(sa_ptr + rm.to(tl.int64) * stride_sam + kb, mask=rm < M, other=0.0)  # [BLOCK_M]
+        sb = tl.load(sb_rows + kb, mask=rn < N, other=0.0)  # [BLOCK_N]
+        part = tl.dot(a.to(tl.float32), b.to(tl.float32))  # fp8 -> fp32 exact; products exact in tf32 too
+        acc += part * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton_op(
+    "fp8_block_gemm(Tensor xq, Tensor x_scale, Tensor wq, Tensor w_scale, int bn, int bk, Tensor? bias, "
+    "ScalarType out_dtype) -> Tensor",
+    lambda xq, x_scale, wq, w_scale, bn, bk, bias, out_dtype: xq.new_empty(
+        (xq.shape[0], wq.shape[0]), dtype=out_dtype
+    ),  # fmt: skip
+)
+def fp8_block_gemm_triton(xq, x_scale, wq, w_scale, bn: int, bk: int, bias, out_dtype) -> torch.Tensor:
+    """xq [M, K] fp8, x_scale [M, ceil(K/bk)], wq [N, K] fp8, w_scale [ceil(N/bn), ceil(K/bk)] -> [M, N]."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    assert xq.dtype == FP8 and wq.dtype == FP8 and wq.shape[1] == k, (xq.dtype, wq.dtype, tuple(wq.shape))
+    assert w_scale.shape == (cdiv(n, bn), cdiv(k, bk)) and x_scale.shape == (m, cdiv(k, bk)), (w_scale.shape, bk)
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    bm = min(64, max(16, next_power_of_2(m)))
+    bnn = min(64, max(16, next_power_of_2(n)))
+    bkk = min(64, bk)
+    assert bk % bkk == 0 and bkk >= 16, f"block width {bk} must be a multiple of 16"
+    grid = (cdiv(m, bm), cdiv(n, bnn))
+    _block_gemm_kernel[grid](
+        xq, wq, x_scale, w_scale, bias if bias is not None else x_scale, out,
+        m, n, k, bn, bk,
+        xq.stride(0), wq.stride(0), x_scale.stride(0), w_scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bnn, BLOCK_K=bkk,
+    )  # fmt: skip
+    return out
+
+
+def fp8_block_linear_ref(x, wq, w_scale, block: tuple[int, int], bias=None, out_dtype=None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: activations quantized per token group, both sides dequantized, one fp32 matmul (the
+    scales factor out of each block's sum, so this is the kernel's arithmetic up to fp32 rounding order)."""
+    bn, bk = block
+    k, n = x.shape[-1], wq.shape[0]
+    xq, xs = quant_token_groups_ref(x.reshape(-1, k), bk)
+    xd = xq.float() * xs.repeat_interleave(bk, 1)[:, :k]
+    wd = wq.float() * w_scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    y = xd @ wd.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_block_linear(x, wq, w_scale, block: tuple[int, int], bias=None, out_dtype=None) -> torch.Tensor:
+    """W8A8 with block scales: the Triton kernels on CUDA (or when forced), else the reference."""
+    if not use_triton(x):
+        return fp8_block_linear_ref(x, wq, w_scale, block, bias, out_dtype)
+    k, n = x.shape[-1], wq.shape[0]
+    xq, xs = quant_token_groups_triton(x.reshape(-1, k).contiguous(), block[1])
+    y = fp8_block_gemm_triton(xq, xs, wq, w_scale, block[0], block[1], bias, out_dtype or x.dtype)
+    return y.reshape(*x.shape[:-1], n)
