@@ -37,10 +37,16 @@ def _linear_shapes(spec) -> list[tuple[int, int, int]]:
     return [(h, (spec.num_heads + 2 * spec.num_kv_heads) * d, 3), (spec.num_heads * d, h, 1), (h, 2 * i, 2), (i, h, 1)]
 
 
-def weight_bytes(spec, dtype_bytes: int, quantization: str | None) -> int:
+def weight_bytes(spec, dtype_bytes: int, quantization: str | None, packed: bool = True) -> int:
     """Bytes of the weights as the engine holds them. fp8: the linear layers at 1 byte plus one fp32 scale per
-    output channel; embeddings, lm_head and norms stay in the model dtype (as vLLM)."""
-    if quantization != "fp8" and not getattr(spec, "prequantized", False):
+    output channel; embeddings, lm_head and norms stay in the model dtype (as vLLM). A quantized checkpoint in its
+    own layout (packed: where the Triton kernels run it) counts its real bytes (quantized_bytes); dequantized at
+    load (CPU) it is a 16-bit model."""
+    q = getattr(spec, "quant", None)
+    own_layout = q is not None and (q.kind == "int" or q.strategy == "block")
+    if own_layout and packed:
+        return quantized_bytes(spec, dtype_bytes, q)
+    if own_layout or (quantization != "fp8" and q is None):
         return spec.num_params() * dtype_bytes
     linear = scales = 0
     for layer in range(spec.num_layers):
@@ -53,6 +59,29 @@ def weight_bytes(spec, dtype_bytes: int, quantization: str | None) -> int:
             linear += e * 3 * h * inter
             scales += e * (2 * inter + h) * 4
     return linear + scales + (spec.num_params() - linear) * dtype_bytes
+
+
+def quantized_bytes(spec, dtype_bytes: int, q) -> int:
+    """Int formats: per linear the packed words [N, ceil(K / P)] int32, scales [N, G] in the model dtype, zero
+    points [N, G] uint8 (asymmetric) and the act-order permutation [K] int64 (engine/quant/linear.py). Block fp8:
+    e4m3 [N, K] and one fp32 scale per block; its experts are requantized per channel (1 byte + fp32 per row).
+    Everything else (embeddings, lm_head, norms, routers) in the model dtype."""
+    linear = quantized = 0
+    for layer in range(spec.num_layers):
+        moe = spec.is_moe(layer)
+        for k, n, _ in _linear_shapes(spec)[:2] if moe else _linear_shapes(spec):
+            linear += k * n
+            if q.kind == "int":
+                g = -(-k // (q.group_size or k))
+                quantized += n * -(-k // (32 // q.bits)) * 4 + n * g * (dtype_bytes + (0 if q.symmetric else 1))
+                quantized += k * 8 if q.desc_act else 0
+            else:
+                quantized += n * k + -(-n // q.block[0]) * -(-k // q.block[1]) * 4
+        if moe:  # block fp8 only (int experts are refused): per-channel fp8 after requantization
+            e, h, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+            linear += e * 3 * h * inter
+            quantized += e * 3 * h * inter + e * (2 * inter + h) * 4
+    return quantized + (spec.num_params() - linear) * dtype_bytes
 
 
 def lora_bytes(spec, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
@@ -187,14 +216,14 @@ class Needs:
     graph_pool_bytes: int  # the target's graph pool and the draft model's (in reserve_bytes already)
 
 
-def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None) -> Needs:
+def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None, packed: bool = True) -> Needs:
     """One rank's needs for EngineConfig `cfg`, the full model `spec` (sharded here by cfg.tensor_parallel_size;
     refused with the reason when it cannot be), the model dtype's bytes, whether CUDA graphs run (cuda_graphs) and
     the draft model's spec, if any."""
     tp, seqs, tokens = cfg.tensor_parallel_size, cfg.max_num_seqs, cfg.max_num_batched_tokens
     shard.check(spec, tp)
     local = shard.local_spec(spec, tp)
-    weights = weight_bytes(local, dtype_bytes, cfg.quantization)
+    weights = weight_bytes(local, dtype_bytes, cfg.quantization, packed)
     per_token = kv_bytes_per_token(local, 1 if cfg.kv_cache_dtype.startswith("fp8") else dtype_bytes)
     graph_pool = graph_pool_bytes(local, seqs, dtype_bytes, graph_query_lens(cfg)) if graphs else 0
     lora = (cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None

@@ -289,8 +289,11 @@ def memory_needs(
 ) -> memory.Needs:
     """One rank's weights, KV bytes per token and reserve (memory.engine_needs), with the CUDA graph pool counted
     by the rule build_rank follows. kernel_backend: the engine's (None: cfg.kernel_backend)."""
-    graphs = memory.cuda_graphs(cfg, device_type, kernel_backend or cfg.kernel_backend)
-    return memory.engine_needs(cfg, spec, dtype.itemsize, graphs=graphs, draft_spec=draft_spec)
+    backend = kernel_backend or cfg.kernel_backend
+    graphs = memory.cuda_graphs(cfg, device_type, backend)
+    # a quantized checkpoint stays packed where the Triton kernels run it (engine/models/llama.py)
+    packed = backend == "triton" or (backend == "auto" and device_type == "cuda")
+    return memory.engine_needs(cfg, spec, dtype.itemsize, graphs=graphs, draft_spec=draft_spec, packed=packed)
 
 
 def plan_memory(

@@ -174,3 +174,31 @@ def test_block_fp8_mixture_of_experts(tiny_models, tmp_path):
             assert got == want[0] if not kw else got[:3] == want[0][:3], (kw, got, want)
         finally:
             llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS) + ["fp8-block-moe"])
+def test_the_planner_counts_the_bytes_each_format_allocates(written, fmt, tiny_models, tmp_path):
+    """memory.weight_bytes, which python -m warmup.plan and the start's pool sizing use, against the tensors the
+    packed model holds after loading: parameters, scales, zero points, permutations (and dequantized on CPU: a
+    16-bit model's bytes)."""
+    from engine import memory
+
+    if fmt == "fp8-block-moe":
+        q = tmp_path / "moe"
+        qw.write_fp8_block(tiny_models["qwen3-moe"], q, tmp_path / "moe-ref", block=(16, 16))
+    else:
+        q, _ = written[fmt]
+    for packed in (True, False):
+        llm = _ours(q, kernel_backend="triton" if packed else "torch")
+        try:
+            model = llm.engine.model
+            held = sum(p.numel() * p.element_size() for p in model.parameters())
+            if model.spec.tie_word_embeddings:
+                held -= model.embed.numel() * model.embed.element_size()  # one tensor, counted once
+            for layer in model.layers:
+                extra = [*layer.fp8_scales.values(), *getattr(layer, "expert_scales", {}).values()]
+                held += sum(t.numel() * t.element_size() for t in extra)
+                held += layer.quant_linears.nbytes() if layer.quant_linears is not None else 0
+            assert memory.weight_bytes(model.spec, 4, None, packed) == held, (fmt, packed)
+        finally:
+            llm.engine.shutdown()

@@ -143,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.converter = Converter(q, dtype, self.dense) if q is not None else None
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
-        fp8 = self.quantization == "fp8" or (q is not None and q.kind == "fp8" and q.strategy != "block")
+        # per-channel fp8 linears: QUANTIZATION=fp8 on a 16-bit checkpoint, or a compressed-tensors fp8 one
+        fp8 = (quantization == "fp8" and q is None) or (q is not None and q.kind == "fp8" and q.strategy != "block")
         self.layer_quant = (
             q if q is not None and (q.kind == "int" or q.strategy == "block") and not self.dense else None
         )
