@@ -256,16 +256,26 @@ def fp8_gemm_scaled_mm(
     return out.to(out_dtype)
 
 
+def quant_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's static activation scale [1]: x [T, K] -> (xq fp8, the scale as [T, 1]). Torch ops on the
+    device (no host sync); the cast rounds to nearest even as the per-token kernel's does."""
+    xq = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return xq, scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+
+
 def fp8_linear_ref(
     x: torch.Tensor,
     wq: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fp8 products accumulated in fp32, then scaled per token and per channel, as the GEMM kernels do
-    (and cheaper on CPU than dequantizing the weights first). x [..., K], wq [N, K], w_scale [N, 1] -> [..., N]."""
-    xq, x_scale = quant_rows_ref(x.reshape(-1, x.shape[-1]))  # [T, K], [T, 1]
+    (and cheaper on CPU than dequantizing the weights first). x [..., K], wq [N, K], w_scale [N, 1] -> [..., N].
+    x_scale: a static activation scale [1] (None: dynamic, per token)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quant_rows_ref(x2) if x_scale is None else quant_static(x2, x_scale)  # [T, K], [T, 1]
     y = (xq.float() @ wq.float().t()) * x_scale * w_scale.t()  # [T, N]
     if bias is not None:
         y = y + bias.float()
@@ -278,12 +288,15 @@ def fp8_linear(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W8A8 linear: x [..., K] (quantized here, per token), wq [N, K] fp8, w_scale [N, 1] fp32 -> [..., N]."""
+    """W8A8 linear: x [..., K] (quantized here, per token, or with the static scale x_scale [1]), wq [N, K] fp8,
+    w_scale [N, 1] fp32 -> [..., N]."""
     if not use_triton(x):
-        return fp8_linear_ref(x, wq, w_scale, bias, out_dtype)
+        return fp8_linear_ref(x, wq, w_scale, bias, out_dtype, x_scale)
     k = x.shape[-1]
     n = wq.shape[0]
-    xq, x_scale = quant_rows_triton(x.reshape(-1, k))  # [T, K] fp8, [T, 1] fp32
+    x2 = x.reshape(-1, k)
+    xq, x_scale = quant_rows_triton(x2) if x_scale is None else quant_static(x2, x_scale)  # [T, K] fp8, [T, 1]
     gemm = fp8_gemm_scaled_mm if scaled_mm_supported(x, n, k) else fp8_gemm_triton
     return gemm(xq, x_scale, wq, w_scale, bias, out_dtype or x.dtype).reshape(*x.shape[:-1], n)

@@ -155,3 +155,35 @@ def write_fp8_block(src: Path, dst_q: Path, dst_ref: Path, block=(128, 128)) -> 
 
     _each_linear(src, dst_q, dst_ref, quantize,
                  {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)})  # fmt: skip
+
+
+def write_fp8_static(src: Path, dst_q: Path, dst_ref: Path, calibrate: list[list[int]]) -> None:
+    """compressed-tensors FP8 with static per-tensor activation scales, as llm-compressor calibrates them: each
+    linear's input_scale = max |input| / 448 over `calibrate` (run through HF on the 16-bit model); weights per
+    tensor."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    amax: dict[str, float] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: amax.__setitem__(
+                 name, max(amax.get(name, 0.0), inp[0].abs().max().item())))
+             for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in LINEARS]  # fmt: skip
+    with torch.no_grad():
+        for ids in calibrate:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+
+    def quantize(module, w):
+        scale = w.abs().max() / 448.0
+        wq = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors = {f"{module}.weight": wq, f"{module}.weight_scale": scale.reshape(1),
+                   f"{module}.input_scale": torch.tensor([amax[module] / 448.0])}  # fmt: skip
+        return tensors, wq.float() * scale
+
+    weights = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+    acts = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+    config = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group},
+              "ignore": ["lm_head"]}  # fmt: skip
+    _each_linear(src, dst_q, dst_ref, quantize, config)

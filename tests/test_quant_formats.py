@@ -202,3 +202,54 @@ def test_the_planner_counts_the_bytes_each_format_allocates(written, fmt, tiny_m
             assert memory.weight_bytes(model.spec, 4, None, packed) == held, (fmt, packed)
         finally:
             llm.engine.shutdown()
+
+
+def test_static_fp8_activation_scales(tiny_llama, tmp_path):
+    """compressed-tensors fp8 with static per-tensor input scales (calibrated as llm-compressor does): the fused
+    linears take the largest of their parts' scales, and the activations are quantized with it. The reference is
+    HF on the dequantized weights with each linear's input fake-quantized the same way (a forward pre-hook):
+    greedy tokens equal. A scale too small clips the activations and changes the output."""
+    q, ref = tmp_path / "q", tmp_path / "ref"
+    qw.write_fp8_static(tiny_llama, q, ref, calibrate=PROMPTS)
+    t = load_file(str(q / "model.safetensors"))
+    parts = [t[f"model.layers.0.self_attn.{p}_proj.input_scale"] for p in "qkv"]
+    llm = _ours(q)
+    try:
+        layer = llm.engine.model.layers[0]
+        assert layer.input_scales["qkv"].item() == max(p.item() for p in parts)
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        assert [o.outputs[0].token_ids for o in got] == _hf_static(ref, t, PROMPTS, 8)
+        first = got[0].outputs[0].logprobs
+        layer.input_scales["gate_up"] = layer.input_scales["gate_up"] / 64  # clips most activations
+        clipped = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)[0].outputs[0]
+        assert clipped.token_ids != got[0].outputs[0].token_ids or clipped.logprobs != first
+    finally:
+        llm.engine.shutdown()
+
+
+def _hf_static(ref: Path, tensors: dict, prompts, n: int) -> list[list[int]]:
+    """HF greedy on `ref` with every linear's input quantized to fp8 by its static scale (the fused parts' max)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32).eval()
+    fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu"}
+    scales: dict[tuple, float] = {}
+    for name, t in tensors.items():
+        if name.endswith(".input_scale"):
+            parent, proj = name.removesuffix(".input_scale").rsplit(".", 1)
+            key = (parent.rsplit(".", 1)[0], fused.get(proj, proj))
+            scales[key] = max(scales.get(key, 0.0), t.item())
+
+    def fake_quant(s):
+        return lambda mod, args: ((args[0] / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s,)
+
+    for name, m in model.named_modules():
+        parent, _, proj = name.rpartition(".")
+        if proj in qw.LINEARS:
+            m.register_forward_pre_hook(fake_quant(scales[(parent.rsplit(".", 1)[0], fused.get(proj, proj))]))
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            g = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+            out.append(g[0, len(ids) :].tolist())
+    return out

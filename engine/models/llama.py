@@ -58,6 +58,7 @@ class DecoderLayer(nn.Module):
             else:
                 self.quant_linears = Fp8BlockLinears(self, packed, shapes, device)
         self.fp8_scales: dict[str, torch.Tensor] = {}  # linear name -> [N, 1] fp32 when the linears are fp8
+        self.input_scales: dict[str, torch.Tensor] = {}  # linear name -> [1] fp32: a static activation scale
         if fp8:  # filled from the checkpoint's weight_scale tensors, or by quantizing while loading
             self.fp8_scales = {n: torch.ones(getattr(self, n).shape[0], 1, device=device) for n in self.LINEARS}
         # fused parameter -> its parts as the checkpoint stores them: (first row, rows)
@@ -79,8 +80,8 @@ class DecoderLayer(nn.Module):
         scale = self.fp8_scales.get(name)
         if scale is None:
             return F.linear(x, getattr(self, name), bias)
-        # W8A8: per-token activation scales; _scaled_mm on sm89+, dequantize on CPU (correct, slow)
-        return fp8_linear(x, getattr(self, name), scale, bias, out_dtype=x.dtype)
+        # W8A8: per-token activation scales (or the checkpoint's static one); _scaled_mm on sm89+, dequantize on CPU
+        return fp8_linear(x, getattr(self, name), scale, bias, out_dtype=x.dtype, x_scale=self.input_scales.get(name))
 
     def quantize_fp8(self) -> None:
         """Replace the 16-bit linear weights by e4m3 + per-output-channel scales (their memory is freed)."""

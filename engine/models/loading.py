@@ -159,8 +159,17 @@ def load_kv_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:
     return 0
 
 
-def refuse_static_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:
-    raise UnsupportedModelError(f"{name}: static activation scales are not supported (dynamic only)")
+def load_input_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:
+    """A static per-tensor activation scale (compressed-tensors fp8 with static input quantization). The parts of a
+    fused linear share one input, so they take the largest of their scales (as vLLM): no part's activations clip."""
+    owner = _owner(model, d)
+    q = model.spec.quant
+    if d.layer is None or q is None or q.activations != "static" or d.param not in owner.fp8_scales:
+        raise UnsupportedModelError(f"unexpected weight {name!r}")
+    s = t.float().reshape(-1)[:1].to(owner.fp8_scales[d.param].device)  # [1]
+    have = owner.input_scales.get(d.param)
+    owner.input_scales[d.param] = s if have is None else torch.maximum(have, s)
+    return 0
 
 
 LOADERS: dict[str, Loader] = {
@@ -169,7 +178,7 @@ LOADERS: dict[str, Loader] = {
     "weight_scale": load_weight_scale,
     "k_scale": load_kv_scale,
     "v_scale": load_kv_scale,
-    "input_scale": refuse_static_scale,
+    "input_scale": load_input_scale,
 }
 
 
