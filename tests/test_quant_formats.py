@@ -253,3 +253,59 @@ def _hf_static(ref: Path, tensors: dict, prompts, n: int) -> list[list[int]]:
             g = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
             out.append(g[0, len(ids) :].tolist())
     return out
+
+
+def test_tensor_parallel_shards_cut_whole_groups(tmp_path):
+    """Each rank's packed shard (engine/parallel/shard.py) dequantizes to exactly that rank's slice of the whole
+    dequantized weight: rows for q/k/v and gate/up, input columns (whole words and groups) for o_proj and down,
+    block rows and columns for fp8's scales. A size that would cut a group or a block is refused, naming it."""
+    import dataclasses
+
+    from engine import ConfigError
+    from engine.models.spec import ModelSpec
+    from engine.parallel import shard
+    from engine.quant.convert import Converter, block_dequantize
+    from kernels.int_gemm import dequantize
+    from tests.utils import build_tiny_model
+
+    wide = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, intermediate_size=256)
+    src = build_tiny_model(tmp_path / "m", "llama", **wide)
+    for name, write in (("awq", lambda q, r: qw.write_awq(src, q, r, group=32)),
+                        ("gptq8", lambda q, r: qw.write_gptq(src, q, r, bits=8, group=None)),
+                        ("block", lambda q, r: qw.write_fp8_block(src, q, r, block=(32, 32)))):  # fmt: skip
+        q, ref = tmp_path / name, tmp_path / f"{name}-ref"
+        write(q, ref)
+        spec = ModelSpec.from_hf(json.loads((q / "config.json").read_text()))
+        shard.check(spec, 2)
+        full = dict(
+            Converter(spec.quant, torch.float32, dense=False)(iter(load_file(str(q / "model.safetensors")).items()))
+        )
+        want = load_file(str(ref / "model.safetensors"))
+        for module, cut in (("self_attn.k_proj", 0), ("mlp.down_proj", 1), ("self_attn.o_proj", 1), ("mlp.up_proj", 0)):
+            m = f"model.layers.0.{module}"
+            for rank in (0, 1):
+                s = shard.Shard(spec, rank, 2)
+                if spec.quant.kind == "fp8":
+                    wq = s.tensor(f"{m}.weight", full[f"{m}.weight"])
+                    scale = s.tensor(f"{m}.weight_scale_inv", full[f"{m}.weight_scale_inv"])
+                    w = block_dequantize(wq, scale, (32, 32), torch.float32)
+                else:
+                    part = {k: s.tensor(f"{m}.iq_{k}", full[f"{m}.iq_{k}"]) for k in ("weight", "scales", "zeros")
+                            if f"{m}.iq_{k}" in full}  # fmt: skip
+                    k_local = part["weight"].shape[1] * (32 // spec.quant.bits)
+                    group = spec.quant.group_size or k_local
+                    w = dequantize(
+                        part["weight"],
+                        part["scales"],
+                        part.get("zeros"),
+                        spec.quant.bits,
+                        group,
+                        k_local,
+                        torch.float32,
+                    )
+                proj = module.rsplit(".", 1)[1]
+                start, n = (s.column_rows() if cut == 0 else s.row_columns())[proj]
+                assert torch.equal(w, want[f"{m}.weight"].narrow(cut, start, n)), (name, module, rank)
+        coarse = dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, group_size=128, block=(128, 128)))
+        with pytest.raises(ConfigError, match="quantization groups|scale blocks"):
+            shard.check(coarse, 2)

@@ -36,8 +36,33 @@ def check(spec: ModelSpec, tp: int, devices: int | None = None) -> None:
         why.append(f"intermediate size {spec.intermediate_size} is not divisible by {tp}")
     if devices is not None and tp > devices:
         why.append(f"this machine has {devices} GPU{'s' if devices != 1 else ''}")
+    why += _quant_cuts(spec, tp)
     if why:
         raise ConfigError(f"EngineConfig.tensor_parallel_size={tp}: cannot shard {spec.architecture}: {'; '.join(why)}")
+
+
+def _quant_cuts(spec: ModelSpec, tp: int) -> list[str]:
+    """A quantized checkpoint's shards must not cut a scale group (int) or a scale block (fp8), on either side."""
+    q = spec.quant
+    if q is None or not (q.kind == "int" or q.strategy == "block"):
+        return []
+    d = spec.head_dim
+    rows = {
+        "q": spec.num_heads * d // tp,
+        "k/v": max(1, spec.num_kv_heads // tp) * d,
+        "gate/up": spec.intermediate_size // tp,
+    }
+    cols = {"o_proj": spec.num_heads * d // tp, "down_proj": spec.intermediate_size // tp}
+    if q.kind == "int":
+        if q.desc_act:
+            return [f"{q.source} act-order (desc_act / g_idx) checkpoints are not split over ranks yet"]
+        unit = q.group_size or 32 // q.bits  # per channel: a row's one scale holds for any slice of its columns
+        return [f"{name}'s {c} input columns per rank cut its {unit}-column quantization groups or packed words"
+                for name, c in cols.items() if c % unit or c % (32 // q.bits)]  # fmt: skip
+    bn, bk = q.block
+    cut = [f"{name}'s {r} rows per rank cut its {bn}-row scale blocks" for name, r in rows.items() if r % bn]
+    return cut + [f"{name}'s {c} input columns per rank cut its {bk}-column scale blocks"
+                  for name, c in cols.items() if c % bk]  # fmt: skip
 
 
 def local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
@@ -92,8 +117,14 @@ class Shard:
             rows = t[start : start + n]
             out[: rows.shape[0]] = rows
             return out
-        if kind in ("k_scale", "v_scale") or t.dim() == 0 or (t.numel() == 1 and kind == "weight_scale"):
+        if (
+            kind in ("k_scale", "v_scale")
+            or t.dim() == 0
+            or (t.numel() == 1 and kind in ("weight_scale", "input_scale"))
+        ):
             return t  # per-tensor scales apply to every shard
+        if kind in ("iq_weight", "iq_scales", "iq_zeros", "weight_scale_inv"):
+            return self._quantized(proj, kind, t)
         column = self.column_rows()
         if proj in column:
             return t.narrow(0, *column[proj])
@@ -107,6 +138,29 @@ class Shard:
         if proj in ("o_proj", "down_proj") and kind == "weight":  # input columns; scales are per output row
             return t.narrow(1, *self.row_columns()[proj])
         return t  # norms, q/k norms, row-parallel scales: whole on every rank
+
+    def _quantized(self, proj: str, kind: str, t):
+        """A packed or block-scaled tensor (engine/quant/): rows as the weight's for a column-parallel projection
+        (block rows for block scales), input columns in words, groups or blocks for a row-parallel one (check()
+        refused the sizes that would cut them)."""
+        q = self.spec.quant
+        column, row = self.column_rows(), self.row_columns()
+        if kind == "weight_scale_inv":
+            bn, bk = q.block
+            if proj in column:
+                start, n = column[proj]
+                return t.narrow(0, start // bn, -(-n // bn))
+            start, n = row[proj]
+            return t.narrow(1, start // bk, -(-n // bk))
+        if proj in ("qkv_proj", "gate_up_proj"):  # Phi-3's fused projections
+            raise ConfigError(f"{q.source} checkpoints with fused {proj} are not split over ranks yet")
+        if proj in column:
+            return t.narrow(0, *column[proj])
+        start, n = row[proj]
+        if kind != "iq_weight" and q.group_size is None:
+            return t  # per-channel scales and zeros: whole on every rank
+        unit = 32 // q.bits if kind == "iq_weight" else q.group_size
+        return t.narrow(1, start // unit, -(-n // unit))
 
     def column_rows(self) -> dict[str, tuple[int, int]]:
         """Column-parallel projections: the output rows this rank keeps, (start, size)."""
