@@ -309,3 +309,30 @@ def test_tensor_parallel_shards_cut_whole_groups(tmp_path):
         coarse = dataclasses.replace(spec, quant=dataclasses.replace(spec.quant, group_size=128, block=(128, 128)))
         with pytest.raises(ConfigError, match="quantization groups|scale blocks"):
             shard.check(coarse, 2)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-4bit-asym-actorder", "fp8-block"])
+def test_lora_and_fp8_kv_on_a_quantized_base(written, tiny_llama, fmt, tmp_path):
+    """Adapters stay 16-bit on a quantized base (as vLLM), and KV_CACHE_DTYPE=fp8 works with every format: each
+    gives the tokens of the same engine on the 16-bit checkpoint of the same weights (the dequantized reference),
+    dequantized on CPU and packed on the Triton backend (where block fp8 also quantizes its activations, so only
+    the adapter's effect is checked there)."""
+    from engine import LoRARequest
+    from tests.lora_fixtures import make_peft_adapter
+
+    adapter, _ = make_peft_adapter(tiny_llama, tmp_path / "adapter")
+    q, ref = written[fmt]
+    lora = dict(enable_lora=True, lora_modules=(("a", str(adapter)),), max_lora_rank=8)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for backend in ("torch", "triton"):
+        runs = {}
+        for name, path in (("q", q), ("ref", ref)):
+            llm = _ours(path, kernel_backend=backend, kv_cache_dtype="fp8", **lora)
+            try:
+                with_lora = llm.generate(prompts[:1], GREEDY, lora=LoRARequest("a"))[0].outputs[0].token_ids
+                runs[name] = (with_lora, llm.generate(prompts[:1], GREEDY)[0].outputs[0].token_ids)
+            finally:
+                llm.engine.shutdown()
+        if not (fmt == "fp8-block" and backend == "triton"):  # there W8A8: its activations are quantized too
+            assert runs["q"] == runs["ref"], (backend, runs)
+        assert runs["q"][0] != runs["q"][1]  # the adapter changed the output: it was applied
