@@ -61,8 +61,13 @@ def llama64(models):
 def _fake_load(cfg, facts, max_positions, on_built=lambda: None):
     """The rank's model built on the fake device, its parameters left unread (they hold no data anyway)."""
     model = rank_model(
-        facts.spec, facts.rank, cfg.tensor_parallel_size, facts.dtype, facts.device, max_positions, cfg.quantization
-    )
+        facts.spec, facts.rank, cfg.tensor_parallel_size, facts.dtype, facts.device, max_positions, cfg.quantization,
+        facts.kernel_backend == "triton",
+    )  # fmt: skip
+    if facts.spec.quant is not None and facts.spec.quant.desc_act:  # act-order: a permutation, as loaded
+        for layer in model.layers:
+            q = layer.quant_linears
+            q.perm = {name: torch.arange(k, device=facts.device).flip(0) for name, k in q.k.items()}
     on_built()
     return model, LoadedWeights("checkpoint", [])
 
@@ -131,6 +136,32 @@ def test_each_step_reads_the_device_once(llama64, settings):
                 # one prefill step (every prompt fits the token budget), then decode steps
                 assert len(steps) == params.max_tokens, (batch, params.temperature, steps)
                 assert steps == [ONE_READ] * len(steps), (batch, params.temperature, steps)
+
+
+QUANT = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+    "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": True},
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+}
+
+
+@SLOW
+@pytest.mark.parametrize("fmt", QUANT)
+def test_quantized_checkpoints_steps_read_the_device_once(llama64, tmp_path, fmt):
+    """The packed int GEMM (split-K at decode, the act-order gather) and the block-fp8 GEMM with its per-token-group
+    activation quant, on the CUDA path: no host sync, no device mix-up, one read a step."""
+    import json
+    import shutil
+
+    model = tmp_path / fmt
+    shutil.copytree(llama64, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "quantization_config": QUANT[fmt]}))
+    with fake_engine(model) as (engine, syncs):
+        layer = engine.model.layers[0]
+        assert layer.quant_linears is not None and layer.qkv.is_cuda
+        for params in (GREEDY, RANDOM):
+            assert run_steps(engine, syncs, [(params, None)] * 8) == [ONE_READ] * 3
 
 
 @SLOW

@@ -24,6 +24,7 @@ class IntLinears:
     def __init__(self, layer: nn.Module, scheme: QuantScheme, shapes: dict[str, tuple[int, int]], dtype, device):
         """shapes: linear name -> (N, K) of its 16-bit weight; each becomes the packed parameter on `layer`."""
         self.bits, self.per = scheme.bits, 32 // scheme.bits
+        self.k = {name: k for name, (_, k) in shapes.items()}
         self.group = {name: scheme.group_size or k for name, (_, k) in shapes.items()}
         self.scales, self.zeros, self.perm = {}, {}, {}
         for name, (n, k) in shapes.items():
