@@ -342,10 +342,13 @@ def plan_gpu(
     model_max_len: int,
     max_model_len: int | None = None,
     num_blocks: int | None = None,
+    quantized: bool = False,
 ) -> MemoryPlan:
-    """The pool on a GPU once the weights are resident: `used` = total - free, measured now."""
+    """The pool on a GPU once the weights are resident: `used` = total - free, measured now. quantized: the
+    weights are fp8 or a quantized checkpoint already (QUANTIZATION=fp8 is not suggested)."""
     budget = int(total * utilization)
-    fix = " It would fit with QUANTIZATION=fp8, KV_CACHE_DTYPE=fp8, a larger GPU_MEMORY_UTILIZATION, or more GPUs."
+    fix = " It would fit with " + ("" if quantized else "QUANTIZATION=fp8, ")
+    fix += "KV_CACHE_DTYPE=fp8, a larger GPU_MEMORY_UTILIZATION, or more GPUs."
     return plan(
         kv_budget=budget - used - reserve,
         kv_bytes_per_token=kv_bytes_per_token,
@@ -368,7 +371,7 @@ def plan_gpu_start(
     utilization: float,
     weights: int,
     reserve: int,
-    quantization: str | None,
+    quantized: bool,
     kv_bytes_per_token: int,
     block_size: int,
     model_max_len: int,
@@ -377,9 +380,8 @@ def plan_gpu_start(
 ) -> MemoryPlan:
     """Before the load (the engine's start, and `python -m warmup.plan`): refuse weights that cannot fit, then
     predict the pool with the weights and the CUDA context counted as in use."""
-    check_weights_fit(
-        total=total, free=free, utilization=utilization, weights=weights, reserve=reserve, quantization=quantization
-    )
+    check_weights_fit(total=total, free=free, utilization=utilization, weights=weights, reserve=reserve,
+                      quantized=quantized)  # fmt: skip
     return plan_gpu(
         total=total,
         utilization=utilization,
@@ -391,11 +393,12 @@ def plan_gpu_start(
         model_max_len=model_max_len,
         max_model_len=max_model_len,
         num_blocks=num_blocks,
+        quantized=quantized,
     )
 
 
 def check_weights_fit(
-    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantization: str | None
+    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantized: bool
 ) -> None:
     """Before anything is allocated: refuse a model whose weights, with the activation reserve and the CUDA
     context, cannot fit the budget. The error names the numbers and what would fit."""
@@ -403,7 +406,7 @@ def check_weights_fit(
     need = in_use + weights + reserve + CUDA_CONTEXT_BYTES
     if need <= budget:
         return
-    hints = [] if quantization == "fp8" else ["QUANTIZATION=fp8 (about half the weight bytes)"]
+    hints = [] if quantized else ["QUANTIZATION=fp8 (about half the weight bytes)"]
     if need <= 0.98 * total:
         hints.append(f"GPU_MEMORY_UTILIZATION={-(-100 * need // total) / 100:.2f} or more")
     hints.append("a GPU with more memory, or more GPUs")

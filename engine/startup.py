@@ -323,6 +323,8 @@ def plan_memory(
         num_blocks=cfg.num_kv_blocks,
         weights=needs.weight_bytes,
     )
+    # what a plan that does not fit may suggest: QUANTIZATION=fp8 only for a 16-bit checkpoint
+    quantized = cfg.quantization == "fp8" or spec.quant is not None
     if gpu is None:
         budget, why = cpu_kv_budget(cfg, spec, needs, host)
         fix = " Or set KV_CACHE_MEMORY (unset, the pool is at most half the memory at start)." if why else ""
@@ -331,13 +333,14 @@ def plan_memory(
     kv |= dict(total=gpu.total, utilization=cfg.gpu_memory_utilization)
     if loaded_len is not None:
         reserve = needs.reserve_bytes + needs.draft_weight_bytes
-        return memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len, **kv)
+        return memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len,
+                               quantized=quantized, **kv)  # fmt: skip
     if gpu.capability is not None:
         check_fp8_support(cfg, spec.fp8_checkpoint, gpu.name, gpu.capability)
     return memory.plan_gpu_start(
         free=gpu.free,
         reserve=needs.reserve_bytes,
-        quantization=cfg.quantization,
+        quantized=quantized,
         model_max_len=spec.max_position_embeddings,
         **kv,
     )

@@ -269,3 +269,31 @@ def test_flags_and_variables_mean_the_same(checkpoints, clean_env, monkeypatch, 
         warmup_plan_json(capsys, [*argv[:2], *DEVICE_FLAGS, "--max-lora-rank", "8"])["kv_tokens"]
         > by_flags["kv_tokens"]
     )
+
+
+QWEN3_32B = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "tie_word_embeddings": False, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
+def test_qwen3_32b_awq_on_a_24_gb_card(tmp_path, capsys):
+    """Runpod's example of a cached model: Qwen/Qwen3-32B-AWQ (4-bit, groups of 128, zero points). The planner
+    counts its packed words, scales and zeros: 19.4 GB of weights, which fit a 24 GiB card (0.9 of it) with about
+    5.6k tokens of KV, so a 4k context fits and an 8k one does not (the error says the largest that would, and
+    does not suggest QUANTIZATION=fp8 for a checkpoint quantized already); the bf16 model does not fit."""
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_32B, "quantization_config": awq}))
+    assert main(["--model", str(tmp_path), "--gpu-mem", "24GiB", "--max-model-len", "4096", "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    linear = 64 * (5120 * 10240 + 8192 * 5120 + 5120 * 51200 + 25600 * 5120)  # K x N of qkv, o, gate_up, down
+    packed = linear // 2 + linear // 128 * (2 + 1)  # 4 bits a weight; per 128 inputs a bf16 scale and a zero
+    rest = 2 * 151936 * 5120 * 2 + 64 * (2 * 5120 + 2 * 128) * 2 + 5120 * 2  # embed, lm_head, norms (bf16)
+    assert j["weight_bytes"] == packed + rest and 19.3e9 < j["weight_bytes"] < 19.5e9
+    assert j["fits"] and 4096 <= j["kv_tokens"] < 8192, j  # about 5.6k tokens of KV: a 4k context fits, 8k not
+    assert main(["--model", str(tmp_path), "--gpu-mem", "24GiB", "--max-model-len", "8192", "--json"]) == 1
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert "5648" in err and "QUANTIZATION=fp8" not in err  # the largest context that fits; no fp8 on an AWQ model
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_32B))
+    assert main(["--model", str(tmp_path), "--gpu-mem", "24GiB", "--json"]) == 1  # 65.5 GB in bf16
