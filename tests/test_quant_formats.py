@@ -1,5 +1,5 @@
 """Quantized checkpoints (engine/quant/): each format written from a tiny model by a writer that follows its
-published layout (tests/quant_writers.py), loaded by the engine, and compared with HF transformers running the
+published layout (bench/quant_writers.py), loaded by the engine, and compared with HF transformers running the
 weights it stands for (dequantized, fp32): the same weights exactly, the same greedy tokens. compressed-tensors is
 also read back by its own library, so the test is not only our reader against our writer. Each format's
 perturbation (a wrong nibble order, swapped scales, a lost zero point or permutation) must break the match."""
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams, UnsupportedModelError
-from tests import quant_writers as qw
+from bench import quant_writers as qw
 from tests.utils import hf_greedy
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 12, 99, 150, 3, 8, 64]]
