@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from engine.errors import ConfigError
 from engine.parallel import shard
+from engine.quant.sizes import linear_shapes, quantized_bytes
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 << 20  # predicted before the load (CUDA context, cuBLAS workspace); measured after it
@@ -29,12 +30,6 @@ TP_COMM_BYTES = 1 << 30
 def kv_bytes_per_token(spec, kv_dtype_bytes: int) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes."""
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes
-
-
-def _linear_shapes(spec) -> list[tuple[int, int, int]]:
-    """(in, out, projections) of each layer's fused linears: qkv, o_proj, gate_up, down."""
-    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    return [(h, (spec.num_heads + 2 * spec.num_kv_heads) * d, 3), (spec.num_heads * d, h, 1), (h, 2 * i, 2), (i, h, 1)]
 
 
 def weight_bytes(spec, dtype_bytes: int, quantization: str | None, packed: bool = True) -> int:
@@ -51,7 +46,7 @@ def weight_bytes(spec, dtype_bytes: int, quantization: str | None, packed: bool 
     linear = scales = 0
     for layer in range(spec.num_layers):
         moe = getattr(spec, "is_moe", lambda _: False)(layer)
-        shapes = _linear_shapes(spec)[:2] if moe else _linear_shapes(spec)  # a MoE layer's MLP is its experts
+        shapes = linear_shapes(spec)[:2] if moe else linear_shapes(spec)  # a MoE layer's MLP is its experts
         linear += sum(i * o for i, o, _ in shapes)
         scales += sum(o for _, o, _ in shapes) * 4
         if moe:  # every expert's gate, up and down in fp8, with per-expert per-channel scales
@@ -61,32 +56,9 @@ def weight_bytes(spec, dtype_bytes: int, quantization: str | None, packed: bool 
     return linear + scales + (spec.num_params() - linear) * dtype_bytes
 
 
-def quantized_bytes(spec, dtype_bytes: int, q) -> int:
-    """Int formats: per linear the packed words [N, ceil(K / P)] int32, scales [N, G] in the model dtype, zero
-    points [N, G] uint8 (asymmetric) and the act-order permutation [K] int64 (engine/quant/linear.py). Block fp8:
-    e4m3 [N, K] and one fp32 scale per block; its experts are requantized per channel (1 byte + fp32 per row).
-    Everything else (embeddings, lm_head, norms, routers) in the model dtype."""
-    linear = quantized = 0
-    for layer in range(spec.num_layers):
-        moe = spec.is_moe(layer)
-        for k, n, _ in _linear_shapes(spec)[:2] if moe else _linear_shapes(spec):
-            linear += k * n
-            if q.kind == "int":
-                g = -(-k // (q.group_size or k))
-                quantized += n * -(-k // (32 // q.bits)) * 4 + n * g * (dtype_bytes + (0 if q.symmetric else 1))
-                quantized += k * 8 if q.desc_act else 0
-            else:
-                quantized += n * k + -(-n // q.block[0]) * -(-k // q.block[1]) * 4
-        if moe:  # block fp8 only (int experts are refused): per-channel fp8 after requantization
-            e, h, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-            linear += e * 3 * h * inter
-            quantized += e * 3 * h * inter + e * (2 * inter + h) * 4
-    return quantized + (spec.num_params() - linear) * dtype_bytes
-
-
 def lora_bytes(spec, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
     """The LoRA slots: A [L, S, n*R, in] and B [L, S, out, n*R] per fused linear."""
-    per_slot = sum(n * max_rank * (i + o) for i, o, n in _linear_shapes(spec))
+    per_slot = sum(n * max_rank * (i + o) for i, o, n in linear_shapes(spec))
     return spec.num_layers * max_loras * per_slot * dtype_bytes
 
 

@@ -126,7 +126,8 @@ def test_job_variables_and_worker_vllm_aliases():
     with pytest.raises(SettingsError, match="LORA_MODULES"):
         load_settings({"LORA_MODULES": '[{"name": "a"}]'})
     with pytest.raises(SettingsError, match="QUANTIZATION"):
-        load_settings({"QUANTIZATION": "awq"}).engine_config()
+        load_settings({"QUANTIZATION": "bitsandbytes"}).engine_config()
+    assert load_settings({"QUANTIZATION": "awq_marlin"}).engine_config().quantization == "awq_marlin"  # vLLM's name
 
 
 def test_enforce_eager_false_where_graphs_cannot_run_is_listed_as_ignored():
