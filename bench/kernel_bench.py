@@ -214,6 +214,41 @@ def fp8_linear_rows(dtype=torch.bfloat16):
     return out
 
 
+LLAMA3_8B_LINEARS = {
+    "qkv 6144x4096": (6144, 4096),
+    "gate_up 28672x4096": (28672, 4096),
+    "down 4096x14336": (4096, 14336),
+}
+
+
+def quant_linear_rows(dtype=torch.bfloat16):
+    """The quantized checkpoints' GEMMs at Llama-3-8B shapes (engine/quant/): W4A16 in groups of 128 with zero points
+    at batch 1 and 64 (the weights' bytes: GB/s against the copy rate is what decode feels), and block-scaled fp8
+    at 4k tokens (TFLOP/s), each against the bf16 matmul."""
+    from kernels.fp8_block import fp8_block_linear
+    from kernels.int_gemm import int_linear, pack
+
+    out = []
+    for name, (n, k) in LLAMA3_8B_LINEARS.items():
+        q = pack(torch.randint(0, 16, (n, k)), 4).cuda()
+        s = (torch.rand(n, k // 128) * 0.01).to(dtype).cuda()
+        z = torch.randint(0, 16, (n, k // 128)).to(torch.uint8).cuda()
+        w = torch.randn(n, k, device="cuda", dtype=dtype)
+        for m in (1, 64):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            t16 = bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            t4 = bench(lambda x=x, q=q, s=s, z=z: int_linear(x, q, s, z, None, 4, 128))
+            packed = q.numel() * 4 + s.numel() * s.element_size() + z.numel()
+            out.append((f"W4A16 g128, M={m}", name, t16 * 1e6, t4 * 1e6, packed / t4 / 1e9, t16 / t4))
+        wq = w.to(torch.float8_e4m3fn)
+        ws = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 0.01
+        x = torch.randn(4096, k, device="cuda", dtype=dtype)
+        t16 = bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+        t8 = bench(lambda x=x, wq=wq, ws=ws: fp8_block_linear(x, wq, ws, (128, 128)))
+        out.append(("fp8 block 128, M=4096", name, t16 * 1e6, t8 * 1e6, 2 * 4096 * n * k / t8 / 1e12, t16 / t8))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="GPU kernel and decode-step timings -> docs/kernels.md")
     ap.parse_args()
@@ -242,6 +277,16 @@ def main() -> None:
     ]
     for m, name, bf16, fp8, speedup in fp8_linear_rows():
         lines.append(f"| {m} | {name} | {bf16:,.1f} | {fp8:,.1f} | {speedup:.2f}x |")
+    lines += [
+        "",
+        "Quantized checkpoints' GEMMs (engine/quant/) vs bf16 `F.linear`, Llama-3-8B shapes: W4A16 with its packed",
+        "bytes' GB/s, block fp8 with TFLOP/s:",
+        "",
+        "| kernel | layer | bf16 µs | quantized µs | GB/s or TFLOP/s | speed-up |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for kind, name, t16, tq, rate, speedup in quant_linear_rows():
+        lines.append(f"| {kind} | {name} | {t16:,.1f} | {tq:,.1f} | {rate:,.1f} | {speedup:.2f}x |")
     peak, source = tensor_core_peak()
     lines += [
         "",
