@@ -86,7 +86,9 @@ def write_awq(src: Path, dst_q: Path, dst_ref: Path, group: int = 32) -> None:
     _each_linear(src, dst_q, dst_ref, quantize, config)
 
 
-def write_gptq(src: Path, dst_q: Path, dst_ref: Path, bits=4, group=32, sym=True, desc_act=False, seed=0) -> None:
+def write_gptq(src: Path, dst_q: Path, dst_ref: Path, bits=4, group=32, sym=True, desc_act=False, seed=0,
+               v2=False) -> None:  # fmt: skip
+    """v2: GPTQModel's "gptq_v2" checkpoint format (zero points stored as they are, not less one)."""
     gen, perms = torch.Generator().manual_seed(seed), {}
     shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
@@ -104,7 +106,7 @@ def write_gptq(src: Path, dst_q: Path, dst_ref: Path, bits=4, group=32, sym=True
         tensors = {
             f"{module}.qweight": pack_words(q, bits).t().contiguous(),  # AutoGPTQ packs K: [K / P, N]
             # the "gptq" format stores zero - 1, packed along N: [G, N / P]
-            f"{module}.qzeros": pack_words(((z - 1) & ((1 << bits) - 1)).t().contiguous(), bits),
+            f"{module}.qzeros": pack_words(((z - (0 if v2 else 1)) & ((1 << bits) - 1)).t().contiguous(), bits),
             f"{module}.scales": s.t().contiguous().half(),  # [G, N]
             f"{module}.g_idx": g_idx.to(torch.int32),
         }
@@ -112,22 +114,24 @@ def write_gptq(src: Path, dst_q: Path, dst_ref: Path, bits=4, group=32, sym=True
 
     _each_linear(src, dst_q, dst_ref, quantize,
                  {"quant_method": "gptq", "bits": bits, "group_size": group or -1, "desc_act": desc_act, "sym": sym,
-                  "checkpoint_format": "gptq"})  # fmt: skip
+                  "checkpoint_format": "gptq_v2" if v2 else "gptq"})  # fmt: skip
 
 
 def write_compressed_tensors(src: Path, dst_q: Path, dst_ref: Path, bits=4, group=32, sym=True) -> None:
     """With compressed-tensors' own compressor (the library vLLM's loader reads): signed codes, zero point 0
-    when symmetric."""
+    when symmetric. group None: the "channel" strategy."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=bits, type="int", strategy="group", group_size=group, symmetric=sym)
+    strategy = dict(strategy="group", group_size=group) if group else dict(strategy="channel")
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, **strategy)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
 
     def quantize(module, w):
         n, k = w.shape
-        g = torch.arange(k) // group
-        q, s, z = rtn(w, bits, g, -(-k // group), sym)
+        size = group or k
+        g = torch.arange(k) // size
+        q, s, z = rtn(w, bits, g, -(-k // size), sym)
         half = 1 << (bits - 1)
         state = {"weight": w, "weight_scale": s, "weight_zero_point": (z - half).to(torch.int8)}
         packed = PackedQuantizationCompressor.compress(state, scheme)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams, UnsupportedModelError
 from bench import quant_writers as qw
+from engine import LLM, SamplingParams, UnsupportedModelError
 from tests.utils import hf_greedy
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 12, 99, 150, 3, 8, 64]]
@@ -27,6 +27,8 @@ FORMATS = {
     "ct-w4a16-sym": lambda s, q, r: qw.write_compressed_tensors(s, q, r, bits=4, group=32, sym=True),
     "ct-w4a16-asym": lambda s, q, r: qw.write_compressed_tensors(s, q, r, bits=4, group=32, sym=False),
     "ct-w8a16": lambda s, q, r: qw.write_compressed_tensors(s, q, r, bits=8, group=32, sym=True),
+    "ct-w4a16-channel-asym": lambda s, q, r: qw.write_compressed_tensors(s, q, r, bits=4, group=None, sym=False),
+    "gptq-4bit-asym-v2": lambda s, q, r: qw.write_gptq(s, q, r, bits=4, group=32, sym=False, v2=True),
     "fp8-block": lambda s, q, r: qw.write_fp8_block(s, q, r, block=(32, 32)),
 }
 
@@ -77,7 +79,7 @@ def test_compressed_tensors_own_decompression_agrees(written):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    for fmt in ("ct-w4a16-sym", "ct-w4a16-asym", "ct-w8a16"):
+    for fmt in ("ct-w4a16-sym", "ct-w4a16-asym", "ct-w8a16", "ct-w4a16-channel-asym"):
         q, _ = written[fmt]
         cfg = json.loads((q / "config.json").read_text())["quantization_config"]
         scheme = QuantizationScheme(
@@ -92,6 +94,26 @@ def test_compressed_tensors_own_decompression_agrees(written):
             assert torch.allclose(_weights(llm)["down"], theirs, atol=1e-6, rtol=0), fmt
         finally:
             llm.engine.shutdown()
+
+
+def test_transformers_own_fine_grained_fp8_reader_agrees(written):
+    """transformers reads HF's block fp8 itself (FineGrainedFP8Config(dequantize=True), on CPU): its weights are
+    ours, and its greedy tokens too."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    q, _ = written["fp8-block"]
+    fp8 = FineGrainedFP8Config(dequantize=True)
+    theirs = AutoModelForCausalLM.from_pretrained(str(q), dtype=torch.float32, quantization_config=fp8)
+    llm = _ours(q)
+    try:
+        layer = theirs.model.layers[0]
+        assert torch.equal(_weights(llm)["down"], layer.mlp.down_proj.weight.float())
+        want = [theirs.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
+                .tolist() for p in PROMPTS]  # fmt: skip
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+        assert got == want
+    finally:
+        llm.engine.shutdown()
 
 
 def _tamper(src: Path, dst: Path, fn) -> Path:
