@@ -4,7 +4,8 @@ engine/quant/int_weights.py has put them in one layout, the dequantizing Triton 
 The layout (every format converts to it once, at load):
 - `qweight` int32 [N, ceil(K / P)], P = 32 // bits values per word packed along K in natural order (value k of a row
   at bits (k % P) * bits of word k // P), unsigned: 0 .. 2^bits - 1;
-- `scales` [N, G] in the model dtype, G = ceil(K / group) groups along K (group = K: one per output channel);
+- `scales` [N, G] (16-bit or fp32: the kernel widens them), G = ceil(K / group) groups along K (group = K: one per
+  output channel);
 - `zeros` uint8 [N, G], the unsigned zero point, or None: symmetric, zero point 2^(bits - 1);
 - `perm` int64 [K] or None: act-order (GPTQ's desc_act). The stored columns are the input channels in `perm`'s
   order, sorted by group, so groups are contiguous again; the activations are gathered by `perm` first.

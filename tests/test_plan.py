@@ -288,7 +288,7 @@ def test_qwen3_32b_awq_on_a_24_gb_card(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--gpu-mem", "24GiB", "--max-model-len", "4096", "--json"]) == 0
     j = json.loads(capsys.readouterr().out)
     linear = 64 * (5120 * 10240 + 8192 * 5120 + 5120 * 51200 + 25600 * 5120)  # K x N of qkv, o, gate_up, down
-    packed = linear // 2 + linear // 128 * (2 + 1)  # 4 bits a weight; per 128 inputs a bf16 scale and a zero
+    packed = linear // 2 + linear // 128 * (2 + 1)  # 4 bits a weight; per 128 inputs an fp16 scale and a zero
     rest = 2 * 151936 * 5120 * 2 + 64 * (2 * 5120 + 2 * 128) * 2 + 5120 * 2  # embed, lm_head, norms (bf16)
     assert j["weight_bytes"] == packed + rest and 19.3e9 < j["weight_bytes"] < 19.5e9
     assert j["fits"] and 4096 <= j["kv_tokens"] < 8192, j  # about 5.6k tokens of KV: a 4k context fits, 8k not

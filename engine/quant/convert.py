@@ -138,7 +138,7 @@ class Converter:
             yield f"{module}.weight", w
             return
         yield f"{module}.iq_weight", c["qweight"]
-        yield f"{module}.iq_scales", c["scales"].to(self.dtype)
+        yield f"{module}.iq_scales", c["scales"].to(self.scheme.scale_dtype(self.dtype))
         for key in ("zeros", "perm"):
             if c[key] is not None:
                 yield f"{module}.iq_{key}", c[key]

@@ -31,7 +31,7 @@ class IntLinears:
             g = -(-k // self.group[name])
             setattr(layer, name, nn.Parameter(torch.empty(n, -(-k // self.per), dtype=torch.int32, device=device),
                                               False))  # fmt: skip
-            self.scales[name] = torch.empty(n, g, dtype=dtype, device=device)
+            self.scales[name] = torch.empty(n, g, dtype=scheme.scale_dtype(dtype), device=device)
             self.zeros[name] = None if scheme.symmetric else torch.empty(n, g, dtype=torch.uint8, device=device)
             self.perm[name] = None
 

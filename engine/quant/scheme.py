@@ -50,6 +50,13 @@ class QuantScheme:
     def packed(self) -> bool:
         return self.kind == "int"
 
+    def scale_dtype(self, model_dtype):
+        """The dtype an int format's scales are kept in: fp16 for AWQ and GPTQ (they ship fp16 scales, kept exact
+        for a bf16 model too), else the model's (compressed-tensors writes its scales in the model dtype)."""
+        import torch
+
+        return torch.float16 if self.source in ("awq", "gptq") else model_dtype
+
 
 METHODS = ("fp8", "awq", "gptq", "compressed-tensors")  # QUANTIZATION's values (fp8: online, for 16-bit checkpoints)
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's kernel-named methods (worker-vllm users set them)

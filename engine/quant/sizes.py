@@ -12,7 +12,8 @@ def linear_shapes(spec) -> list[tuple[int, int, int]]:
 
 
 def quantized_bytes(spec, dtype_bytes: int, q) -> int:
-    """Int formats: per linear the packed words [N, ceil(K / P)] int32, scales [N, G] in the model dtype, zero
+    """Int formats: per linear the packed words [N, ceil(K / P)] int32, scales [N, G] (fp16 for AWQ and GPTQ, as
+    they ship; else the model dtype), zero
     points [N, G] uint8 (asymmetric) and the act-order permutation [K] int64 (engine/quant/linear.py). Block fp8:
     e4m3 [N, K] and one fp32 scale per block; its experts are requantized per channel (1 byte + fp32 per row).
     Everything else (embeddings, lm_head, norms, routers) in the model dtype."""
@@ -23,7 +24,8 @@ def quantized_bytes(spec, dtype_bytes: int, q) -> int:
             linear += k * n
             if q.kind == "int":
                 g = -(-k // (q.group_size or k))
-                quantized += n * -(-k // (32 // q.bits)) * 4 + n * g * (dtype_bytes + (0 if q.symmetric else 1))
+                scale = 2 if q.source in ("awq", "gptq") else dtype_bytes
+                quantized += n * -(-k // (32 // q.bits)) * 4 + n * g * (scale + (0 if q.symmetric else 1))
                 quantized += k * 8 if q.desc_act else 0
             else:
                 quantized += n * k + -(-n // q.block[0]) * -(-k // q.block[1]) * 4
