@@ -6,8 +6,10 @@ and one activation scale per token per bk columns. Triton kernels, launchers and
 - `fp8_block_linear(x, wq, w_scale, block, bias)`: y = sum over K blocks of (xq_b @ wq_b.T) * x_scale[:, b] *
   w_scale[n // bn, b]. The GEMM (vLLM's w8a8_block_fp8_matmul shape): a K tile never crosses a block, so each
   tile's fp32 partial product takes both scales before it is added; fp8 values are exact in fp32 and tf32.
-  torch._scaled_mm's block-wise scaling (torch 2.13, sm90+ only) is not used: this kernel runs on sm89 as well,
-  and one path is measured and tested (docs/decisions.md)."""
+  torch 2.13's _scaled_mm also takes this recipe (its meta registration accepts BlockWise1x128 activations with
+  BlockWise128x128 weights, served by cuBLASLt from CUDA 12.9 on Hopper-class GPUs). It is not used: this kernel
+  also runs on sm89 (L4, L40S) and for any block shape, and it is the one path tested; timing the two against each
+  other is for a GPU session (bench/kernel_bench.py has this kernel's rows)."""
 
 from __future__ import annotations
 
