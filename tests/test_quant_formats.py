@@ -133,12 +133,26 @@ def _natural_order(words: torch.Tensor) -> torch.Tensor:
     return qw.pack_words(unpack_cols(words, 4, AWQ_ORDER), 4)
 
 
+def _bytes_reversed(words: torch.Tensor) -> torch.Tensor:
+    """int8 codes in each word in the opposite order (a reader with the wrong byte order)."""
+    return (
+        words.contiguous()
+        .view(torch.uint8)
+        .reshape(*words.shape, 4)
+        .flip(-1)
+        .reshape(words.shape[0], -1)
+        .view(torch.int32)
+    )
+
+
 PERTURB = {
     "awq": lambda t: t.update({k: _natural_order(v) for k, v in t.items() if k.endswith("qweight")}),
     "gptq-4bit-sym": lambda t: t.update({k: v.flip(0) for k, v in t.items() if k.endswith("scales")}),
     "gptq-4bit-asym-actorder": lambda t: t.update({k: torch.arange(len(v), dtype=v.dtype) // 32
                                                    for k, v in t.items() if k.endswith("g_idx")}),
     "ct-w4a16-asym": lambda t: [t.pop(k) for k in list(t) if k.endswith("weight_zero_point")],
+    "ct-w4a16-sym": lambda t: t.update({k: v.flip(1) for k, v in t.items() if k.endswith("weight_scale")}),
+    "gptq-8bit-channel": lambda t: t.update({k: _bytes_reversed(v) for k, v in t.items() if k.endswith("qweight")}),
     "fp8-block": lambda t: t.update({k: v.t().contiguous() if v.shape[0] == v.shape[1] else v.flip(0)
                                      for k, v in t.items() if k.endswith("scale_inv")}),
 }  # fmt: skip
