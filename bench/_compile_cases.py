@@ -39,6 +39,7 @@ class EngineCase:
     geometry: dict  # config overrides: a real model's attention geometry
     engine: dict = field(default_factory=dict)  # EngineConfig overrides
     fp8: bool = False  # needs fp8 kernels (check_fp8_support refuses it below sm89)
+    quant: str = ""  # a quantized checkpoint written from the tiny one (bench/quant_writers.py): awq, gptq, fp8-block
 
 
 def _heads(h: int, kvh: int, d: int) -> dict:
@@ -51,6 +52,7 @@ FP8_ENGINE = dict(quantization="fp8", kv_cache_dtype="fp8")
 # argument on its value class, so the tiny models' window of 6 would compile variants no real model reaches
 WINDOW = dict(sliding_window=32)
 MIXTRAL = _heads(32, 8, 128) | dict(num_local_experts=8)
+QUANT_GEOMETRY = _heads(32, 8, 128) | dict(intermediate_size=256)
 ENGINE_CASES = [
     EngineCase("engine Llama-3.1-8B heads bf16", "llama", _heads(32, 8, 128)),
     EngineCase("engine Llama-3.1-8B heads fp16", "llama", _heads(32, 8, 128), dict(dtype="float16")),
@@ -62,6 +64,10 @@ ENGINE_CASES = [
     EngineCase("engine Mixtral-8x7B MoE fp8", "mixtral", MIXTRAL, FP8_ENGINE, fp8=True),
     EngineCase("engine Gemma-2-9B heads", "gemma2", _heads(16, 8, 256) | WINDOW),  # soft-caps, sliding windows
     EngineCase("engine Gemma-3-12B heads", "gemma3", _heads(16, 8, 256) | WINDOW),  # head 256 without soft-caps
+    # quantized checkpoints (engine/quant/), kept packed on the Triton path; 256: whole 128-row scale blocks
+    EngineCase("engine Llama-3.1-8B heads AWQ", "llama", QUANT_GEOMETRY, quant="awq"),
+    EngineCase("engine Llama-3.1-8B heads GPTQ act-order", "llama", QUANT_GEOMETRY, quant="gptq"),
+    EngineCase("engine Llama-3.1-8B heads block fp8", "llama", QUANT_GEOMETRY, fp8=True, quant="fp8-block"),
 ]  # fmt: skip
 
 
@@ -71,17 +77,33 @@ def build_models(root: Path) -> dict[str, Path]:
 
     paths = {}
     for case in ENGINE_CASES:
-        key = hashlib.sha256(json.dumps([case.family, case.geometry], sort_keys=True).encode()).hexdigest()[:16]
-        path = root / f"{case.family}-{key}"
+        key = hashlib.sha256(json.dumps([case.family, case.geometry, case.quant], sort_keys=True).encode()).hexdigest()
+        path = root / f"{case.family}-{key[:16]}"
         if not (path / "config.json").is_file():
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             build_tiny_model(tmp, case.family, **case.geometry)
+            if case.quant:
+                _quantize(tmp, case.quant)
             try:
                 tmp.rename(path)  # whole or absent: a concurrent run's half-written checkpoint is never read
             except OSError:  # that run finished it first
                 shutil.rmtree(tmp)
         paths[case.name] = path
     return paths
+
+
+def _quantize(path: Path, quant: str) -> None:
+    """Replace the tiny checkpoint at `path` by its quantized form."""
+    from bench import quant_writers as qw
+
+    write = {"awq": lambda s, q, r: qw.write_awq(s, q, r, group=128),
+             "gptq": lambda s, q, r: qw.write_gptq(s, q, r, bits=4, group=128, sym=True, desc_act=True),
+             "fp8-block": lambda s, q, r: qw.write_fp8_block(s, q, r, block=(128, 128))}[quant]  # fmt: skip
+    q, ref = path.with_name(path.name + ".q"), path.with_name(path.name + ".ref")
+    write(path, q, ref)
+    shutil.rmtree(path)
+    shutil.rmtree(ref)
+    q.rename(path)
 
 
 def run_engine(path: Path, engine: dict) -> None:
@@ -162,6 +184,24 @@ def fp8_linears(m: Model) -> None:
             kernels.fp8_linear(torch.empty(t, k, dtype=BF16), w, s)
 
 
+def quantized_linears(m: Model, fp8: bool) -> None:
+    """A quantized checkpoint's linears at m's sizes (engine/quant/): int4 in groups of 128, with and without zero
+    points and an act-order permutation (split-K at a decode), or block-scaled fp8 (128 x 128)."""
+    from kernels.fp8_block import fp8_block_linear
+    from kernels.int_gemm import int_linear
+
+    for k, n in ((m.hidden, 2 * m.inter), (m.inter, m.hidden)):
+        g = -(-k // 128)
+        for t in TOKENS:
+            x = torch.empty(t, k, dtype=BF16)
+            if fp8:
+                fp8_block_linear(x, torch.empty(n, k, dtype=FP8), torch.empty(-(-n // 128), g), (128, 128))
+                continue
+            q, s = torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, g, dtype=torch.float16)
+            int_linear(x, q, s, torch.empty(n, g, dtype=torch.uint8), None, 4, 128)  # AWQ, GPTQ asym
+            int_linear(x, q, s, None, torch.arange(k), 4, 128)  # GPTQ symmetric, act-order
+
+
 def moe(m: Model, fp8: bool) -> None:
     """The fused MoE at m's sizes, 1 to 512 tokens (decode-sized and prefill-sized blocks)."""
     from kernels.fused_moe import fused_moe
@@ -206,6 +246,8 @@ def cases(models: dict[str, Path], sms: int) -> list[Case]:
     for m in MODELS:
         out.append(Case(f"{m.name} norms, act, LoRA bf16", lambda m=m: dense(m, BF16)))
         out.append(Case(f"{m.name} fp8 linears", lambda m=m: fp8_linears(m), fp8=True))
+        out.append(Case(f"{m.name} int4 linears", lambda m=m: quantized_linears(m, False)))
+        out.append(Case(f"{m.name} block-fp8 linears", lambda m=m: quantized_linears(m, True), fp8=True))
         if m.experts:
             out.append(Case(f"{m.name} MoE bf16", lambda m=m: moe(m, False)))
             out.append(Case(f"{m.name} MoE fp8", lambda m=m: moe(m, True), fp8=True))

@@ -25,7 +25,7 @@ from engine.config import default_cache_root
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # 3 minutes with an empty cache (a fresh machine); CI runs it
 
-FP8_ONLY = {"_quant_rows_kernel", "_fp8_gemm_kernel"}  # reached only by fp8 cases
+FP8_ONLY = {"_quant_rows_kernel", "_fp8_gemm_kernel", "_quant_groups_kernel", "_block_gemm_kernel"}  # fp8 cases only
 XGRAMMAR = "apply_token_bitmask_inplace_kernel"
 
 
@@ -89,6 +89,9 @@ ENGINE_REACHES = [
     ("_sgmv_kernel", "DOT=tf32", False),  # LoRA expand
     ("_moe_gemm_kernel", "HAS_SCALE=True", True),  # fp8 experts
     ("_reshape_and_cache_kernel", "kc_ptr:*fp8e4nv", True),
+    ("_int_gemm_kernel", "HAS_ZEROS=True", False),  # AWQ, asymmetric GPTQ / compressed-tensors
+    ("_int_gemm_kernel", "HAS_ZEROS=False", False),  # symmetric
+    ("_block_gemm_kernel", "a_ptr:*fp8e4nv", True),  # block fp8 (Qwen3-FP8)
 ]
 
 
