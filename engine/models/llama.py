@@ -244,8 +244,8 @@ class LlamaForCausalLM(nn.Module):
     def snapshot_state(self) -> dict[str, torch.Tensor]:
         """Our own (fused, quantized) parameters by name, for an fp8 snapshot."""
         out = {"embed": self.embed, "norm": self.norm}
-        if not self.spec.tie_word_embeddings:
-            out["lm_head"] = self.lm_head
+        if not self.spec.tie_word_embeddings:  # a headless model's: an empty marker, read back by load_snapshot
+            out["lm_head"] = self.lm_head if self.generates else self.embed.new_empty(0, self.spec.hidden_size)
         for i, layer in enumerate(self.layers):
             for name, p in layer.named_parameters():
                 out[f"layers.{i}.{name}"] = p
@@ -295,7 +295,9 @@ class LlamaForCausalLM(nn.Module):
         loading.check_complete(self, filled, table)
 
     def _headless(self) -> None:
-        """No LM head: the model serves embeddings only (engine/pooling.py); generation is refused at intake."""
-        self.lm_head = nn.Parameter(self.embed.new_empty(0, self.spec.hidden_size), False)
+        """No LM head: the model serves embeddings only (engine/pooling.py); generation is refused at intake. The
+        embedding matrix stands in as the head (no memory of its own), so that what computes logits regardless (the
+        kernel warm-up, the CUDA graphs' capture) has the usual shapes; no request ever sees them."""
+        self.lm_head = self.embed
         self.generates = False
         log.warning("the checkpoint has no lm_head: this model serves embeddings (/v1/embeddings) only")
