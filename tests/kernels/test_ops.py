@@ -9,6 +9,10 @@ import pytest
 import torch
 
 import kernels  # noqa: F401 - registers the operators
+import kernels.fp8_block  # noqa: F401 - and those of the modules the package does not import itself
+import kernels.fused_moe  # noqa: F401
+import kernels.grammar_mask  # noqa: F401
+import kernels.int_gemm  # noqa: F401
 from kernels._common import FP8
 from tests.kernels.conftest import DEVICE
 
@@ -61,6 +65,25 @@ CASES = {
         (_g(T, 32).to(FP8), _g(T, 1).abs(), _g(48, 32).to(FP8), _g(48, 1).abs(), None, torch.bfloat16),
     ),
     "fused_moe": lambda: (ops.fused_moe, _moe_args()),
+    "int_gemm": lambda: (
+        ops.int_gemm,
+        (
+            _g(T, 32),
+            torch.randint(-(2**31), 2**31 - 1, (48, 4), dtype=torch.int32, device=DEVICE),
+            _g(48, 2).abs(),
+            torch.randint(0, 16, (48, 2), dtype=torch.uint8, device=DEVICE),
+            None,
+            4,
+            16,
+            _g(48),
+            2,
+        ),
+    ),  # fmt: skip
+    "quant_token_groups": lambda: (ops.quant_token_groups, (_g(T, 40), 16)),
+    "fp8_block_gemm": lambda: (
+        ops.fp8_block_gemm,
+        (_g(T, 32).to(FP8), _g(T, 2).abs(), _g(48, 32).to(FP8), _g(3, 2).abs(), 16, 16, None, torch.bfloat16),
+    ),
     "lora_shrink": lambda: (ops.lora_shrink, (_g(T, 32), _g(2, 8, 32), _lora_slots())),
     "lora_expand": lambda: (ops.lora_expand, (_g(T, 8), _g(2, 48, 8), _lora_slots(), _g(T, 64), 16, True)),
     "add_lora": lambda: (ops.add_lora, (_g(T, 48), _g(T, 32), _g(2, 8, 32), _g(2, 48, 8), _lora_slots(), 0)),
