@@ -372,3 +372,25 @@ def test_lora_and_fp8_kv_on_a_quantized_base(written, tiny_llama, fmt, tmp_path)
         if not (fmt == "fp8-block" and backend == "triton"):  # there W8A8: its activations are quantized too
             assert runs["q"] == runs["ref"], (backend, runs)
         assert runs["q"][0] != runs["q"][1]  # the adapter changed the output: it was applied
+
+
+def test_a_linear_left_16_bit_is_named_where_layouts_cannot_mix(written, tmp_path):
+    """A checkpoint that keeps one decoder linear 16-bit (modules_to_not_convert, compressed-tensors' ignore): the
+    dequantized path (CPU) serves it, exactly; the packed path refuses it at load, naming the module."""
+    q, ref = written["awq"]
+    down = "model.layers.1.mlp.down_proj"
+    want = load_file(str(ref / "model.safetensors"))[f"{down}.weight"]
+
+    def keep_16_bit(t):
+        for suffix in ("qweight", "qzeros", "scales"):
+            t.pop(f"{down}.{suffix}")
+        t[f"{down}.weight"] = want
+
+    mixed = _tamper(q, tmp_path / "mixed", keep_16_bit)
+    llm = _ours(mixed)
+    try:
+        assert torch.equal(llm.engine.model.layers[1].down.float(), want.float())
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(UnsupportedModelError, match=f"{down} is 16-bit"):
+        _ours(mixed, kernel_backend="triton")

@@ -31,6 +31,8 @@ from engine.quant.scheme import QuantScheme
 from kernels.int_gemm import dequantize, pack
 
 FP8 = torch.float8_e4m3fn
+# a decoder layer's linears, as checkpoints name them (a mixed checkpoint keeps some of them 16-bit)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its eight
 # per source: (the suffixes a module needs, the ones it may have)
 SUFFIXES = {
@@ -111,6 +113,12 @@ class Converter:
         for name, t in stream:
             module, _, suffix = name.rpartition(".")
             if suffix not in need | may:
+                if not self.dense and suffix == "weight" and module.rsplit(".", 1)[-1] in LINEARS:
+                    raise UnsupportedModelError(
+                        f"{module} is 16-bit in this {self.scheme.source} checkpoint (modules_to_not_convert or "
+                        "ignore) while the other linears are quantized: a mixed layout runs only where the weights "
+                        "are dequantized at load (KERNEL_BACKEND=torch), not on the Triton path"
+                    )
                 yield name, t
                 continue
             got = pending.setdefault(module, {})
