@@ -60,6 +60,17 @@ def score_windows(llm: LLM, windows: list[list[int]]) -> list[torch.Tensor]:
         del model.forward
 
 
+def perplexity(lps: list[torch.Tensor], windows: list[list[int]]) -> float:
+    """exp(mean next-token NLL) over every window's positions, from score_windows' log-softmaxes."""
+    nll = torch.cat([-lp[:-1].gather(1, torch.tensor(w[1:])[:, None])[:, 0] for lp, w in zip(lps, windows)])
+    return math.exp(nll.mean().item())
+
+
+def mean_kl(ref: list[torch.Tensor], lps: list[torch.Tensor]) -> float:
+    """Mean KL(ref || lps) of the next-token distributions at the same positions."""
+    return torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(ref, lps)]).mean().item()
+
+
 def weight_bytes(llm: LLM) -> int:
     m = llm.engine.model
     seen, total = set(), 0
@@ -109,13 +120,12 @@ def main() -> None:
         ids = corpus_ids(llm.tokenizer, args.windows * args.window + args.prompts * 17)
         windows = [ids[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
         lps = score_windows(llm, windows)
-        nll = torch.cat([-lp[:-1].gather(1, torch.tensor(w[1:])[:, None])[:, 0] for lp, w in zip(lps, windows)])
-        ppl = math.exp(nll.mean().item())
+        ppl = perplexity(lps, windows)
         kl = None
         if ref_lp is None:
             ref_lp = lps
         else:
-            kl = torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(ref_lp, lps)]).mean().item()
+            kl = mean_kl(ref_lp, lps)
         base = args.windows * args.window
         prompts = [{"prompt_token_ids": ids[base + 17 * i : base + 17 * i + 16]} for i in range(args.prompts)]
         greedy = [

@@ -14,7 +14,6 @@ Usage: python -m bench.quant [--quick]   (writes docs/benchmarks.md section quan
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 from bench import quant_writers as qw
 from bench._common import default_model_path, producer, write_section
-from bench.fp8_quality import corpus_ids, score_windows
+from bench.fp8_quality import corpus_ids, mean_kl, perplexity, score_windows
 from engine import LLM, SamplingParams, memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,13 +86,7 @@ def main(argv=None) -> int:
             ids = ids or corpus_ids(llm.tokenizer, args.windows * args.window + args.prompts * 17)
             windows = [ids[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
             lps = score_windows(llm, windows)
-            nll = torch.cat([-lp[:-1].gather(1, torch.tensor(w[1:])[:, None])[:, 0] for lp, w in zip(lps, windows)])
-            ppl = math.exp(nll.mean().item())
-            kl = (
-                None
-                if ref_lp is None
-                else torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(ref_lp, lps)]).mean().item()
-            )
+            ppl, kl = perplexity(lps, windows), None if ref_lp is None else mean_kl(ref_lp, lps)
             ref_lp = ref_lp or lps
             base = args.windows * args.window
             prompts = [{"prompt_token_ids": ids[base + 17 * i : base + 17 * i + 16]} for i in range(args.prompts)]

@@ -56,7 +56,6 @@ class ModelPooling:
     pooling: str  # one of POOLINGS
     normalize: bool
     matryoshka: bool | list[int]  # True: any prefix length; a list: those lengths; False: not trained for it
-    source: str  # where the pooling came from, for the start log
 
 
 def model_pooling(path: Path | str | None) -> ModelPooling:
@@ -69,14 +68,14 @@ def model_pooling(path: Path | str | None) -> ModelPooling:
     matryoshka = list(dims) if isinstance(dims, list) else bool(cfg.get("is_matryoshka") or dims)
     modules = _json(root / "modules.json") if root else []
     if not isinstance(modules, list) or not modules:
-        return ModelPooling("last", True, matryoshka, "the default for a decoder model")
+        return ModelPooling("last", True, matryoshka)
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m.get("path", "") for m in modules if isinstance(m, dict)}
     pooling = "last"
     if "Pooling" in kinds:
         st = _json(root / kinds["Pooling"] / "config.json")
         modes = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
         pooling = next((ours for key, ours in modes.items() if st.get(key)), "last")
-    return ModelPooling(pooling, "Normalize" in kinds, matryoshka, "the checkpoint's sentence-transformers modules")
+    return ModelPooling(pooling, "Normalize" in kinds, matryoshka)
 
 
 def _json(path: Path):

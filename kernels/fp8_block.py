@@ -1,8 +1,9 @@
 """Block-scaled FP8 (HF's fine-grained fp8: Qwen3-FP8, DeepSeek): W8A8 with one weight scale per [bn, bk] block
 and one activation scale per token per bk columns. Triton kernels, launchers and torch references.
 
-- `quant_per_token_group(x, bk)`: x [M, K] -> xq [M, K] e4m3, scales [M, ceil(K / bk)] fp32 (max |x| / 448 per
-  token per group, >= 1e-12), the values rounded onto the e4m3 grid by kernels/fp8.py's rule.
+- `quant_token_groups(x, bk)` (the Triton op and its `_ref`): x [M, K] -> xq [M, K] e4m3, scales [M, ceil(K / bk)]
+  fp32 (max |x| / 448 per token per group, >= 1e-12), the values rounded onto the e4m3 grid by kernels/fp8.py's
+  rule.
 - `fp8_block_linear(x, wq, w_scale, block, bias)`: y = sum over K blocks of (xq_b @ wq_b.T) * x_scale[:, b] *
   w_scale[n // bn, b]. The GEMM (vLLM's w8a8_block_fp8_matmul shape): a K tile never crosses a block, so each
   tile's fp32 partial product takes both scales before it is added; fp8 values are exact in fp32 and tf32.
@@ -57,10 +58,6 @@ def quant_token_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, -1)[:, :k]
     return q, scale.squeeze(-1)
-
-
-def quant_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return quant_token_groups_triton(x, group) if use_triton(x) else quant_token_groups_ref(x, group)
 
 
 @jit

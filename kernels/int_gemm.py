@@ -25,11 +25,14 @@ from kernels._common import cdiv, gpu_facts, jit, native_dot_for, next_power_of_
 from kernels._library import triton_op
 
 
-def unpack(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """int32 [N, ceil(K / P)] -> the unsigned values int32 [N, K]."""
+def unpack(qweight: torch.Tensor, bits: int, k: int | None = None, order=None) -> torch.Tensor:
+    """int32 [N, ceil(K / P)] -> the unsigned values int32 [N, K] (all P per word when k is None). order: the
+    column of its P that each of a word's values holds (AWQ's interleave), natural by default."""
     per = 32 // bits
     shifts = torch.arange(per, device=qweight.device, dtype=torch.int32) * bits  # [P]
     vals = (qweight.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [N, W, P]; >> of a negative word is arithmetic
+    if order is not None:
+        vals = vals[..., [order.index(j) for j in range(per)]]
     return vals.reshape(qweight.shape[0], -1)[:, :k]
 
 

@@ -128,9 +128,10 @@ def _tamper(src: Path, dst: Path, fn) -> Path:
 
 def _natural_order(words: torch.Tensor) -> torch.Tensor:
     """An AWQ word repacked with its nibbles in natural order (what a reader ignoring AWQ's order would assume)."""
-    from engine.quant.convert import AWQ_ORDER, unpack_cols
+    from engine.quant.convert import AWQ_ORDER
+    from kernels.int_gemm import unpack
 
-    return qw.pack_words(unpack_cols(words, 4, AWQ_ORDER), 4)
+    return qw.pack_words(unpack(words, 4, order=AWQ_ORDER), 4)
 
 
 def _bytes_reversed(words: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,13 @@ def test_plans():
 
 
 def _stream(mode, text, name=None):
-    st, content, calls = ToolCallStream(mode, name), "", {}
-    for ch in text:
+    return feed_all(ToolCallStream(mode, name), text)
+
+
+def feed_all(st: ToolCallStream, pieces) -> tuple[str, list[tuple[str, str]]]:
+    """Feed `pieces` one by one; (the content streamed, [(name, arguments joined)] per call index)."""
+    content, calls = "", {}
+    for ch in pieces:
         c, deltas = st.feed(ch)
         content += c
         for d in deltas:

@@ -17,6 +17,7 @@ from handler.tool_calls import ToolCallStream, history
 from handler.tool_formats import PARSERS
 from handler.worker import Worker
 from tests.test_handler_jobs import run_job
+from tests.test_tool_calls import feed_all
 from tests.utils import build_scripted_model
 
 SCHEMAS = {
@@ -64,19 +65,9 @@ CASES = [  # (format, text, content, [(name, arguments)])
 
 
 def _run(fmt: str, pieces: list[str]):
-    st, content, calls = ToolCallStream(f"auto:{fmt}", schemas=SCHEMAS), "", {}
-    for p in pieces:
-        c, deltas = st.feed(p)
-        content += c
-        for d in deltas:
-            e = calls.setdefault(d["index"], {"name": None, "arguments": ""})
-            if "id" in d:
-                assert e["name"] is None and d["type"] == "function"
-                e["name"] = d["function"]["name"]
-            e["arguments"] += d["function"]["arguments"]
-    content += st.pending_content()
+    st = ToolCallStream(f"auto:{fmt}", schemas=SCHEMAS)
+    content, joined = feed_all(st, pieces)
     message = st.message()
-    joined = [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
     assert joined == [(c["function"]["name"], c["function"]["arguments"]) for c in message[1]]
     assert (content.strip() or None) == message[0]
     return message[0], [(name, json.loads(args)) for name, args in joined]

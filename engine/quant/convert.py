@@ -28,7 +28,7 @@ import torch
 
 from engine.errors import UnsupportedModelError
 from engine.quant.scheme import QuantScheme
-from kernels.int_gemm import dequantize, pack
+from kernels.int_gemm import dequantize, pack, unpack
 
 FP8 = torch.float8_e4m3fn
 # a decoder layer's linears, as checkpoints name them (a mixed checkpoint keeps some of them 16-bit)
@@ -42,36 +42,25 @@ SUFFIXES = {
 }
 
 
-def unpack_cols(words: torch.Tensor, bits: int, order=None) -> torch.Tensor:
-    """int32 [R, C] -> unsigned values int32 [R, C * P], each word's values side by side (`order`: the column each
-    of a word's values belongs to, natural by default)."""
-    per = 32 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits
-    vals = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [R, C, P]
-    if order is not None:
-        vals = vals[..., [order.index(j) for j in range(per)]]
-    return vals.reshape(words.shape[0], -1)
-
-
 def canonical(scheme: QuantScheme, got: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor | None]:
     """One module's tensors in the int layout: qweight [N, K/P], scales [N, G], zeros [N, G] | None, perm | None,
     and k (the input size)."""
     bits = scheme.bits
     if scheme.source == "awq":
-        q = unpack_cols(got["qweight"], 4, AWQ_ORDER)  # [K, N]
-        z = unpack_cols(got["qzeros"], 4, AWQ_ORDER)  # [G, N]
+        q = unpack(got["qweight"], 4, order=AWQ_ORDER)  # [K, N]
+        z = unpack(got["qzeros"], 4, order=AWQ_ORDER)  # [G, N]
         q, z, s, g_idx = q.t(), z.t(), got["scales"].t(), None
     elif scheme.source == "gptq":
-        q = unpack_cols(got["qweight"].t().contiguous(), bits)  # [N, K] (packed along K: the transpose is ours)
-        z = unpack_cols(got["qzeros"], bits).t() + (1 if scheme.zeros_minus_one else 0)  # [N, G]
+        q = unpack(got["qweight"].t().contiguous(), bits)  # [N, K] (packed along K: the transpose is ours)
+        z = unpack(got["qzeros"], bits).t() + (1 if scheme.zeros_minus_one else 0)  # [N, G]
         s, g_idx = got["scales"].t(), got.get("g_idx")
         z = None if scheme.symmetric else z
     else:  # compressed-tensors
         k = int(got["weight_shape"][1])
-        q = unpack_cols(got["weight_packed"], bits)[:, :k]  # [N, K], already offset to unsigned
+        q = unpack(got["weight_packed"], bits)[:, :k]  # [N, K], already offset to unsigned
         s, g_idx = got["weight_scale"], got.get("weight_g_idx")
         zp = got.get("weight_zero_point")  # packed along N with the same offset: unsigned = zero + 2^(bits-1)
-        z = None if zp is None else unpack_cols(zp.t().contiguous(), bits).t()[: q.shape[0]]
+        z = None if zp is None else unpack(zp.t().contiguous(), bits).t()[: q.shape[0]]
     k = q.shape[1]
     group = k if scheme.group_size is None else scheme.group_size
     if s.shape[1] != -(-k // group):

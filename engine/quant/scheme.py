@@ -46,10 +46,6 @@ class QuantScheme:
     activations: str | None = "token"
     ignore: tuple[str, ...] = ()  # modules left 16-bit (compressed-tensors' ignore, AWQ's modules_to_not_convert)
 
-    @property
-    def packed(self) -> bool:
-        return self.kind == "int"
-
     def scale_dtype(self, model_dtype):
         """The dtype an int format's scales are kept in: fp16 for AWQ and GPTQ (they ship fp16 scales, kept exact
         for a bf16 model too), else the model's (compressed-tensors writes its scales in the model dtype)."""
