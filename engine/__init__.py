@@ -20,6 +20,7 @@ from engine.errors import (
     EngineFault,
     InvalidRequestError,
     ModelNotFoundError,
+    RequestFault,
     UnsupportedModelError,
 )
 
@@ -97,6 +98,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineFault",
+    "RequestFault",
     "InvalidRequestError",
     "LLM",
     "LLMEngine",

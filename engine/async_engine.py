@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineFault
@@ -48,9 +48,13 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._closed = False
         self._stalled = False  # the last step ran nothing (requests wait for adapters): poll the inbox briefly
-        self.fault: EngineFault | None = None  # set when a step raised; no new work is accepted after
+        self.fault: EngineFault | None = None  # set when a step raised or hung; no new work is accepted after
+        # called once, from the engine thread or the watchdog's, when the engine faults (the worker stops serving)
+        self.on_fault: Callable[[EngineFault], None] | None = None
+        self._step_began: float | None = None  # when the running step began (None: between steps)
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watchdog, name="engine-step-watchdog", daemon=True).start()
 
     @property
     def tokenizer(self):
@@ -137,16 +141,47 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id, done))
         if error is not None:
             self._send(request_id, error)
-        await asyncio.get_running_loop().run_in_executor(None, done.wait)
+        # a faulted engine frees nothing (its thread may hang in a step): do not wait for it
+        await asyncio.get_running_loop().run_in_executor(None, lambda: _wait_unless(done, lambda: self.fault))
 
     def stats(self) -> dict:
         return dict(self._stats)
 
+    @property
+    def unhealthy(self) -> str | None:
+        """Why this worker should be replaced (None: it is healthy): the engine faulted, or its steps keep running
+        out of memory while it still serves (engine/faults.py OomHistory)."""
+        return str(self.fault) if self.fault is not None else self.engine.unhealthy
+
     def shutdown(self) -> None:
         self._closed = True
         self._inbox.put(("stop",))
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=30 if self.fault is None else 1)  # a hung step never returns
         self.engine.shutdown()
+
+    # ---- faults ----------------------------------------------------------------------------
+    def _watchdog(self) -> None:
+        """A step running past STEP_TIMEOUT_S hung (a kernel, the driver, a collective): every request fails now,
+        from this thread, since the engine thread never comes back; the worker then exits (handler/worker.py)."""
+        limit = self.engine.cfg.step_timeout_s
+        while not self._closed and self.fault is None:
+            time.sleep(min(1.0, limit / 4))
+            began = self._step_began
+            if began is not None and time.monotonic() - began > limit:
+                log.error("an engine step has run for %.0f s, past STEP_TIMEOUT_S=%g", time.monotonic() - began, limit)
+                why = f"an engine step ran for more than {limit:g} s (STEP_TIMEOUT_S): the device, the driver or a "
+                self._faulted(EngineFault(why + "collective hung; send the request again"))
+                return
+
+    def _faulted(self, fault: EngineFault) -> None:
+        """The engine cannot be trusted any more: fail every request with `fault`, refuse new ones, tell the worker."""
+        if self.fault is not None:
+            return
+        self.fault = fault
+        for rid in list(self._streams):
+            self._send(rid, fault)
+        if self.on_fault is not None:
+            self.on_fault(fault)
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -194,15 +229,16 @@ class AsyncEngine:
                 self._stats = eng.stats()
                 continue
             busy_since_trim = True
+            self._step_began = time.monotonic()
             try:
                 outputs = eng.step()
             except Exception as e:  # a bug or a device error, not user input: fail everything, promptly
                 log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
-                self.fault = EngineFault(f"engine step failed: {e!r}")
                 eng.abort_all()
-                for rid in list(self._streams):
-                    self._send(rid, EngineFault(str(self.fault)))
+                self._faulted(EngineFault(f"engine step failed: {e!r}"))
                 continue
+            finally:
+                self._step_began = None
             self._stats = eng.stats()
             self._stalled = not outputs and not self._stats["running"]
             for out in outputs:
@@ -268,3 +304,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed
             self.engine.abort(request_id)
+
+
+def _wait_unless(done: threading.Event, stop: Callable[[], object]) -> None:
+    while not done.wait(0.1) and not stop():
+        pass

@@ -171,6 +171,25 @@ class BlockManager:
             self.free_queue[block_id] = None
             self.free_queue.move_to_end(block_id, last=False)
 
+    def roll_back(self, req: Request) -> None:
+        """A step that failed (out of memory) computed nothing: blocks past req's computed tokens hold no KV
+        anyone may read. Their hashes (registered when the step allocated them) are forgotten, and the blocks past
+        the computed ones go back to the pool, nothing to keep: handed out first."""
+        computed_full = req.num_computed_tokens // self.block_size
+        for block_id in req.block_ids[computed_full : req.num_registered_blocks]:
+            h = self.block_hash[block_id]
+            if h is not None and self.cached.get(h) == block_id:
+                del self.cached[h]
+            self.block_hash[block_id] = None
+        req.num_registered_blocks = min(req.num_registered_blocks, computed_full)
+        keep = blocks_needed(req.num_computed_tokens, self.block_size)
+        surplus, req.block_ids = req.block_ids[keep:], req.block_ids[:keep]  # a new list (see trim)
+        for block_id in reversed(surplus):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+
     def _register(self, req: Request, num_full: int) -> None:
         """Make req's first num_full blocks findable (they are full once this step has run)."""
         hashes = self._block_hashes(req, num_full)

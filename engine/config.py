@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ConfigError
+from engine.faults import parse_fault_injection
 from engine.quant.scheme import ALIASES as QUANT_ALIASES
 from engine.quant.scheme import METHODS as QUANT_METHODS
 from engine.spec_decode.config import SpeculativeConfig
@@ -78,6 +79,9 @@ class EngineConfig:
     # Tensor parallelism (engine/parallel/): ranks, each a process on its own GPU (gloo processes on CPU)
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0  # a collective waiting longer than this fails the engine (a hung rank)
+    # a step running longer fails every request and the worker asks to be replaced (a hung kernel or collective)
+    step_timeout_s: float = 300.0
+    fault_injection: str | None = None  # "KIND@STEP,...": faults made on purpose (engine/faults.py; tests, chaos)
     # Speculative decoding (engine/spec_decode/): n-gram prompt lookup or a draft model; a dict or its JSON is taken
     speculative_config: SpeculativeConfig | None = None
 
@@ -116,6 +120,11 @@ class EngineConfig:
             "must be an integer >= 1",
         )
         need(self.distributed_timeout_s > 0, "distributed_timeout_s", "must be > 0 seconds")
+        need(self.step_timeout_s > 0, "step_timeout_s", "must be > 0 seconds")
+        try:
+            parse_fault_injection(self.fault_injection)
+        except ValueError as e:
+            need(False, "fault_injection", str(e))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if isinstance(self.hf_cache_dirs, (list, str)):
             dirs = (self.hf_cache_dirs,) if isinstance(self.hf_cache_dirs, str) else tuple(self.hf_cache_dirs)

@@ -36,5 +36,16 @@ class ConfigError(EngineError, ValueError):
 
 
 class EngineFault(EngineError):
-    """The step loop failed (a bug or a device error). In-flight requests end with this; the engine
-    refuses new work, and the worker should be replaced."""
+    """The step loop failed (a bug, a device error, a step that hung past STEP_TIMEOUT_S). In-flight requests end
+    with this; the engine refuses new work, and the worker should be replaced."""
+
+
+class RequestFault(EngineError):
+    """One request failed inside a step for a reason that is not its input's fault, while the others run on: it did
+    not fit in device memory even with the step's batch halved (`status` 503), or the model gave its row NaN or
+    infinite logits (500). `field` names what to send smaller, where something would help."""
+
+    def __init__(self, message: str, status: int = 500, field: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.field = field

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from engine import memory, pooling, startup
+from engine import faults, memory, pooling, startup
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.intake import Intake, ValidRequest
@@ -19,10 +19,10 @@ from engine.parallel.group import start_ranks
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import start_speculation
-from engine.step_runner import StepInput, StepRunner
+from engine.step_runner import EMPTY, StepInput, StepRunner
 from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
-from engine.types import LoRARequest, Request, RequestOutput, SamplingParams
+from engine.types import LoRARequest, Request, RequestOutput, SamplingParams, SchedulerOutput
 
 log = logging.getLogger("engine")
 
@@ -65,6 +65,7 @@ class LLMEngine:
             self.structured = StructuredOutputs(self.tok, facts.spec.vocab_size, self.eos_token_ids)  # imports nothing
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
             self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
+            self.injector, self.ooms, self.num_failed_nan = faults.injector(cfg.fault_injection), faults.OomHistory(), 0
             self.idle = startup.idle_work(cfg, facts, self.runner, self.structured, self.speculator.draft)
             tl.skip("kernel warmup", _warmup_note(facts.kernel_backend, len(self.idle.warm_shapes)))
             startup.log_ready(cfg, facts, plan, time.perf_counter() - t0)
@@ -186,12 +187,52 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        injected = self.injector.next_step() if self.injector is not None else frozenset()
         scheduled = self.scheduler.schedule()
+        try:
+            return self._run(scheduled, injected)
+        except Exception as e:
+            if not faults.is_oom(e):
+                raise  # anything else is a fault: the engine cannot be trusted after it (AsyncEngine's rule)
+            return self._after_oom(scheduled, e)
+
+    def _run(self, scheduled: SchedulerOutput, injected: frozenset[str] = frozenset()) -> list[RequestOutput]:
         drafts = self.speculator.propose(scheduled)  # a draft model runs here, over every speculating sequence
         grammar = self.structured.masks(scheduled.sampling, drafts.tokens)
-        result = self.step_runner.execute(StepInput(scheduled, drafts, grammar))
+        result = self.step_runner.execute(StepInput(scheduled, drafts, grammar), injected)
+        scheduled.failed.update(result.failed)  # rows with NaN logits: those requests fail, the others go on
+        self.num_failed_nan += len(result.failed)
         self.scheduler.update(scheduled, result.tokens)
         return self.output.process(scheduled, result)
+
+    def _after_oom(self, scheduled: SchedulerOutput, e: BaseException) -> list[RequestOutput]:
+        """The step ran out of memory and computed nothing. Retry it once with the batch halved (its newest half
+        preempted by recompute, the token budget halved for a while: Scheduler.halve); if the retry runs out too,
+        its largest request fails, saying what would fit, and the rest wait for the next step. Every block of
+        what did not run goes back to the pool."""
+        self.ooms.record()
+        log.warning("a step of %d requests (%d tokens) ran out of memory: %s; retrying with the batch halved",
+                    len(scheduled.requests), scheduled.total_tokens, e)  # fmt: skip
+        faults.free_cached_memory(self.device)
+        self.scheduler.halve(scheduled)
+        retry = self.scheduler.schedule()
+        retry.failed.update(scheduled.failed)  # refused at admission by the first attempt: still to report
+        try:
+            return self._run(retry)
+        except Exception as e2:
+            if not faults.is_oom(e2):
+                raise
+            faults.free_cached_memory(self.device)
+            self.scheduler.halve(retry, preempt=False)
+            largest = max(retry.requests, key=lambda r: _footprint(r, retry))
+            log.warning("the halved retry ran out of memory too: %s fails", largest.request_id)
+            retry.failed[largest] = faults.did_not_fit(retry.total_tokens, largest)
+            return self.output.process(SchedulerOutput([], [], failed=retry.failed), EMPTY)
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why this engine should be replaced although it still runs (steps kept running out of memory)."""
+        return self.ooms.unhealthy
 
     def shutdown(self) -> None:
         """Stop background work (adapter loads); the engine is not used after this."""
@@ -211,6 +252,8 @@ class LLMEngine:
             "running": len(sch.running),
             "waiting": len(sch.waiting),
             "num_preemptions": sch.num_preemptions,
+            "num_failed_nan": self.num_failed_nan,
+            "num_oom_steps": self.ooms.count,
             "max_model_len": self.max_model_len,
             **bm.stats(),
             **self.output.stats(),  # num_generated_tokens; speculation's acceptance
@@ -220,6 +263,13 @@ class LLMEngine:
     def lora_names(self) -> list[str]:
         """Adapters this worker knows: configured in LORA_MODULES, or requested so far."""
         return self.lora.names() if self.lora is not None else []
+
+
+def _footprint(req: Request, out: SchedulerOutput) -> tuple:
+    """What a request's part of a step costs in activations: prompt logprobs first (a vocabulary-wide row per prompt
+    token), then its tokens times its n."""
+    n = out.num_scheduled_tokens[out.requests.index(req)]
+    return req.params.prompt_logprobs is not None, n * req.params.n
 
 
 def _warmup_note(kernel_backend: str, shapes: int) -> str:

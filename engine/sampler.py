@@ -59,10 +59,10 @@ class Sampler:
             r.params.greedy and not r.params.needs_penalties and r.params.min_tokens == 0 and not r.params.logit_bias
             for r in reqs
         ):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1).masked_fill_(self.bad_rows(logits), -1).tolist()
             return tokens, self._pick_logprobs(logprobs, reqs, tokens)
 
-        logits = logits.clone()
+        logits, bad = self.screen(logits)
         self._mask_min_tokens(logits, reqs)
         self._apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
@@ -70,8 +70,20 @@ class Sampler:
         rand = Rows.where((not r.params.greedy for r in reqs), self.device)
         if rand:
             rand.put(tokens, self._draw(rand.take(logits), [reqs[i] for i in rand.rows]))
-        tokens = tokens.tolist()
+        tokens = tokens.masked_fill_(bad, -1).tolist()
         return tokens, self._pick_logprobs(logprobs, reqs, tokens)
+
+    @staticmethod
+    def bad_rows(logits: torch.Tensor) -> torch.Tensor:
+        """[S] bool: rows with a NaN or +inf anywhere, or nothing left to pick (all -inf). A row's max is NaN if
+        any element is (torch propagates it), +inf if any is: one reduction, no host sync."""
+        return ~torch.isfinite(logits.amax(dim=-1))
+
+    def screen(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of `logits` that sampling may change, its bad rows (bad_rows) zeroed so that no draw fails on them,
+        and those rows: the caller samples -1 there, and the step fails their requests (engine/step_runner.py)."""
+        bad = self.bad_rows(logits)
+        return logits.masked_fill(bad[:, None], 0.0), bad
 
     # ---- steps -----------------------------------------------------------------------------
     def _raw_logprobs(self, logits, reqs):
@@ -89,7 +101,7 @@ class Sampler:
         rows, lp = logprobs
         n_max = max(reqs[i].params.logprobs for i in rows)
         top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0])
-        sampled = lp.gather(1, h2d([[tokens[i]] for i in rows], torch.int64, lp.device))
+        sampled = lp.gather(1, h2d([[max(tokens[i], 0)] for i in rows], torch.int64, lp.device))  # -1: a bad row
         # values, then the sampled token's, then the ids (exact in fp32: vocabularies are far below 2**24)
         host = torch.cat([top_v, sampled, top_i.to(lp.dtype)], 1).cpu().tolist()
         for j, i in enumerate(rows):

@@ -13,6 +13,7 @@ from engine.block_manager import BlockManager
 from engine.types import Request, RequestStatus, SchedulerOutput
 
 log = logging.getLogger("engine")
+OOM_RECOVERY_S = 30.0  # after a step ran out of memory, its halved limits double back once per this many quiet seconds
 
 
 class Admission(Protocol):
@@ -66,6 +67,10 @@ class Scheduler:
         # A request the gate cannot start yet stays queued without blocking the others
         self.admission = admission
         self.lookahead = lookahead  # speculative decoding: the drafts a decoding request would verify
+        # After a step ran out of device memory (halve()): at most this many tokens and running requests per step,
+        # doubling back every OOM_RECOVERY_S without another (None: the configured limits)
+        self.oom_limits: tuple[int, int] | None = None
+        self.oom_at = 0.0
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -80,7 +85,7 @@ class Scheduler:
             for req, err in self.admission.refused(self.waiting).items():
                 self.finish(req, "abort")
                 out.failed[req] = err
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, self._limits()[0])
         if self.lookahead is not None:
             budget = self._grant_lookahead(out, budget)
         # Admit waiting requests only when nothing was preempted this step: otherwise the
@@ -119,7 +124,8 @@ class Scheduler:
         """Waiting requests in order while the budget, max_num_seqs and the pool allow, each from its first
         uncached token."""
         held = []  # waiting requests that cannot start yet (their adapter is loading): they keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        max_seqs = self._limits()[1]
+        while self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting[0]
             if self.admission is not None and not self.admission.can_start(req, self.running):
                 held.append(self.waiting.popleft())
@@ -141,6 +147,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            out.admitted.append(req)
             out.requests.append(req)
             out.num_scheduled_tokens.append(n)
             budget -= n
@@ -160,6 +167,38 @@ class Scheduler:
                 out.num_scheduled_tokens[j] += k
                 budget -= k
         return budget
+
+    def _limits(self) -> tuple[int, int]:
+        """This step's token budget and running-request cap: the configured ones, or less after running out of
+        memory (halve())."""
+        if self.oom_limits is None:
+            return self.max_num_batched_tokens, self.max_num_seqs
+        if time.monotonic() - self.oom_at >= OOM_RECOVERY_S:
+            tokens, seqs = (2 * v for v in self.oom_limits)
+            self.oom_at = time.monotonic()
+            if tokens >= self.max_num_batched_tokens and seqs >= self.max_num_seqs:
+                self.oom_limits = None
+                log.info("the step limits are back to %d tokens and %d requests", tokens, seqs)
+                return self.max_num_batched_tokens, self.max_num_seqs
+            self.oom_limits = (min(tokens, self.max_num_batched_tokens), min(seqs, self.max_num_seqs))
+        return self.oom_limits
+
+    def halve(self, out: SchedulerOutput, preempt: bool = True) -> None:
+        """`out` ran out of memory and computed nothing: roll it back (engine/block_manager.py roll_back), preempt the
+        most recently admitted half of its requests by recompute (those admitted this step first: they return to
+        the front of the queue), and halve the step's token budget and running cap until OOM_RECOVERY_S pass without
+        another. preempt=False: the limits only (the retry of a step that was halved already)."""
+        for req in out.requests:
+            self.bm.roll_back(req)
+        stepped = set(out.requests)
+        ran = [r for r in self.running if r in stepped]  # admission order
+        for req in reversed(ran[(len(ran) + 1) // 2 :] if preempt else ()):
+            self.running.remove(req)
+            self._preempt(req)
+        tokens, seqs = self._limits()
+        self.oom_limits = (max(1, min(tokens, out.total_tokens) // 2), max(1, min(seqs, len(self.running))))
+        self.oom_at = time.monotonic()
+        log.warning("out of memory: steps now take at most %d tokens and %d requests", *self.oom_limits)
 
     def _preempt(self, req: Request) -> None:
         self.bm.free(req)

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import faults as faults_
 from engine import pooling
 from engine.block_table import h2d
+from engine.errors import EngineFault
 from engine.model_runner import FlatBatch, flat_batch
 from engine.sampler import Sampler
 from engine.spec_decode.rejection import verify
@@ -42,17 +44,23 @@ class StepRunner:
         self.max_rows = max_rows or self.rank0.max_num_seqs
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput, faults: frozenset[str] = frozenset()) -> StepOutput:
+        """faults: FAULT_INJECTION's for this step (engine/faults.py): "oom" raises the device's out-of-memory error
+        after the forward pass, "nan" makes row 0 of the logits NaN."""
         out, drafts = step.scheduled, step.drafts.tokens
         if out.empty:
             return EMPTY
         batch, rows = self._batch(out, drafts)
         hidden = self.runner.forward(batch)  # [T, hidden]; on a GPU it runs on while the host goes on below
+        if "oom" in faults:
+            raise faults_.injected_oom()
         self._prompt_logprobs(hidden, out, batch.query_start_loc)
         self._pool(hidden, out, batch.query_start_loc)
         if not rows:  # only prefill chunks that do not reach their prompt's end
             return EMPTY
         logits = self.runner.logits(hidden, rows)  # [S, vocab] fp32
+        if "nan" in faults:
+            logits[0] = float("nan")
         step.grammar.apply(logits)  # the masks are filled on the host now, while a GPU still runs the above
         reqs = out.sampling
         if drafts:
@@ -61,7 +69,15 @@ class StepRunner:
             tokens, logprobs = self.sampler(logits, reqs)
             tokens = [[t] for t in tokens]
             logprobs = [[lp] if lp is not None else None for lp in logprobs]
-        return StepOutput(dict(zip(reqs, tokens)), {r: lp for r, lp in zip(reqs, logprobs) if lp is not None})
+        # a row whose logits had a NaN or +inf sampled -1 (Sampler.screen): its request fails, the others go on
+        failed = {r: faults_.nan_logits() for r, ts in zip(reqs, tokens) if ts[-1] < 0}
+        if failed and len(failed) == len(reqs):
+            raise EngineFault(f"every row of the step's logits ({len(reqs)}) was NaN or infinite: a device fault")
+        return StepOutput(
+            {r: ts for r, ts in zip(reqs, tokens) if r not in failed},
+            {r: lp for r, lp in zip(reqs, logprobs) if lp is not None and r not in failed},
+            failed,
+        )
 
     def _batch(self, out: SchedulerOutput, drafts: dict[Request, list[int]]) -> tuple[FlatBatch, list[int]]:
         """Each request's scheduled tokens (a prefill chunk, or its last token then its drafts) as one flat batch,

@@ -14,6 +14,7 @@ import logging
 import threading
 from pathlib import Path
 
+from engine.errors import UnsupportedModelError
 from engine.weights.locate import read_json
 
 log = logging.getLogger("engine")
@@ -66,7 +67,11 @@ class Tokenizer:
         if (self.folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as RustTokenizer
 
-            self.backend = RustTokenizer.from_file(str(self.folder / "tokenizer.json"))
+            try:
+                self.backend = RustTokenizer.from_file(str(self.folder / "tokenizer.json"))
+            except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception
+                why = f"{self.folder / 'tokenizer.json'} is not a readable tokenizer ({e}): cut short by an "
+                raise UnsupportedModelError(why + "incomplete download or copy? Copy it again") from None
             self.eos_token_id = self._token_id(_content(cfg.get("eos_token")))
             # as transformers 5 reads them: special_tokens_map.json is legacy, read (and overriding the config)
             # only when tokenizer_config.json has no added_tokens_decoder

@@ -308,8 +308,11 @@ class SchedulerOutput:
     spec: dict[Request, int] = field(default_factory=dict)
     # The requests that sample this step, in batch order: each whose scheduled tokens reach its last token
     sampling: list[Request] = field(default_factory=list)
-    # Waiting requests the admission gate refused for good (their adapter failed to load), with why; finished
+    # Requests that failed (finished by the output processor), with why: refused for good by the admission gate
+    # (their adapter failed to load), or failed in the step (engine/faults.py: NaN logits, out of memory twice)
     failed: dict[Request, BaseException] = field(default_factory=dict)
+    # Requests admitted from the waiting queue this step (a failed step's roll-back returns them there)
+    admitted: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -327,6 +330,7 @@ class StepOutput:
     # one token, or with speculation the accepted drafts then the target's own token
     tokens: dict[Request, list[int]]
     logprobs: dict[Request, list[dict]]  # top-N per emitted token, for the requests that asked
+    failed: dict[Request, BaseException] = field(default_factory=dict)  # rows with NaN or infinite logits
 
 
 @dataclass

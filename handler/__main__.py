@@ -24,6 +24,7 @@ if __name__ == "__main__":
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if mode[0] == "lb":
             from handler import lb
 
-            return lb.serve(settings, lambda: build_worker(per_token=True, settings=whole), started)
+            code = lb.serve(settings, lambda: build_worker(per_token=True, settings=whole), started)
+            return code if code == 0 else exit_now("the engine faulted")
         worker = started(build_worker(settings=whole))
     else:
         worker = started(build_worker())
@@ -126,9 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     worker.ready()  # the cold-start table, before the first job-take
+    worker.on_fatal = runpod_sdk.stop_worker  # an engine fault: the jobs in flight report it, then the loop ends
 
     runpod.serverless.start(worker.runpod_config())
-    return 0
+    return exit_now(f"the engine faulted: {worker.fault}") if worker.fault else 0
+
+
+def exit_now(why: str) -> int:
+    """After an engine fault the process exits now with 1, past every exit handler (a hung step's thread, or a CUDA
+    context after a device error, can hold the interpreter's exit forever), so that the platform replaces it."""
+    log.error("exiting: %s", why)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from handler import openai_compat as oa
 from handler.local_jobs import WORKER_ID, Job, error_response, json_body, openai_result, sse_events
 
 log = logging.getLogger("handler.local")
+KEPT_RESULTS = 4096  # finished jobs' records kept for /status and /stream (besides `retention`): the oldest go first
 
 
 class JobFront:
@@ -66,8 +67,9 @@ class JobFront:
 
     def submit(self, job_input: Any, prefix: str = "") -> Job:
         now = time.monotonic()
-        for old in [j.id for j in self.jobs.values() if j.done and now - j.finished > self.retention]:
-            del self.jobs[old]
+        done = [j for j in self.jobs.values() if j.done]  # in submission order
+        for j in done[: max(0, len(done) - KEPT_RESULTS)] + [j for j in done if now - j.finished > self.retention]:
+            self.jobs.pop(j.id, None)
         job = self.jobs.setdefault(jid := prefix + str(uuid.uuid4()), Job(jid, job_input, worker_id=self.worker_id))
         if (refused := self.refusal()) is not None:
             self.finish(job, "FAILED", error=refused)

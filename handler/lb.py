@@ -19,7 +19,8 @@ read. With API_KEY every route but the health check needs `Authorization: Bearer
 Every response carries X-Runpod-Worker-Id (RUNPOD_POD_ID), which a client sends back to be routed here again (its
 prefix cache).
 SIGTERM: the health check answers 503 and new requests 503 at once; running requests get SHUTDOWN_GRACE_S, then
-fail with a 503 error; then the engine stops and the process exits 0. A second SIGTERM exits at once."""
+fail with a 503 error; then the engine stops and the process exits 0. A second SIGTERM exits at once. An engine fault
+(a step raised or hung) drains the same way, its requests already failed, and the process exits 1 to be replaced."""
 
 from __future__ import annotations
 
@@ -143,6 +144,8 @@ class LBServer:
 
             self.metrics = Metrics(worker.engine, worker.served_name)
             worker.use_metrics(self.metrics)
+        loop = asyncio.get_running_loop()
+        worker.on_fatal = lambda: loop.call_soon_threadsafe(self.on_signal, "engine fault")  # 503, drain, exit 1
         self.worker = started(worker)
         if self.state == "initializing":
             self.state = "ready" if worker.engine is not None else "failed"
@@ -153,9 +156,11 @@ class LBServer:
     async def ping(self, request: Request) -> Response:
         if self.state == "initializing":
             return Response(status_code=204)
-        if self.unavailable() is None:
+        # unhealthy but serving (its steps keep running out of memory): out of routing, the requests here finish
+        why = self.unavailable() or (self.worker.unhealthy if self.worker is not None else None)
+        if why is None:
             return JSONResponse({"status": "ready", "workerId": self.worker_id})
-        return JSONResponse({"status": "unhealthy", "reason": self.unavailable()}, 503)
+        return JSONResponse({"status": "unhealthy", "reason": why}, 503)
 
     async def metrics_route(self, request: Request) -> Response:
         if self.metrics is None:
@@ -205,16 +210,17 @@ class LBServer:
         return _error(f"the request body is over MAX_REQUEST_BYTES={n} bytes", 413, code="request_too_large")
 
     # ---- shutdown
-    def on_signal(self) -> None:
+    def on_signal(self, why: str = "SIGTERM") -> None:
         if self._drain is None:
-            self._drain = asyncio.get_running_loop().create_task(self.drain())
+            self._drain = asyncio.get_running_loop().create_task(self.drain(why))
         else:  # a second signal: now
             for s in self.servers:
                 s.should_exit = s.force_exit = True
 
-    async def drain(self) -> None:
+    async def drain(self, why: str = "SIGTERM") -> None:
+        """SIGTERM, or an engine fault (its requests fail at once; the process then exits 1 to be replaced)."""
         grace = self.settings.SHUTDOWN_GRACE_S
-        log.info("SIGTERM: /ping answers 503; %d requests running get %g s", len(self.jobs.tasks), grace)
+        log.info("%s: /ping answers 503; %d requests running get %g s", why, len(self.jobs.tasks), grace)
         self.state = "shutting down"
         deadline = time.monotonic() + grace
         while self.jobs.tasks and time.monotonic() < deadline:
@@ -349,4 +355,4 @@ def serve(settings: Settings, build_worker, started) -> int:
         uvloop.run(main())
     except ImportError:
         asyncio.run(main())
-    return 0
+    return 1 if lb.worker is not None and lb.worker.fault else 0

@@ -152,6 +152,9 @@ ENGINE_METRICS = (
         "Cumulative number of preemption from the engine.",
         "num_preemptions",
     ),
+    # ours (engine/faults.py): requests failed because their logits were NaN or infinite, steps out of memory
+    (CounterMetricFamily, "worker:num_requests_nan_logits", "Requests failed with NaN logits.", "num_failed_nan"),
+    (CounterMetricFamily, "worker:num_steps_out_of_memory", "Steps that ran out of memory.", "num_oom_steps"),
 )
 
 

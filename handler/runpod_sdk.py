@@ -46,6 +46,17 @@ def cheap_cpuinfo() -> None:
     sys.modules["cpuinfo"] = shim
 
 
+_current: list = []  # [(the running Scaler, its event loop)], for stop_worker
+
+
+def stop_worker() -> None:
+    """Take no more jobs and end the worker loop once the jobs in flight have reported (an engine fault: they fail
+    with it); safe from any thread."""
+    if _current:
+        scaler, loop = _current[0]
+        loop.call_soon_threadsafe(scaler.kill_worker)
+
+
 def install(grace_s: float, on_grace_expired: Callable[[], None]) -> None:
     """Make runpod's worker loop use `Scaler` with this drain policy, on uvloop where it is installed (the loop
     handles a POST per streamed yield; uvloop does it in about half the CPU time, off the engine's GIL)."""
@@ -82,6 +93,7 @@ class Scaler:
     async def run(self) -> None:
         from runpod.http_client import AsyncClientSession
 
+        _current[:] = [(self, asyncio.get_running_loop())]
         async with AsyncClientSession() as session:
             take = asyncio.create_task(self.get_jobs(session))
             stops = asyncio.create_task(self.monitor_stop_signals(session))

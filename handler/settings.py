@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import typing
 from collections.abc import Mapping
@@ -319,17 +320,37 @@ def set_library_defaults() -> None:
         os.environ.setdefault(name, value)
     _limit_malloc_arenas(int(os.environ["MALLOC_ARENA_MAX"]))
     triton_cache = os.environ.get("TRITON_CACHE_DIR")
+    # the image points it at the volume; a root-owned network volume would make the first kernel compile fail with
+    # PermissionError, and a full one with ENOSPC, inside a step: failing the jobs of that step
+    why = None
     if triton_cache and not writable_dir(triton_cache):
-        # the image points it at the volume; a root-owned network volume would make the first kernel compile fail
-        # with PermissionError, failing the first job
+        why = "cannot be written by this user"
+    elif triton_cache and (free := _free_bytes(triton_cache)) < TRITON_CACHE_MIN_FREE:
+        why = f"is on a disk with {free / 2**20:.0f} MiB free"
+    if why is not None:
         fallback = str(Path.home() / ".triton" / "cache")
         log.warning(
-            "TRITON_CACHE_DIR=%s cannot be written by this user: compiled kernels go to %s instead (lost with the "
-            "container, so each new worker compiles again). Make the volume writable to keep them.",
+            "TRITON_CACHE_DIR=%s %s: compiled kernels go to %s instead (lost with the container, so each new worker "
+            "compiles again). Make room on the volume (or make it writable) to keep them.",
             triton_cache,
+            why,
             fallback,
         )
         os.environ["TRITON_CACHE_DIR"] = fallback
+
+
+TRITON_CACHE_MIN_FREE = 256 << 20  # a model's compiled kernels take some tens of MiB; less free than this: not there
+
+
+def _free_bytes(path: str) -> int:
+    """Free bytes on the filesystem that holds `path` (its nearest existing folder); unknown: as good as unlimited."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return 1 << 62
 
 
 def _limit_malloc_arenas(n: int) -> None:

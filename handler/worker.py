@@ -42,7 +42,12 @@ class Worker:
         self.served_name = settings.OPENAI_SERVED_MODEL_NAME_OVERRIDE or settings.MODEL_NAME or "SmolLM2-135M-Instruct"
         self.ctx = JobContext(engine, settings, self.served_name)
         self.rp_config: dict | None = None  # runpod's start() config (runpod_config()); refresh_worker on faults
-        self.fault: str | None = None
+        self.fault: str | None = None  # the engine faulted (a step raised or hung): nothing is served after
+        # how this worker stops taking work once the engine faulted, called once from any thread (the queue: the
+        # SDK's drain, handler/runpod_sdk.py; the load-balancing server: its own); the process then exits
+        self.on_fatal: Callable[[], None] | None = None
+        if engine is not None:
+            engine.on_fault = self._on_fault
         self.max_in_flight = 0
         self._ids = itertools.count()
         self._running: dict[str, str] = {}  # engine request id -> job id, for jobs in flight
@@ -108,6 +113,8 @@ class Worker:
         finally:
             self._running.pop(rid, None)
             self._log_end(job_id, outcome)
+            if self.engine is not None and self.engine.unhealthy:  # repeated out-of-memory steps
+                self._ask_replacement()
 
     def _route(self, inp: Any, rid: str) -> tuple[AsyncIterator[Any], Callable[[JobError], JobError]]:
         """The job's chunks, and how its errors name fields: an OpenAI job's as paths in its body (its client's
@@ -136,8 +143,9 @@ class Worker:
         if isinstance(e, EngineFault):  # the step loop raised: every job fails, Runpod replaces this worker
             self._on_fault(e)
             return JobError(str(e), type="server_error"), "engine fault"
-        if isinstance(e, EngineError):  # not the job's fault (an adapter's S3 store is down): this job only
-            error = JobError(str(e), param=getattr(e, "field", None), type="server_error", status=502)
+        if isinstance(e, EngineError):  # not the job's input (S3 is down, a step's NaN or OOM): this job only
+            status = getattr(e, "status", 502)  # a RequestFault's own: 503 did not fit in memory, 500 NaN logits
+            error = JobError(str(e), param=getattr(e, "field", None), type="server_error", status=status)
             return error, f"failed ({e})"
         log.exception("job %s failed", job_id)  # a bug of ours
         return JobError(f"internal error: {type(e).__name__}: {e}", type="server_error"), f"failed ({type(e).__name__})"
@@ -156,12 +164,28 @@ class Worker:
             st.get("waiting"),
         )
 
+    @property
+    def unhealthy(self) -> str | None:
+        """Why Runpod should replace this worker (None: healthy): the engine faulted, or its steps keep running out
+        of memory (it still serves meanwhile)."""
+        if self.fault is not None or self.engine is None:
+            return self.fault
+        return self.engine.unhealthy
+
     def _on_fault(self, e: Exception) -> None:
-        if self.fault is None:
-            log.error("engine fault: %s; asking Runpod to replace this worker", e)
+        """The engine faulted (any thread): every job fails, Runpod replaces this worker."""
+        first = self.fault is None
         self.fault = str(e)
-        if self.rp_config is not None:
-            self.rp_config["refresh_worker"] = True  # the SDK stops the pod once in-flight jobs report
+        if first:
+            log.error("engine fault: %s; asking Runpod to replace this worker", e)
+        self._ask_replacement()
+        if first and self.on_fatal is not None:
+            self.on_fatal()
+
+    def _ask_replacement(self) -> None:
+        if self.rp_config is not None and not self.rp_config.get("refresh_worker"):
+            self.rp_config["refresh_worker"] = True  # the SDK stops the worker once in-flight jobs report
+            log.error("the worker is unhealthy (%s): it stops after the jobs in flight", self.unhealthy)
 
 
 def _as_is(error: JobError) -> JobError:

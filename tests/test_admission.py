@@ -138,7 +138,7 @@ def test_ping_follows_the_worker_state():
     assert r.status_code == 204 and r.headers["x-runpod-worker-id"] == "pod-1"  # starting; no key needed
     r = client.post("/v1/completions", json={}, headers={"Authorization": "Bearer k"})
     assert r.status_code == 503 and "still starting" in r.json()["error"]["message"]
-    lb.worker, lb.state = SimpleNamespace(fault=None, start_error=None), "ready"
+    lb.worker, lb.state = SimpleNamespace(fault=None, start_error=None, unhealthy=None), "ready"
     assert client.get("/ping").status_code == 200
     lb.worker.fault = "engine step failed: boom"
     r = client.get("/ping")

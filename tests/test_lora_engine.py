@@ -293,3 +293,35 @@ def test_structured_output_with_adapters(tiny_adapters, tmp_path):
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 5, sp, lora=[LoRARequest(n) if n else None for n in names])
     for o in outs:
         assert re.fullmatch(r"[a-z]{3,6}\.", o.outputs[0].text), o.outputs[0].text
+
+
+def test_an_adapter_damaged_past_the_cache_check_fails_its_request_and_is_fetched_again(
+    tiny_adapters, bucket, moto_server, s3, tmp_path
+):
+    """NaN weights pass the disk cache's structural check; loading refuses them, failing only the request that
+    named the adapter (the others in its batch are served), and the cache entry is dropped, so once the upload is
+    fixed the next request fetches it again (docs/decisions.md, "Faults")."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, paths, ref = tiny_adapters
+    nan = tmp_path / "nan"
+    shutil.copytree(paths["a1"], nan)
+    t = load_file(str(nan / "adapter_model.safetensors"))
+    next(v for k, v in t.items() if "lora_B" in k)[0, 0] = float("nan")
+    save_file(t, str(nan / "adapter_model.safetensors"))
+    upload_adapter(s3, "loras", "adapters/nanny", nan)
+    cfg = dict(model=str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    eng = AsyncEngine(
+        EngineConfig(**cfg, lora_s3_uri=bucket, s3_endpoint_url=moto_server.url, cache_root=str(tmp_path / "c"))
+    )
+    try:
+        results = run_async(eng, [(PROMPTS[0], LoRARequest("nanny")), (PROMPTS[1], None)])
+        assert isinstance(results[0], InvalidRequestError) and "NaN" in str(results[0]), results[0]
+        assert results[1] == ref[None][1]
+        assert sorted(p.name for p in (tmp_path / "c" / "lora-cache").iterdir()) == []  # the damaged copy is gone
+        upload_adapter(s3, "loras", "adapters/nanny", paths["a1"])  # fixed
+        assert run_async(eng, [(PROMPTS[0], LoRARequest("nanny"))]) == [ref["a1"][0]]
+    finally:
+        eng.shutdown()

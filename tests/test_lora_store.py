@@ -391,3 +391,37 @@ def test_stale_temp_folders_cleaned_on_start(tmp_path):
     cache = AdapterDiskCache(root, 1 << 20)
     # Ours (a crashed earlier run) and old ones go; another worker's fresh download on a shared volume stays.
     assert _entries(root) == [".tmp-otherhost-dl-fresh"] and cache.stats()["entries"] == 0
+
+
+def test_a_cached_adapter_damaged_on_the_volume_is_fetched_again(adapters, moto_server, s3, tmp_path):
+    """A cache entry cut short after it was cached (a full volume, a crashed copy): the next use sees it, drops the
+    entry and downloads the adapter again, so the request that named it is served (docs/decisions.md, "Faults")."""
+    good = adapters["plain"][0]
+    uri = upload_adapter(s3, "damaged-bkt", "d", good)
+    ref = AdapterRef("d", uri)
+    cache = _cache(tmp_path, moto_server)
+    path = cache.get(ref)
+    weights = path / FILES[1]
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with cache.use(ref) as again:
+        assert (again / FILES[1]).read_bytes() == (good / FILES[1]).read_bytes()
+    assert cache.stats()["downloads"] == 2 and _entries(tmp_path / "lora-cache") == [path.name]
+
+
+def test_a_full_volume_downloads_the_adapter_without_caching_it(adapters, moto_server, s3, tmp_path):
+    """No space left on the volume (ENOSPC while the download writes there): the request is still served from a
+    private temporary folder, deleted after use; nothing half-written stays in the cache."""
+    import errno
+
+    uri = upload_adapter(s3, "full-bkt", "f", adapters["plain"][0])
+    root = tmp_path / "lora-cache"
+
+    def full_volume(ref, dest):
+        if root in Path(dest).parents:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fetch(ref, dest, moto_server.url)
+
+    cache = AdapterDiskCache(root, 1 << 30, full_volume)
+    with cache.use(AdapterRef("f", uri)) as path:
+        assert root not in path.parents and (path / FILES[1]).is_file()
+    assert not path.exists() and _entries(root) == [] and cache.stats()["uncached"] == 1

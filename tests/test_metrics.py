@@ -51,6 +51,8 @@ class StubEngine:
             "prefix_cache_hit_tokens": 3,
             "num_preemptions": 4,
             "num_generated_tokens": 99,
+            "num_failed_nan": 1,
+            "num_oom_steps": 2,
         }
 
 
@@ -60,6 +62,7 @@ def test_engine_state_is_read_at_scrape_under_vllms_names():
     assert v["vllm:kv_cache_usage_perc"] == 0.25
     assert v["vllm:prefix_cache_queries_total"] == 7 and v["vllm:prefix_cache_hits_total"] == 3
     assert v["vllm:num_preemptions_total"] == 4
+    assert v["worker:num_requests_nan_logits_total"] == 1 and v["worker:num_steps_out_of_memory_total"] == 2
     for reason in ("stop", "length", "abort", "error"):  # every reason shows from the start, at 0
         assert v[f"vllm:request_success_total{{finished_reason={reason}}}"] == 0
     assert v["vllm:prompt_tokens_total"] == 0 and v["vllm:generation_tokens_total"] == 0

@@ -146,7 +146,7 @@ def lb_server(s: Settings, ctx):
     from handler import lb
 
     server = lb.LBServer(s)
-    server.worker, server.state = SimpleNamespace(fault=None, start_error=None), "ready"
+    server.worker, server.state = SimpleNamespace(fault=None, start_error=None, unhealthy=None), "ready"
     client = TestClient(lb._Guard(lb.create_app(server), server))
     body, json_type = b"{" + b" " * 2048 + b"}", {"Content-Type": "application/json"}
     big = client.post("/v1/completions", content=body, headers=json_type)
@@ -228,6 +228,8 @@ CASES = {
     "POOLING": ("mean", {"IS_MATRYOSHKA": "true"}, embed),
     "NORMALIZE": ("false", {"IS_MATRYOSHKA": "true"}, embed),
     "IS_MATRYOSHKA": ("true", {}, embed),  # without it: dimensions refused
+    "STEP_TIMEOUT_S": ("60", {}, config),  # what each does: tests/test_faults.py and tests/test_chaos.py
+    "FAULT_INJECTION": ("nan@1", {}, config),
 }
 ALIAS_CASES = {
     "MIN_BATCH_SIZE": ("2", FLUSH_BY_COUNT, stream),

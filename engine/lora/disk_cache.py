@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -22,6 +23,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -100,6 +102,15 @@ class _Flight:
         self.error: BaseException | None = None
 
 
+def disk_full(e: BaseException) -> bool:
+    """Whether `e`, or an error it was raised from, is the disk (or its quota) being full."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _copy_error(e: BaseException) -> EngineError:
     # Each waiter raises its own exception object (one instance raised in many threads shares a traceback).
     if isinstance(e, InvalidRequestError):
@@ -115,7 +126,7 @@ class AdapterDiskCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._flights: dict[str, _Flight] = {}
-        self._stats = dict(hits=0, misses=0, coalesced=0, downloads=0, failures=0, evictions=0)
+        self._stats = dict(hits=0, misses=0, coalesced=0, downloads=0, failures=0, evictions=0, uncached=0)
         self.root.mkdir(parents=True, exist_ok=True)
         found, now = [], time.time()
         for d in self.root.iterdir():
@@ -159,7 +170,9 @@ class AdapterDiskCache:
         try:
             yield path
         finally:
-            if ref.is_s3:
+            if ref.is_s3 and path.parent != self.root:  # not cached (a full volume): used once
+                shutil.rmtree(path, ignore_errors=True)
+            elif ref.is_s3:
                 with self._lock:
                     e = self._entries.get(cache_key(ref))
                     if e is not None:
@@ -179,10 +192,20 @@ class AdapterDiskCache:
                 if e is not None:
                     self._entries.move_to_end(key)
                     self._stats["hits"] += 1
-                    e.pins += pin
-                    with contextlib.suppress(OSError):
-                        os.utime(e.path / META_FILE)  # persist recency for the next process
-                    return e.path
+                    e.pins += 1  # while it is checked
+            if e is not None:
+                try:  # damaged on the volume since it was cached (cut short, overwritten): fetched again
+                    verify_adapter_dir(e.path, ref.name)
+                except InvalidRequestError as bad:
+                    log.warning("lora: the cached copy of %s is damaged (%s): downloading it again", ref.name, bad)
+                    self.drop(ref, unpin=True)
+                    continue
+                with self._lock:
+                    e.pins -= not pin
+                with contextlib.suppress(OSError):
+                    os.utime(e.path / META_FILE)  # persist recency for the next process
+                return e.path
+            with self._lock:
                 flight = self._flights.get(key)
                 if flight is None:
                     flight = self._flights[key] = _Flight()
@@ -198,12 +221,15 @@ class AdapterDiskCache:
         try:
             path, nbytes = self._download(ref, key, fetch_fn or self.fetch_fn)
         except BaseException as e:
-            flight.error = e
+            full = disk_full(e)
+            flight.error = None if full else e  # a full disk: each waiter tries on its own, as this one does
             with self._lock:
-                self._stats["failures"] += 1
+                self._stats["failures"] += not full
                 del self._flights[key]
             flight.done.set()
-            raise
+            if not full:
+                raise
+            return self._uncached(ref, fetch_fn or self.fetch_fn, e)
         with self._lock:
             self._entries[key] = entry = _Entry(path, nbytes)
             entry.pins += pin
@@ -212,6 +238,39 @@ class AdapterDiskCache:
         flight.done.set()
         self._remove(doomed)
         return path
+
+    def _uncached(self, ref: AdapterRef, fetch_fn: FetchFn, why: BaseException) -> Path:
+        """The volume is full: the adapter goes to a private temporary folder on the container's own disk instead,
+        verified the same way, used once and deleted after (use()); nothing half-written stays in the cache."""
+        log.warning("lora: the cache %s is full (%s): %s is downloaded without caching", self.root, why, ref.name)
+        tmp = Path(tempfile.mkdtemp(prefix="lora-uncached-"))
+        try:
+            fetch_fn(ref, tmp)
+            verify_adapter_dir(tmp, ref.name)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, EngineError):
+                raise
+            raise LoRALoadError(f"adapter {ref.name!r}: download failed: {type(e).__name__}: {e}") from e
+        with self._lock:
+            self._stats["uncached"] += 1
+        return tmp
+
+    def drop(self, ref: AdapterRef, unpin: bool = False) -> None:
+        """Forget a cached adapter and delete its folder (its files proved damaged): the next get downloads it again.
+        unpin: the caller holds one pin on it."""
+        key = cache_key(ref)
+        with self._lock:
+            e = self._entries.pop(key, None)
+            if e is None:
+                return
+            e.pins -= unpin
+            gone = self.root / f".tmp-{_HOST}-drop-{key[:16]}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(e.path, gone)
+            except OSError:
+                gone = e.path
+        self._remove([gone])
 
     def _download(self, ref: AdapterRef, key: str, fetch_fn: FetchFn) -> tuple[Path, int]:
         final = self.root / key

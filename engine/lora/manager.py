@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import safetensors.torch
 import torch
 
+from engine.errors import InvalidRequestError
 from engine.lora.adapter import load_adapter, max_adapter_bytes, module_shapes
 from engine.lora.disk_cache import AdapterDiskCache, cache_key
 from engine.lora.source import AdapterRef, LoRALoadError, resolve
@@ -110,6 +111,10 @@ class LoRASlots:
         return apply
 
 
+KNOWN_ADAPTERS = 1024  # adapter names remembered (what /v1/models lists besides LORA_MODULES)
+HOST_ADAPTERS = 8  # loaded adapters' host copies kept while they wait for a device slot
+
+
 class LoRAManager:
     def __init__(self, cfg, spec, slots: LoRASlots, ranks=None):
         """`spec`: the full model's (adapters are checked against it); `slots`: rank 0's (its runner's). Under tensor
@@ -119,7 +124,8 @@ class LoRAManager:
         self.ranks, self.shards = ranks, [Shard(spec, r, tp) for r in range(tp)] if tp > 1 else []
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, least recently used first
         self.free_slots = list(range(cfg.max_loras))
-        self.refs: dict[str, AdapterRef] = {}  # every adapter key seen (for /v1/models)
+        # adapter keys seen (for /v1/models), least recently requested first: at most KNOWN_ADAPTERS
+        self.refs: OrderedDict[str, AdapterRef] = OrderedDict()
         self._jobs: dict[str, Future] = {}  # key -> host tensors being (or already) loaded
         self._started: dict[str, float] = {}
         self.disk = AdapterDiskCache.from_config(cfg, max_adapter_bytes(spec, cfg.max_lora_rank))
@@ -135,10 +141,24 @@ class LoRAManager:
         """Note that a request needs `ref`; start loading it unless resident or loading. Returns its key."""
         key = cache_key(ref)
         self.refs.setdefault(key, ref)
+        self.refs.move_to_end(key)
         if key not in self.slot_of and key not in self._jobs:
             self._started[key] = time.monotonic()
             self._jobs[key] = self._pool.submit(self._load, ref)
+            self._bound(keep=key)
         return key
+
+    def _bound(self, keep: str) -> None:
+        """At most HOST_ADAPTERS loaded host copies wait for a slot (the oldest are dropped: a request still waiting
+        for one loads it again, from the disk cache), and at most KNOWN_ADAPTERS names are remembered (never one
+        resident or loading)."""
+        done = [k for k, f in self._jobs.items() if k != keep and f.done() and f.exception() is None]
+        for k in done[: max(0, len(done) - HOST_ADAPTERS)]:
+            del self._jobs[k]
+        idle = [k for k in self.refs if k not in self.slot_of and k not in self._jobs]  # least recent first
+        for k in idle[: max(0, len(self.refs) - KNOWN_ADAPTERS)]:
+            del self.refs[k]
+            self._started.pop(k, None)
 
     def status(self, key: str, arrival: float) -> BaseException | None:
         """For a request still waiting on adapter `key`: the error that fails it, or None to keep waiting."""
@@ -146,6 +166,8 @@ class LoRAManager:
             return None
         fut = self._jobs.get(key)
         if fut is None:  # loaded once, evicted since: load again
+            if key not in self.refs:  # forgotten past KNOWN_ADAPTERS while it waited
+                return LoRALoadError("the adapter was forgotten while this request waited (too many adapters)")
             self.request(self.refs[key])
             fut = self._jobs[key]
         if fut.done() and fut.exception() is not None:
@@ -243,7 +265,12 @@ class LoRAManager:
         """Fetch (once) and load an adapter into padded host tensors: rank 0's (a, b), then under tensor parallelism
         each other rank's part packed as bytes (here, off the step loop)."""
         with self.disk.use(ref) as path:
-            ad = load_adapter(path, self.spec, self.cfg.max_lora_rank, ref.name)
+            try:
+                ad = load_adapter(path, self.spec, self.cfg.max_lora_rank, ref.name)
+            except InvalidRequestError:
+                if ref.is_s3:  # damaged past what the cache's check sees (NaN values): the next request fetches it
+                    self.disk.drop(ref, unpin=True)
+                raise
         if not self.shards:
             return [self.slots.host_tensors(ad)]
         others = [LoRASlots.pack(*self.slots.host_tensors(ad, s, pin=False)) for s in self.shards[1:]]

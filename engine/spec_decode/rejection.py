@@ -55,7 +55,7 @@ def verify(
             rows.append(Row(req, req.output_token_ids + ds[:j]) if j else req)
             draft_tok.append(ds[j] if j < len(ds) else -1)
     raw = sampler._raw_logprobs(logits, rows)
-    lg = logits.clone()
+    lg, bad = sampler.screen(logits)  # a copy; a row with NaN or +inf logits samples -1 (its request fails)
     sampler._mask_min_tokens(lg, rows)
     sampler._apply_logit_bias(lg, rows)
     sampler._apply_penalties(lg, rows)
@@ -76,6 +76,8 @@ def verify(
         rand.put(accept, has & (u * q_d < p_d))  # strict: a token with p = 0 is never accepted
         residual = torch.where(has[:, None], (p - q).clamp_min(0), p)  # rows without a draft: p itself
         rand.put(tok, sampler.race(residual, rr))
+    tok.masked_fill_(bad, -1)
+    accept &= ~bad
     host = torch.stack([tok, accept.to(tok.dtype)]).tolist()  # one copy to the host
     tokens, accepted = host[0], host[1]
     out_tokens, emitted_rows, row = [], [], 0

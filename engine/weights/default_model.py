@@ -85,14 +85,19 @@ def ensure_default_model(cache_root: Path) -> Path:
     """Return the converted folder, converting only if no complete one exists yet."""
     out = default_model_dir(cache_root, remember=True)
     if (out / _DONE).is_file():
-        return out
+        if (damaged := _damaged(out)) is None:
+            return out
+        log.warning("the converted default model in %s is damaged (%s): converting it again", out, damaged)
+        shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     log.info("converting the default model %s -> %s (once)", GGUF_NAME, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         _convert(gguf_path(), tmp)
-        (tmp / _DONE).write_text(json.dumps({"source": GGUF_NAME, "seconds": round(time.perf_counter() - t0, 1)}))
+        sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}  # what _damaged checks at each start
+        done = {"source": GGUF_NAME, "seconds": round(time.perf_counter() - t0, 1), "sizes": sizes}
+        (tmp / _DONE).write_text(json.dumps(done))
         try:
             os.rename(tmp, out)  # atomic: a concurrent converter that finished first wins
         except OSError:
@@ -103,6 +108,21 @@ def ensure_default_model(cache_root: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("default model converted in %.1fs", time.perf_counter() - t0)
     return out
+
+
+def _damaged(folder: Path) -> str | None:
+    """What is wrong with a converted folder (None: nothing seen): a file missing or of another size than the
+    conversion wrote (a stat each: a cut-short copy on the volume, not bit rot). A folder from before sizes were
+    recorded passes."""
+    try:
+        sizes = json.loads((folder / _DONE).read_text()).get("sizes", {})
+    except (OSError, ValueError) as e:
+        return f"{_DONE}: {e}"
+    for name, size in sizes.items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != size:
+            return f"{name}: {f.stat().st_size if f.is_file() else 'missing'} bytes, {size} written"
+    return None
 
 
 def _convert(src: Path, dst: Path) -> None:

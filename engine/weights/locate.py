@@ -92,4 +92,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A model folder's JSON file ({} when absent); a damaged one (cut short, not text) is refused naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise UnsupportedModelError(f"{path} is not readable JSON ({e}): cut short by an incomplete download or copy? "
+                                    "Copy it again") from None  # fmt: skip
