@@ -178,10 +178,10 @@ class AsyncEngine:
         if self.fault is not None:
             return
         self.fault = fault
+        if self.on_fault is not None:  # the worker first: the jobs' errors then find it faulted
+            self.on_fault(fault)
         for rid in list(self._streams):
             self._send(rid, fault)
-        if self.on_fault is not None:
-            self.on_fault(fault)
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:

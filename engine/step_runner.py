@@ -71,7 +71,7 @@ class StepRunner:
             logprobs = [[lp] if lp is not None else None for lp in logprobs]
         # a row whose logits had a NaN or +inf sampled -1 (Sampler.screen): its request fails, the others go on
         failed = {r: faults_.nan_logits() for r, ts in zip(reqs, tokens) if ts[-1] < 0}
-        if failed and len(failed) == len(reqs):
+        if len(failed) == len(reqs) > 1:  # one row alone may be its request's own; every row of many is the device
             raise EngineFault(f"every row of the step's logits ({len(reqs)}) was NaN or infinite: a device fault")
         return StepOutput(
             {r: ts for r, ts in zip(reqs, tokens) if r not in failed},

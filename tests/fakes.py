@@ -51,6 +51,7 @@ class FakeAsyncEngine:
         self._step_s = step_s
         self._blocks: dict[str, int] = {}  # running request id -> the KV blocks it holds
         self._errors: dict[str, BaseException] = {}  # request id -> what abort(rid, error) makes generate() raise
+        self.unhealthy: str | None = None  # AsyncEngine's: never, here
         self._ids = itertools.count()
 
     def validate(

@@ -35,6 +35,8 @@ KINDS = {
 # Figures in prose that are not measurements, each with what it is. Keyed by the figure's text in its doc.
 NOT_MEASURED = {
     ("docs/decisions.md", "300 s"): "distributed_timeout_s's default",
+    ("docs/decisions.md", "30 s"): "the out-of-memory limits' recovery period (engine/scheduler.py OOM_RECOVERY_S)",
+    ("docs/decisions.md", "900 s"): "the emulator's result retention (handler/job_front.py)",
 }
 TARGET = re.compile(r"(?:>=|<=|≥|≤|[<>]|target[^.|]*?|within|at most|at least|under)\s*$", re.I)
 

@@ -132,10 +132,17 @@ def test_nan_logits_fail_that_request_only(tiny_llama, clean):
     assert eng.stats()["num_failed_nan"] == 1
 
 
-def test_nan_in_every_row_is_a_device_fault(tiny_llama):
+def test_nan_in_one_rows_step_fails_that_request_and_in_every_row_of_many_is_a_device_fault(tiny_llama, monkeypatch):
     eng = engine(tiny_llama, fault_injection="nan@2")
     eng.add_request("only", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
     eng.step()
+    [out] = eng.step()
+    assert isinstance(out.error, RequestFault) and not eng.has_unfinished()
+    runner = eng.step_runner.runner
+    logits = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda hidden, rows: logits(hidden, rows) * float("nan"))
+    for i in range(2):
+        eng.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[i]}, GREEDY)
     with pytest.raises(EngineFault, match="every row"):
         eng.step()
 
