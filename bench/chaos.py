@@ -16,7 +16,7 @@ ignore_eos, 8-48 tokens. Each ends as:
 - lost: anything else: no answer 120 s after the traffic stopped, a completion of the wrong length, an error that
   does not say why.
 
-Usage: python -m bench.chaos [--minutes 3] [--rate 1.5] [--seed 0] [--plans P1;P2] [--write-docs]"""
+Usage: python -m bench.chaos [--minutes 3] [--rate 1.5] [--seed 0] [--plans P1;P2] [--log FILE] [--write-docs]"""
 
 from __future__ import annotations
 
@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plans", default="", help="FAULT_INJECTION per spawn, ';'-separated (default: random)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--log", type=Path, help="write the emulator's and workers' log here")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     plans = [p for p in args.plans.split(";") if p]
@@ -202,6 +203,8 @@ def main() -> None:
         t = asyncio.run(run(emu, args.minutes, args.rate, args.seed))
         lines = list(emu.lines)
     spawns.unlink(missing_ok=True)
+    if args.log:
+        args.log.write_text("\n".join(lines) + "\n")
     f = fired(lines)
     total = sum(t.kinds.values())
     lost = t.outcomes["lost"]

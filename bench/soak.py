@@ -14,7 +14,7 @@ failed. The region is left out because it grows by design with the running peak 
 block_manager.py), up to the pool the planner sized, so it can grow whenever a new peak comes; the table shows the
 raw RSS growth beside it. What the rule catches is the rest: a leak, a cache without a bound, the heap's creep.
 
-Usage: python -m bench.soak [--minutes 10] [--load 0.7] [--write-docs]
+Usage: python -m bench.soak [--minutes 10] [--load 0.7] [--hang-ups 0.1] [--kv-cache-memory BYTES] [--write-docs]
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def words(rng: random.Random, n: int) -> str:
 
 
 class Soak:
-    def __init__(self, emu: Emulator, seed: int):
-        self.emu, self.rng = emu, random.Random(seed)
+    def __init__(self, emu: Emulator, seed: int, hang_ups: float = 0.1):
+        self.emu, self.rng, self.hang_ups = emu, random.Random(seed), hang_ups
         self.http = httpx.AsyncClient(base_url=emu.api, timeout=120)
         self.counts = {"completed": 0, "cancelled": 0, "hung up": 0, "failed": 0, "wrong length": 0}
         self.errors: list[str] = []
@@ -106,9 +106,9 @@ class Soak:
     async def one(self, client) -> None:
         try:
             if self.rng.random() < 0.5:
-                await self.native(cancel=self.rng.random() < 0.1)
+                await self.native(cancel=self.rng.random() < self.hang_ups)
             else:
-                await self.openai(client, hang_up=self.rng.random() < 0.1)
+                await self.openai(client, hang_up=self.rng.random() < self.hang_ups)
         except Exception as e:  # noqa: BLE001 - counted and reported
             self.counts["failed"] += 1
             self.errors.append(f"{type(e).__name__}: {e}"[:200])
@@ -128,22 +128,22 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def soak(emu: Emulator, rate: float, minutes: float, seed: int) -> tuple[Soak, list[tuple[float, float]]]:
+async def soak(emu: Emulator, rate: float, minutes: float, seed: int, hang_ups: float) -> tuple[Soak, list[tuple]]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=emu.base_url, api_key="local", max_retries=0, timeout=300)
     pid = (await httpx.AsyncClient().get(f"{emu.api}/health")).json()["localWorker"]["pid"]
-    s, rng, tasks, samples = Soak(emu, seed), random.Random(seed + 1), [], []
+    s, rng, tasks, samples = Soak(emu, seed, hang_ups), random.Random(seed + 1), [], []
     t0 = now()
     next_sample = t0
     while (t := now()) - t0 < minutes * 60:
         if t >= next_sample:
-            samples.append(((t - t0) / 60, rss_mb(pid), kv_open_mb(emu)))
+            samples.append(((t - t0) / 60, rss_mb(pid), kv_open_mb(emu), breakdown(emu)))
             next_sample += 10
         tasks.append(asyncio.create_task(s.one(client)))
         await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
-    samples.append(((now() - t0) / 60, rss_mb(pid), kv_open_mb(emu)))
+    samples.append(((now() - t0) / 60, rss_mb(pid), kv_open_mb(emu), breakdown(emu)))
     await client.close()
     return s, samples
 
@@ -154,6 +154,30 @@ def kv_open_mb(emu: Emulator) -> float:
     text = "\n".join(emu.lines)
     per_token, opened = re.findall(r"(\d+) B/token", text), re.findall(r"\((\d+) blocks open\)", text)
     return int(opened[-1]) * 16 * int(per_token[0]) / 2**20 if per_token and opened else float("nan")
+
+
+MEMORY = re.compile(
+    r"memory: anon (\d+) MiB, file (\d+) MiB(?:, heap (\d+) MiB used (\d+) free (\d+) mmapped)?, python blocks (\d+)"
+)
+PARTS = ("anon MiB", "file MiB", "heap used MiB", "heap free MiB", "heap mmapped MiB", "python blocks")
+
+
+def breakdown(emu: Emulator) -> dict[str, float]:
+    """The worker's own account of its memory in its last status line (engine/host_memory.py memory_breakdown)."""
+    found = MEMORY.findall("\n".join(emu.lines[-200:]))
+    return {k: float(v or "nan") for k, v in zip(PARTS, found[-1])} if found else {}
+
+
+def breakdown_table(samples) -> str:
+    """One row a minute: RSS, the KV region, and the worker's breakdown (what grew shows in its column)."""
+    rows, seen = [], set()
+    for m, mb, kv, parts in samples:
+        if int(m) in seen or not parts:
+            continue
+        seen.add(int(m))
+        rows.append(f"| {m:.1f} | {mb:.0f} | {kv:.0f} | " + " | ".join(f"{parts[k]:.0f}" for k in PARTS) + " |")
+    head = "| minute | RSS MB | KV region MB | " + " | ".join(PARTS) + " |"
+    return "\n".join([head, "|" + "---:|" * (3 + len(PARTS)), *rows])
 
 
 def heap_trims(emu: Emulator) -> str:
@@ -175,22 +199,25 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--load", type=float, default=0.7, help="fraction of the saturating rate (0.7)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hang-ups", type=float, default=0.1, help="fraction of jobs cancelled and streams hung up (0.1)")
+    ap.add_argument("--kv-cache-memory", default=None, help="the worker's KV_CACHE_MEMORY (default: automatic)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     t_all, load = time.perf_counter(), os.getloadavg()[0]
-    with Emulator(emulator_env(DTYPE="bfloat16")) as emu:
+    kv = {"KV_CACHE_MEMORY": args.kv_cache_memory} if args.kv_cache_memory else {}
+    with Emulator(emulator_env(DTYPE="bfloat16", **kv)) as emu:
         sat = asyncio.run(capacity(emu))
         rate = args.load * sat
         print(f"saturating rate {sat:.2f} req/s: soaking at {rate:.2f} req/s for {args.minutes:g} min", flush=True)
-        s, samples = asyncio.run(soak(emu, rate, args.minutes, args.seed))
+        s, samples = asyncio.run(soak(emu, rate, args.minutes, args.seed, args.hang_ups))
         time.sleep(2)  # the last job-end log lines
         free, total = kv_at_end(emu)
         trims = heap_trims(emu)
-    at2, kv2 = next(((mb, kv) for m, mb, kv in samples if m >= 2), samples[-1][1:])
-    after = [mb for m, mb, _ in samples if m >= 2]
-    kv_after = max(kv for m, _, kv in samples if m >= 2) if after else float("nan")
+    at2, kv2 = next(((mb, kv) for m, mb, kv, _ in samples if m >= 2), samples[-1][1:3])
+    after = [mb for m, mb, _, _ in samples if m >= 2]
+    kv_after = max(kv for m, _, kv, _ in samples if m >= 2) if after else float("nan")
     growth = max(after) / at2 - 1 if after else float("nan")
-    rest = [mb - (kv - kv2) for m, mb, kv in samples if m >= 2]  # RSS less the region's growth since minute 2
+    rest = [mb - (kv - kv2) for m, mb, kv, _ in samples if m >= 2]  # RSS less the region's growth since minute 2
     growth_rest = max(rest) / at2 - 1 if rest else float("nan")
     ok = growth_rest <= 0.05 and free == total and not s.counts["failed"] and not s.counts["wrong length"]
     print(
@@ -204,7 +231,9 @@ def main() -> None:
         [
             "## Soak: 70 % load with cancels and hang-ups",
             "",
-            f"`python -m bench.soak --minutes {args.minutes:g} --load {args.load:g}` on {time.strftime('%Y-%m-%d')}: "
+            f"`python -m bench.soak --minutes {args.minutes:g} --load {args.load:g} --hang-ups {args.hang_ups:g}"
+            + (f" --kv-cache-memory {args.kv_cache_memory}" if args.kv_cache_memory else "")
+            + f"` on {time.strftime('%Y-%m-%d')}: "
             f"{machine_line('cpu')}; load average {load:.2f} at start. The local emulator, SmolLM2-135M-Instruct, "
             "bfloat16, CPU. Method: the docstring of `bench/soak.py`.",
             "",
@@ -217,11 +246,16 @@ def main() -> None:
             f"{growth_rest:+.1%} | "
             f"{free} / {total} | {'pass' if ok else '**fail**'} |",
             "",
-            "Worker RSS (MB) by minute: " + ", ".join(f"{m:.1f}: {mb:.0f}" for m, mb, _ in samples[::3]),
+            "Worker RSS (MB) by minute: " + ", ".join(f"{m:.1f}: {mb:.0f}" for m, mb, _, _ in samples[::3]),
             "",
             "Of which the KV pool's open region (MB, from the worker's status lines, 16-token blocks): "
-            + ", ".join(f"{m:.1f}: {kv:.0f}" for m, _, kv in samples[::3])
+            + ", ".join(f"{m:.1f}: {kv:.0f}" for m, _, kv, _ in samples[::3])
             + f"; after minute 2 it grew by {kv_after - kv2:+.0f} MB of the RSS's {max(after) - at2:+.0f} MB.",
+            "",
+            "Where the memory is, a row a minute (the worker's status line: engine/host_memory.py memory_breakdown; "
+            "RSS = anon + file; the heap's used and free bytes are glibc malloc's, inside anon):",
+            "",
+            breakdown_table(samples),
             "",
             trims,
             "",

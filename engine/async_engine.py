@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineFault
-from engine.host_memory import trim_heap
+from engine.host_memory import memory_breakdown, trim_heap
 from engine.intake import ValidRequest
 from engine.llm_engine import LLMEngine
 from engine.timeline import Timeline
@@ -215,7 +215,11 @@ class AsyncEngine:
             except queue.Empty:
                 cmd = None
                 if not eng.has_unfinished() and eng.idle.pending:
-                    eng.idle.step()
+                    self._step_began = time.monotonic()  # a graph capture or a kernel warm-up can hang as a step can
+                    try:
+                        eng.idle.step()
+                    finally:
+                        self._step_began = None
                     continue
             while cmd is not None:
                 if cmd[0] == "stop":
@@ -244,7 +248,9 @@ class AsyncEngine:
             for out in outputs:
                 self._send(out.request_id, out.error if out.error is not None else out)
             # a busy worker warms up too: one piece within its share of the loop, after this step's tokens went out
+            self._step_began = time.monotonic()
             eng.idle.busy()
+            self._step_began = None
             interval = eng.cfg.log_stats_interval
             if interval and time.monotonic() - last_log >= interval:
                 now, s = time.monotonic(), self._stats
@@ -264,7 +270,7 @@ class AsyncEngine:
                 )
                 log.info(
                     "running %d, waiting %d, KV %.0f%% (%d blocks open), prefix cache hit rate %.1f%%, preemptions %d, "
-                    "%.1f tok/s%s%s",
+                    "%.1f tok/s%s%s; memory: %s",
                     s["running"],
                     s["waiting"],
                     100 * s["kv_usage"],
@@ -274,6 +280,7 @@ class AsyncEngine:
                     rate,
                     spec,
                     heap,
+                    memory_breakdown(),
                 )
 
     def _handle(self, cmd) -> None:

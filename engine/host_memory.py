@@ -135,3 +135,38 @@ def _rss_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def memory_breakdown() -> str:
+    """Where this process's memory is, for the engine's status line (bench/soak.py reads it per minute): the
+    resident set split into anonymous and file-backed pages (the weights' maps, the page cache), glibc malloc's heap
+    in use and free inside it, its mmapped chunks, and Python's allocated blocks."""
+    import ctypes
+    import sys
+
+    fields = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) / 1024
+    except (OSError, ValueError):
+        pass
+    heap = ""
+    try:
+
+        class _Mallinfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                         "keepcost")]  # fmt: skip
+
+        fn = ctypes.CDLL(None).mallinfo2
+        fn.restype = _Mallinfo2
+        m = fn()
+        heap = f", heap {m.uordblks / 2**20:.0f} MiB used {m.fordblks / 2**20:.0f} free {m.hblkhd / 2**20:.0f} mmapped"
+    except (OSError, AttributeError):
+        pass
+    return (
+        f"anon {fields.get('RssAnon', 0):.0f} MiB, file {fields.get('RssFile', 0):.0f} MiB{heap}, "
+        f"python blocks {sys.getallocatedblocks()}"
+    )

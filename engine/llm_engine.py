@@ -22,7 +22,7 @@ from engine.spec_decode.speculator import start_speculation
 from engine.step_runner import EMPTY, StepInput, StepRunner
 from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
-from engine.types import LoRARequest, Request, RequestOutput, SamplingParams, SchedulerOutput
+from engine.types import LoRARequest, Request, RequestOutput, SamplingParams, SchedulerOutput, StepOutput
 
 log = logging.getLogger("engine")
 
@@ -190,26 +190,29 @@ class LLMEngine:
         injected = self.injector.next_step() if self.injector is not None else frozenset()
         scheduled = self.scheduler.schedule()
         try:
-            return self._run(scheduled, injected)
+            result = self._execute(scheduled, injected)
         except Exception as e:
-            if not faults.is_oom(e):
-                raise  # anything else is a fault: the engine cannot be trusted after it (AsyncEngine's rule)
-            return self._after_oom(scheduled, e)
-
-    def _run(self, scheduled: SchedulerOutput, injected: frozenset[str] = frozenset()) -> list[RequestOutput]:
-        drafts = self.speculator.propose(scheduled)  # a draft model runs here, over every speculating sequence
-        grammar = self.structured.masks(scheduled.sampling, drafts.tokens)
-        result = self.step_runner.execute(StepInput(scheduled, drafts, grammar), injected)
+            # anything else is a fault: the engine cannot be trusted after it (AsyncEngine's rule); so is an OOM under
+            # tensor parallelism, where the other ranks may wait in a collective of the step that failed
+            if not faults.is_oom(e) or self.cfg.tensor_parallel_size > 1:
+                raise
+            scheduled, result = self._after_oom(scheduled, e)
         scheduled.failed.update(result.failed)  # rows with NaN logits: those requests fail, the others go on
         self.num_failed_nan += len(result.failed)
         self.scheduler.update(scheduled, result.tokens)
         return self.output.process(scheduled, result)
 
-    def _after_oom(self, scheduled: SchedulerOutput, e: BaseException) -> list[RequestOutput]:
+    def _execute(self, scheduled: SchedulerOutput, injected: frozenset[str] = frozenset()) -> StepOutput:
+        """The device part of a step, which changes no request: an error here leaves the step to roll back."""
+        drafts = self.speculator.propose(scheduled)  # a draft model runs here, over every speculating sequence
+        grammar = self.structured.masks(scheduled.sampling, drafts.tokens)
+        return self.step_runner.execute(StepInput(scheduled, drafts, grammar), injected)
+
+    def _after_oom(self, scheduled: SchedulerOutput, e: BaseException) -> tuple[SchedulerOutput, StepOutput]:
         """The step ran out of memory and computed nothing. Retry it once with the batch halved (its newest half
         preempted by recompute, the token budget halved for a while: Scheduler.halve); if the retry runs out too,
         its largest request fails, saying what would fit, and the rest wait for the next step. Every block of
-        what did not run goes back to the pool."""
+        what did not run goes back to the pool. Returns what ran (or only the failures) and its output."""
         self.ooms.record()
         log.warning("a step of %d requests (%d tokens) ran out of memory: %s; retrying with the batch halved",
                     len(scheduled.requests), scheduled.total_tokens, e)  # fmt: skip
@@ -218,7 +221,7 @@ class LLMEngine:
         retry = self.scheduler.schedule()
         retry.failed.update(scheduled.failed)  # refused at admission by the first attempt: still to report
         try:
-            return self._run(retry)
+            return retry, self._execute(retry)
         except Exception as e2:
             if not faults.is_oom(e2):
                 raise
@@ -227,7 +230,7 @@ class LLMEngine:
             largest = max(retry.requests, key=lambda r: _footprint(r, retry))
             log.warning("the halved retry ran out of memory too: %s fails", largest.request_id)
             retry.failed[largest] = faults.did_not_fit(retry.total_tokens, largest)
-            return self.output.process(SchedulerOutput([], [], failed=retry.failed), EMPTY)
+            return SchedulerOutput([], [], failed=retry.failed), EMPTY
 
     @property
     def unhealthy(self) -> str | None:

@@ -85,3 +85,34 @@ def test_a_request_forgotten_while_it_waited_fails_clearly(lora_bases, tmp_path)
     err = mgr.status("never-seen", arrival=0.0)
     assert err is not None and "forgotten" in str(err)
     mgr.shutdown()
+
+
+def test_cpu_gemm_shapes_are_bounded_and_the_padding_changes_no_row(monkeypatch):
+    """oneDNN keeps memory per GEMM shape for good (engine/layers/dense.py): a 16-bit linear on CPU runs at a
+    bounded set of row counts, whatever the step's token count, and the rows it returns are the unpadded ones."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine.layers import dense
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32, dtype=torch.bfloat16), torch.randn(48, dtype=torch.bfloat16)
+    shapes = set()
+    real = F.linear
+
+    def record(x, w, bias=None):
+        shapes.add(x.shape[0])
+        return real(x, w, bias)
+
+    monkeypatch.setattr(dense.F, "linear", record)
+    for rows in range(1, 2049):
+        x = torch.randn(rows, 32, dtype=torch.bfloat16)
+        y = dense.dense(x, w, b)
+        assert y.shape == (rows, 48)
+        if rows in (1, 17, 255, 1000, 2048):
+            assert torch.allclose(y.float(), real(x, w, b).float(), atol=0.05, rtol=0.02)
+    assert len(shapes) <= 16 + 15 + 28 and max(shapes) == 2048
+    x32 = torch.randn(17, 32)
+    shapes.clear()
+    dense.dense(x32, w.float())
+    assert shapes == {17}  # fp32 keeps its exact shape (MKL; the parity tests)

@@ -193,3 +193,31 @@ def test_a_device_error_is_a_fault_at_once(tiny_llama, monkeypatch):
     assert all(isinstance(r, EngineFault) and "illegal memory access" in str(r) for r in results)
     assert len(faults) == 1 and eng.unhealthy is not None
     eng.shutdown()
+
+
+def test_three_oom_steps_in_a_minute_ask_for_a_replacement_on_both_endpoint_kinds(tiny_llama):
+    """The jobs are served (each OOM'd step is retried), and then the queue worker asks Runpod to replace it
+    (refresh_worker) and the load-balancing health check answers 503 with the reason."""
+    from fastapi.testclient import TestClient
+
+    from handler import lb
+    from handler.settings import load_settings
+    from handler.worker import Worker
+
+    eng = AsyncEngine(engine=engine(tiny_llama, fault_injection="oom@1,oom@2,oom@3"))
+    settings = load_settings({"MODEL_NAME": str(tiny_llama)})
+    worker = Worker(settings, eng)
+    cfg = worker.runpod_config()
+    job = {"prompt": "hello", "sampling_params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True}}
+
+    async def run():
+        return [c async for c in worker.handle({"id": "j", "input": job})]
+
+    chunks = asyncio.run(run())
+    assert "error" not in chunks[-1] and chunks[-1]["usage"]["output"] == 5
+    assert cfg.get("refresh_worker") is True and "ran out of device memory" in worker.unhealthy
+    server = lb.LBServer(settings)
+    server.worker, server.state = worker, "ready"
+    ping = TestClient(lb._Guard(lb.create_app(server), server)).get("/ping")
+    assert ping.status_code == 503 and "ran out of device memory" in ping.json()["reason"]
+    eng.shutdown()

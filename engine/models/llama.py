@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UnsupportedModelError
+from engine.layers.dense import dense
 from engine.layers.rotary import RotaryCache
 from engine.models import loading
 from engine.models.spec import ModelSpec
@@ -79,7 +80,7 @@ class DecoderLayer(nn.Module):
             return self.quant_linears.linear(self, name, x, bias)
         scale = self.fp8_scales.get(name)
         if scale is None:
-            return F.linear(x, getattr(self, name), bias)
+            return dense(x, getattr(self, name), bias)
         # W8A8: per-token activation scales (or the checkpoint's static one); _scaled_mm on sm89+, dequantize on CPU
         return fp8_linear(x, getattr(self, name), scale, bias, out_dtype=x.dtype, x_scale=self.input_scales.get(name))
 
@@ -237,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] for the rows that sample -> [S, vocab] in fp32 (gathered to rank 0 under tensor
         # parallelism: each rank holds vocab / tp rows of the head)
-        logits = F.linear(self.final_norm(hidden), self.lm_head).float()
+        logits = dense(self.final_norm(hidden), self.lm_head).float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
     # ---- weights ---------------------------------------------------------------------------

@@ -16,9 +16,9 @@ only: an adapter for an expert MLP is refused when it is loaded."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.dense import dense
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import fused_moe
@@ -78,15 +78,15 @@ class MoEForCausalLM(LlamaForCausalLM):
         if not layer.moe:
             return super().mlp(i, layer, x, lora)
         s = self.spec
-        probs = F.linear(x, layer.router).float().softmax(-1)  # [T, E]
+        probs = dense(x, layer.router).float().softmax(-1)  # [T, E]
         weights, ids = probs.topk(s.num_experts_per_tok, dim=-1)  # [T, K]
         if s.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         sc = layer.expert_scales
         out = fused_moe(x, layer.w13, layer.w2, weights.to(x.dtype), ids, False, sc.get("w13"), sc.get("w2"))
         if layer.shared_gate_up is not None:
-            shared = F.linear(silu_and_mul(F.linear(x, layer.shared_gate_up)), layer.shared_down)
-            out = out + torch.sigmoid(F.linear(x, layer.shared_gate)) * shared
+            shared = dense(silu_and_mul(dense(x, layer.shared_gate_up)), layer.shared_down)
+            out = out + torch.sigmoid(dense(x, layer.shared_gate)) * shared
         return out
 
     def snapshot_state(self) -> dict[str, torch.Tensor]:
