@@ -133,12 +133,14 @@ class OutputProcessor:
         drafts drops the tokens after it): one output per request."""
         failed = [self._fail(req, err) for req, err in scheduled.failed.items() if req in self.group_of]
         for req, granted in scheduled.spec.items():
-            if req in result.tokens:
+            if req in result.tokens and req in self.group_of:  # (a sibling of an n > 1 request that failed: gone)
                 group = self.group_of[req]
                 self.spec.verified(group.stats[group.seqs.index(req)], granted, len(result.tokens[req]) - 1)
         now = time.monotonic()
         touched: dict[ParentRequest, None] = {}
         for req in result.tokens:
+            if req not in self.group_of:  # its request failed this step through a sibling (NaN in the sibling's row)
+                continue
             group = self.group_of[req]
             touched[group] = None
             i = group.seqs.index(req)

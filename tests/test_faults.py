@@ -58,6 +58,15 @@ def test_fault_injection_is_parsed_and_refused_by_name():
             parse_fault_injection(bad)
 
 
+def test_a_malformed_fault_injection_is_a_start_error_naming_the_variable():
+    from handler.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="FAULT_INJECTION"):
+        load_settings({"FAULT_INJECTION": "oom@3,explode@4"})
+    with pytest.raises(SettingsError, match="STEP_TIMEOUT_S"):
+        load_settings({"STEP_TIMEOUT_S": "0"})
+
+
 def test_oom_in_a_step_is_retried_halved_and_loses_nothing(tiny_llama, clean):
     eng = engine(tiny_llama, fault_injection="oom@1,oom@4")
     assert run(eng, PROMPTS) == clean  # each OOM'd step ran again, halved: the same tokens for everyone
@@ -130,6 +139,13 @@ def test_nan_logits_fail_that_request_only(tiny_llama, clean):
     assert isinstance(err, RequestFault) and "NaN or infinite logits" in str(err)
     assert got == {k: v for k, v in clean.items() if k != "r0"}
     assert eng.stats()["num_failed_nan"] == 1
+
+
+def test_nan_in_one_sibling_fails_its_n_request_and_no_other(tiny_llama, clean):
+    eng = engine(tiny_llama, fault_injection="nan@3")
+    eng.add_request("pair", {"prompt_token_ids": PROMPTS[3]}, SamplingParams(n=2, temperature=0, max_tokens=6))
+    got = run(eng, PROMPTS[:3])  # the pair's first sibling holds row 0 of step 3: both siblings end with the error
+    assert isinstance(got.pop("pair"), RequestFault) and got == {k: v for k, v in clean.items() if k != "r3"}
 
 
 def test_nan_in_one_rows_step_fails_that_request_and_in_every_row_of_many_is_a_device_fault(tiny_llama, monkeypatch):
