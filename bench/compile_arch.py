@@ -54,6 +54,11 @@ def compile_arch(arch: int, models: dict[str, str], cache: str) -> dict:
     # nothing launches, so every kernel's output is whatever torch.empty held: denormals among it made the torch ops
     # between the kernels (the engines' linears) 20x slower
     torch.set_flush_denormal(True)
+    # ... and NaN among it would fail requests at the sampler's NaN screen (engine/faults.py), ending the decode
+    # steps whose kernel variants this run must compile: the screen is not what it checks
+    from engine.sampler import Sampler
+
+    Sampler.bad_rows = staticmethod(lambda logits: torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device))
     torch.set_num_threads(1)  # those ops are small; the workers share the cores
     seen: dict[str, dict] = {}
     with target(facts), kernels.backend("triton"):

@@ -107,10 +107,10 @@ def engine_overhead(llm, wl: Workload, device) -> dict:
 
         return inner
 
-    def execute(step_input, _orig=eng.step_runner.execute):
+    def execute(step_input, *faults, _orig=eng.step_runner.execute):
         out = step_input.scheduled
         shape[:] = [len(out.requests), out.total_tokens]
-        return _orig(step_input)
+        return _orig(step_input, *faults)
 
     def step(_orig=eng.step):
         f0, t = acc[0], time.perf_counter()

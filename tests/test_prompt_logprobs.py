@@ -51,14 +51,14 @@ def test_one_token_prefill_chunks_replayed_from_a_graph_keep_prompt_logprobs(tin
     step_runner, replayed_prefills = llm.engine.step_runner, []
     real = step_runner.execute
 
-    def execute(step):
+    def execute(step, *faults):
         before = graphs.replays
         predicting = [
             r
             for r, n in zip(step.scheduled.requests, step.scheduled.num_scheduled_tokens)
             if n == 1 and r.num_computed_tokens <= r.num_prompt_tokens - 2  # its row predicts a prompt token
         ]
-        out = real(step)
+        out = real(step, *faults)
         if graphs.replays > before:
             replayed_prefills.extend(predicting)
         return out
