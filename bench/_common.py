@@ -215,3 +215,27 @@ def write_section(md: Path, key: str, body: str, title: str = "# Benchmarks") ->
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
+
+
+def ab_gemm_buckets(llm, wl: Workload, device, generate, pairs: int = 4) -> None:
+    """Our engine with its CPU GEMM row buckets (engine/layers/dense.py) against every row count exact, alternated
+    (which goes first too) on the same engine and prompts, prefix caching off (a repeat would hit the first run's
+    blocks): what the buckets cost. Prints each pair and the median ratio."""
+    from engine.layers import dense
+
+    eng, bucket, ratios = llm.engine, dense.bucket, []
+    cfg, eng.cfg = eng.cfg, eng.cfg.replace(enable_prefix_caching=False)
+    exact = lambda rows: rows  # noqa: E731
+    try:
+        for i in range(pairs):
+            t = {}
+            for b in (bucket, exact) if i % 2 == 0 else (exact, bucket):
+                dense.bucket = b
+                t[b] = timed(lambda: generate(llm, wl), device)
+            t_on, t_off = t[bucket], t[exact]
+            ratios.append(t_off / t_on)
+            print(f"  GEMM buckets, pair {i + 1}: {t_on:.2f} s with, {t_off:.2f} s exact; with / exact "
+                  f"{t_off / t_on:.3f}x tok/s", flush=True)  # fmt: skip
+    finally:
+        dense.bucket, eng.cfg = bucket, cfg
+    print(f"  GEMM buckets: median {sorted(ratios)[len(ratios) // 2]:.3f}x the exact rows' tok/s", flush=True)

@@ -45,6 +45,7 @@ import torch
 
 from bench._common import (
     Workload,
+    ab_gemm_buckets,
     default_model_path,
     gemm_gflops,
     machine_line,
@@ -89,30 +90,6 @@ def ours_generate(llm, wl: Workload) -> None:
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in wl.out_lens]
     outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == wl.out_lens, "ours: wrong output lengths"
-
-
-def ab_gemm_buckets(llm, wl: Workload, device, pairs: int = 4) -> None:
-    """Our engine with its CPU GEMM row buckets (engine/layers/dense.py) against every row count exact, alternated
-    (which goes first too) on the same engine and prompts, prefix caching off (a repeat would hit the first run's
-    blocks): what the buckets cost. Prints each pair and the median ratio."""
-    from engine.layers import dense
-
-    eng, bucket, ratios = llm.engine, dense.bucket, []
-    cfg, eng.cfg = eng.cfg, eng.cfg.replace(enable_prefix_caching=False)
-    exact = lambda rows: rows  # noqa: E731
-    try:
-        for i in range(pairs):
-            t = {}
-            for b in (bucket, exact) if i % 2 == 0 else (exact, bucket):
-                dense.bucket = b
-                t[b] = timed(lambda: ours_generate(llm, wl), device)
-            t_on, t_off = t[bucket], t[exact]
-            ratios.append(t_off / t_on)
-            print(f"  GEMM buckets, pair {i + 1}: {t_on:.2f} s with, {t_off:.2f} s exact; with / exact "
-                  f"{t_off / t_on:.3f}x tok/s", flush=True)  # fmt: skip
-    finally:
-        dense.bucket, eng.cfg = bucket, cfg
-    print(f"  GEMM buckets: median {sorted(ratios)[len(ratios) // 2]:.3f}x the exact rows' tok/s", flush=True)
 
 
 def engine_overhead(llm, wl: Workload, device) -> dict:
@@ -379,7 +356,7 @@ def main() -> None:
         ours_generate(llm, Workload([wl.prompts[0][:16]] * 2, [4, 4]))  # warmup
         record("ours", timed(lambda: ours_generate(llm, wl), device))
         if args.ab_gemm_buckets:
-            ab_gemm_buckets(llm, wl, device)
+            ab_gemm_buckets(llm, wl, device, ours_generate)
         oh = engine_overhead(llm, oh_wl, device) | dict(n_req=oh_n, n_out=oh_out)
         print(
             f"  engine overhead at batch {oh['batch']}: step {oh['step_ms']:.1f} ms, forward {oh['fwd_ms']:.1f} ms, "
