@@ -44,8 +44,7 @@ class LLMEngine:
         # the other tensor-parallel ranks load their shards while this one loads its own
         self.tp_group = start_ranks(cfg, facts.device, plan.max_model_len, tl)
         with self.tp_group.starting():  # no rank outlives a failed start
-            built = lambda: tl.mark("model build")  # noqa: E731
-            model, self.weights = startup.load_rank(cfg, facts, plan.max_model_len, built)  # rope tables: this length
+            model, self.weights = startup.load_rank(cfg, facts, plan.max_model_len, lambda: tl.mark("model build"))
             self.tp_group.expect("loaded", timeout_s=3600)
             tl.mark(self.weights.phase, self.weights.note())
             self.memory = plan = startup.device_plan(cfg, facts, loaded_len=plan.max_model_len)  # CUDA: measured now
