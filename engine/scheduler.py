@@ -147,7 +147,6 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.admitted.append(req)
             out.requests.append(req)
             out.num_scheduled_tokens.append(n)
             budget -= n

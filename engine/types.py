@@ -311,8 +311,6 @@ class SchedulerOutput:
     # Requests that failed (finished by the output processor), with why: refused for good by the admission gate
     # (their adapter failed to load), or failed in the step (engine/faults.py: NaN logits, out of memory twice)
     failed: dict[Request, BaseException] = field(default_factory=dict)
-    # Requests admitted from the waiting queue this step (a failed step's roll-back returns them there)
-    admitted: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
