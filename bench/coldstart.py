@@ -23,6 +23,7 @@ interpreter starting, `python -m` finding the package, the first chunk's print).
                       exit is ~0.5 s of torch teardown no worker waits for) + `cat` of the bf16 weights to /dev/null
                       (warm) + one forward (the bf16 run's own "first token" phase): what any torch worker spends.
 
+Our packages' bytecode is compiled first (bench/_common.py `byte_compile`), as the image's `pip install` does.
 Runs are interleaved (one of each case per round, the conversion last, then a sync); the table gives medians (3
 rounds; the conversion case, ~20 s, in the first 2 only) and each run's peak RSS (its VmHWM, read as it prints).
 Weight-read bandwidth: the bytes the weight phase read / its seconds, against `cat` of the same files to /dev/null
@@ -190,7 +191,9 @@ def main() -> None:
     drop = ("MODEL_NAME", "QUANTIZATION", "BASE_PATH", "TRITON_CACHE_DIR", "KV_CACHE_DTYPE", "HF_HOME", "HF_HUB_CACHE")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k not in drop}
     env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    from bench._common import cat_seconds, cpu_pressure, drop_cache, map_seconds
+    from bench._common import byte_compile, cat_seconds, cpu_pressure, drop_cache, map_seconds
+
+    byte_compile()
 
     load, pressure, t_all = os.getloadavg()[0], cpu_pressure(), now()
     from engine.config import default_cache_root

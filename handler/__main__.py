@@ -51,10 +51,11 @@ def started(worker):
     return worker
 
 
-def build_worker(per_token: bool = False, settings=None):
+def build_worker(per_token: bool = False, settings=None, error: str | None = None):
     """The Worker, its engine built (or the reason it could not be, for every job). per_token: streams send each
     engine step's tokens at once (the load-balancing server's own HTTP stream, no POST per yield to batch for).
-    settings: already loaded (main's), else loaded here."""
+    settings: already loaded (main's), else loaded here; error: why they are invalid (settings then holds only the
+    serving variables: the endpoint kind, the queue's webhook)."""
     from engine import AsyncEngine, Timeline
     from handler.settings import Settings, SettingsError, load_settings, set_library_defaults
     from handler.worker import Worker
@@ -62,14 +63,17 @@ def build_worker(per_token: bool = False, settings=None):
     set_library_defaults()  # before torch's first matmul
     tl = Timeline(start=T0)
     tl.mark("imports")
-    try:
-        settings = settings or load_settings()
-        if per_token:
-            one = {"DEFAULT_BATCH_SIZE": 1, "DEFAULT_MIN_BATCH_SIZE": 1, "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": 1.0}
-            settings = settings.model_copy(update=one)
-    except SettingsError as e:
-        log.error("invalid settings: %s", e)
-        return Worker(Settings(), None, start_error=str(e))
+    if settings is None and error is None:
+        try:
+            settings = load_settings()
+        except SettingsError as e:
+            error = str(e)
+    if error is not None:
+        log.error("invalid settings: %s", error)
+        return Worker(settings or Settings(), None, start_error=error)
+    if per_token:
+        one = {"DEFAULT_BATCH_SIZE": 1, "DEFAULT_MIN_BATCH_SIZE": 1, "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": 1.0}
+        settings = settings.model_copy(update=one)
     for item in settings.ignored():
         log.warning("%s", item)
     tl.mark("settings")
@@ -90,15 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         from handler.settings import serving_settings
 
         settings, error = serving_settings()  # invalid: build_worker reports why, on every job (and /ping: 503)
-        mode = settings.endpoint_mode() if settings is not None else ("queue", "the settings are invalid")
-        log.info("%s endpoint mode: %s", "load-balancing" if mode[0] == "lb" else "queue", mode[1])
-        whole = settings if error is None else None  # valid: not loaded a second time
-        if mode[0] == "lb":
+        mode, why = settings.endpoint_mode()
+        log.info("%s endpoint mode: %s", "load-balancing" if mode == "lb" else "queue", why)
+        if mode == "lb":
             from handler import lb
 
-            code = lb.serve(settings, lambda: build_worker(per_token=True, settings=whole), started)
+            code = lb.serve(settings, lambda: build_worker(per_token=True, settings=settings, error=error), started)
+            if code is None:  # no engine to stop, and the load's thread may hold the interpreter's exit
+                return exit_now("shut down before the engine was ready", code=0)
             return code if code == 0 else exit_now("the engine faulted")
-        worker = started(build_worker(settings=whole))
+        worker = started(build_worker(settings=settings, error=error))
     else:
         worker = started(build_worker())
     if test_job is not None or (worker.settings.RUNPOD_WEBHOOK_GET_JOB is None and "--rp_serve_api" not in argv):
@@ -134,14 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     return exit_now(f"the engine faulted: {worker.fault}") if worker.fault else 0
 
 
-def exit_now(why: str) -> int:
+def exit_now(why: str, code: int = 1) -> int:
     """After an engine fault the process exits now with 1, past every exit handler (a hung step's thread, or a CUDA
-    context after a device error, can hold the interpreter's exit forever), so that the platform replaces it."""
-    log.error("exiting: %s", why)
+    context after a device error, can hold the interpreter's exit forever), so that the platform replaces it.
+    Also (code 0) a load-balancing worker told to stop while its engine loads."""
+    log.log(logging.ERROR if code else logging.WARNING, "exiting: %s", why)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ turned away at once, so that Runpod's load balancer (or the client) sends it els
     await ticket.wait()            # WaitedTooLong after max_wait_s; returns at once when a slot was free
     ...                            # the request runs
     ticket.leave()                 # its slot goes to the longest waiter (idempotent; also for a ticket that never ran)
+    admission.close(why)           # shutting down: every waiter's wait() raises Closed now, and enter() too
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class WaitedTooLong(Exception):
     """A request waited max_wait_s for a slot without getting one: HTTP 503."""
 
 
+class Closed(Exception):
+    """The worker is shutting down: HTTP 503 at once, for a request waiting and for a new one."""
+
+
 class Ticket:
     def __init__(self, admission: Admission, fut: asyncio.Future):
         self._admission, self._fut, self._left = admission, fut, False
@@ -38,11 +43,12 @@ class Ticket:
     async def wait(self) -> None:
         adm = self._admission
         if self._fut.done():
-            return
+            return self._fut.result()  # Closed, if the worker closed before it got a slot
         try:
             await asyncio.wait_for(asyncio.shield(self._fut), adm.max_wait_s)
         except asyncio.TimeoutError:
             self.leave()
+            adm.refused["waited_too_long"] += 1
             raise WaitedTooLong(
                 f"this request waited {adm.max_wait_s:g} s (LB_MAX_WAIT_S) for one of this worker's "
                 f"{adm.running} slots (MAX_CONCURRENCY) without getting one; send it again"
@@ -63,12 +69,17 @@ class Admission:
         self.active = 0  # slots held
         self._queue: collections.deque[asyncio.Future] = collections.deque()
         self.mean_run_s = 1.0  # a running estimate of a request's time, for Retry-After
+        self.closed: str | None = None  # why (close())
+        self.refused: collections.Counter[str] = collections.Counter()  # why: overloaded, waited_too_long, closed, ...
 
     @property
     def queued(self) -> int:
         return len(self._queue)  # only waiters: one granted a slot or giving up leaves it
 
     def enter(self) -> Ticket:
+        if self.closed is not None:
+            self.refused["closed"] += 1
+            raise Closed(self.closed)
         fut = asyncio.get_running_loop().create_future()
         if self.active < self.running and not self._queue:
             self.active += 1
@@ -76,8 +87,17 @@ class Admission:
         elif self.queued < self.waiting:
             self._queue.append(fut)
         else:
+            self.refused["overloaded"] += 1
             raise Overloaded(self.active, self.queued, self.retry_after())
         return Ticket(self, fut)
+
+    def close(self, why: str) -> None:
+        """No request gets a slot any more: each waiter is turned away now (Closed(why)), and so is every later
+        enter(). The running ones keep theirs until they leave."""
+        self.closed = why
+        while self._queue:
+            self.refused["closed"] += 1
+            self._queue.popleft().set_exception(Closed(why))
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: a request's mean time, at least 1 s (HTTP's Retry-After is whole)."""
@@ -92,7 +112,7 @@ class Admission:
             fut.cancel()
             self._queue.remove(fut)
             return
-        if fut.cancelled():
+        if fut.cancelled() or fut.exception() is not None:  # it never held a slot (close())
             return
         self.active -= 1
         if self._queue:  # the slot goes to the longest waiter

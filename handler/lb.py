@@ -5,7 +5,8 @@
 The server listens on PORT (80) before the engine exists, and builds it on a thread:
   GET  HEALTH_CHECK_PATH (/ping; on PORT_HEALTH when that differs): 204 while starting, 200 ready, 503 when the
        start failed, the engine faulted, or the worker is shutting down
-  POST /v1/chat/completions | /v1/completions | /v1/messages (Anthropic's), GET /v1/models, POST /tokenize |
+  POST /v1/chat/completions | /v1/completions | /v1/responses | /v1/embeddings | /v1/messages (Anthropic's),
+       GET /v1/models, POST /tokenize |
        /detokenize (also under /openai/): the queue path's routes, in this process, an SSE event per engine step
   POST /run | /runsync, GET /status/{id} | /stream/{id}, POST /cancel/{id}: worker-vllm's job body, answered as a
        queue endpoint would (a client polling /status/{id} must pin this worker: X-Runpod-Worker-Id below)
@@ -18,9 +19,10 @@ Retry-After at once; a wait past LB_MAX_WAIT_S gets 503. A body over MAX_REQUEST
 read. With API_KEY every route but the health check needs `Authorization: Bearer <key>` (or `x-api-key: <key>`).
 Every response carries X-Runpod-Worker-Id (RUNPOD_POD_ID), which a client sends back to be routed here again (its
 prefix cache).
-SIGTERM: the health check answers 503 and new requests 503 at once; running requests get SHUTDOWN_GRACE_S, then
-fail with a 503 error; then the engine stops and the process exits 0. A second SIGTERM exits at once. An engine fault
-(a step raised or hung) drains the same way, its requests already failed, and the process exits 1 to be replaced."""
+SIGTERM: the health check, new requests and those waiting for a slot get 503 at once; running requests get
+SHUTDOWN_GRACE_S, then fail with a 503 error; then the engine stops and the process exits 0. A second SIGTERM exits
+at once, and so does a SIGTERM before the engine is ready (the load is not waited for). An engine fault (a step
+raised or hung) drains the same way, its requests already failed, and the process exits 1 to be replaced."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import hmac
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -38,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from handler import openai_compat as oa
-from handler.admission import Admission, Overloaded, Ticket, WaitedTooLong
+from handler.admission import Admission, Closed, Overloaded, Ticket, WaitedTooLong
 from handler.job_front import JobFront
 from handler.local_jobs import Job
 from handler.settings import Settings
@@ -138,11 +141,12 @@ class LBServer:
 
     async def build(self, build_worker, started) -> None:
         """The engine, built on a thread while the server answers (handler/__main__.py's build_worker, started)."""
-        worker = await asyncio.to_thread(build_worker)
+        worker = await _on_daemon_thread(build_worker)  # a SIGTERM meanwhile exits without waiting for it
         if worker.engine is not None:
-            from handler.metrics import Metrics
+            from handler.metrics import AdmissionCollector, Metrics
 
             self.metrics = Metrics(worker.engine, worker.served_name)
+            self.metrics.registry.register(AdmissionCollector(self.admission, worker.served_name))
             worker.use_metrics(self.metrics)
         loop = asyncio.get_running_loop()
         worker.on_fatal = lambda: loop.call_soon_threadsafe(self.on_signal, "engine fault")  # 503, drain, exit 1
@@ -173,19 +177,22 @@ class LBServer:
 
         async def endpoint(request: Request) -> Response:
             if why := self.unavailable():
+                self.admission.refused["unavailable"] += 1
                 return _error(f"{why}; send the request again", 503, "server_error", "unavailable")
             try:
                 ticket = self.admission.enter()
             except Overloaded as e:
                 headers = {"Retry-After": str(e.retry_after_s)}
                 return _error(str(e), 429, "rate_limit_error", "worker_busy", headers)
+            except Closed as e:
+                return _error(f"{e}; send the request again", 503, "server_error", "unavailable")
             token = _TICKET.set(ticket)
             try:
-                await ticket.wait()
-                if why := self.unavailable():  # it changed while this one waited (SIGTERM, a fault)
-                    return _error(f"{why}; send the request again", 503, "server_error", "unavailable")
+                await ticket.wait()  # a drain (SIGTERM, a fault) turns the waiters away at once: Closed
                 out = await route(request)
                 return out if isinstance(out, Response) else JSONResponse(out)
+            except Closed as e:
+                return _error(f"{e}; send the request again", 503, "server_error", "unavailable")
             except WaitedTooLong as e:
                 return _error(str(e), 503, "server_error", "waited_too_long")
             except TooLarge:
@@ -222,6 +229,7 @@ class LBServer:
         grace = self.settings.SHUTDOWN_GRACE_S
         log.info("%s: /ping answers 503; %d requests running get %g s", why, len(self.jobs.tasks), grace)
         self.state = "shutting down"
+        self.admission.close(self.unavailable() or "the worker is shutting down")  # the waiters: 503 now
         deadline = time.monotonic() + grace
         while self.jobs.tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -234,6 +242,30 @@ class LBServer:
         await asyncio.sleep(0.2)  # the last responses out
         for s in self.servers:
             s.should_exit = True
+
+
+def _on_daemon_thread(fn) -> asyncio.Future:
+    """fn() on a daemon thread, as a future of this loop: unlike asyncio.to_thread (the loop's executor, which
+    asyncio.run joins at its end), nothing waits for it when the server stops first."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed: the server stopped before the build ended
+            pass
+
+    threading.Thread(target=run, name="engine-build", daemon=True).start()
+    return fut
 
 
 def _error(message: str, status: int, kind: str = "invalid_request_error", code: str | None = None, headers=None):
@@ -298,6 +330,7 @@ def create_app(lb: LBServer) -> FastAPI:
         app.router.add_route(f"{prefix}/v1/chat/completions", openai, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/completions", openai, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/responses", openai, methods=["POST"])
+        app.router.add_route(f"{prefix}/v1/embeddings", openai, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/messages", openai, methods=["POST"])  # Anthropic's
         app.router.add_route(f"{prefix}/v1/messages/count_tokens", free, methods=["POST"])
         app.router.add_route(f"{prefix}/v1/models", free, methods=["GET"])
@@ -326,9 +359,10 @@ def ports(settings: Settings) -> tuple[int, int | None]:
     return port, (settings.PORT_HEALTH if settings.PORT_HEALTH not in (None, port) else None)
 
 
-def serve(settings: Settings, build_worker, started) -> int:
-    """Run the load-balancing server until SIGTERM; 0 once drained. build_worker() -> Worker runs on a thread
-    while the server answers; started(worker) ends the start (handler/__main__.py's)."""
+def serve(settings: Settings, build_worker, started) -> int | None:
+    """Run the load-balancing server until SIGTERM; 0 once drained, 1 after an engine fault, None when it stopped
+    before the engine was built (the caller exits at once: the load goes on, on its thread). build_worker() ->
+    Worker runs on a thread while the server answers; started(worker) ends the start (handler/__main__.py's)."""
     lb = LBServer(settings)
     port, health = ports(settings)
     log.info("serving on port %d, health check %s on port %d", port, settings.HEALTH_CHECK_PATH, health or port)
@@ -339,20 +373,21 @@ def serve(settings: Settings, build_worker, started) -> int:
         only_ping.router.add_route(settings.HEALTH_CHECK_PATH, lb.ping, methods=["GET"])
         lb.servers.append(_Server(uvicorn.Config(_Guard(only_ping, lb), port=health, **opts), lb))
 
-    async def main() -> None:
+    async def main() -> bool:
         build = asyncio.create_task(lb.build(build_worker, started))
         try:
             await asyncio.gather(*(s.serve() for s in lb.servers))
         finally:
-            if not build.done():  # shut down while starting: the engine is left to the process's exit
-                log.warning("shut down before the engine was ready")
-            elif lb.worker is not None and lb.worker.engine is not None:
+            if build.done() and lb.worker is not None and lb.worker.engine is not None:
                 await asyncio.to_thread(lb.worker.engine.shutdown)
+        return build.done()
 
     try:
         import uvloop
 
-        uvloop.run(main())
+        built = uvloop.run(main())
     except ImportError:
-        asyncio.run(main())
+        built = asyncio.run(main())
+    if not built:
+        return None
     return 1 if lb.worker is not None and lb.worker.fault else 0

@@ -171,3 +171,30 @@ class EngineCollector:
             m = family(name, doc, labels=LABELS)
             m.add_metric(self.labels, s[key])
             yield m
+
+
+class AdmissionCollector:
+    """The load-balancing server's admission (handler/admission.py), read when scraped: requests holding a slot
+    and waiting for one (before the engine sees them: with MAX_CONCURRENCY reached, vllm:num_requests_waiting
+    stays near 0 while these wait), and the requests turned away, by why: overloaded (429), waited_too_long,
+    closed (shutting down) and unavailable (starting, faulted) (503)."""
+
+    REASONS = ("overloaded", "waited_too_long", "closed", "unavailable")
+
+    def __init__(self, admission, model_name: str):
+        self.admission, self.labels = admission, [model_name, "0"]
+
+    def collect(self) -> Iterator[Metric]:
+        adm = self.admission
+        for name, doc, value in (
+            ("worker:lb_requests_running", "Requests holding one of MAX_CONCURRENCY slots.", adm.active),
+            ("worker:lb_requests_waiting", "Requests waiting for a slot (at most LB_MAX_WAITING).", adm.queued),
+        ):
+            m = GaugeMetricFamily(name, doc, labels=LABELS)
+            m.add_metric(self.labels, value)
+            yield m
+        m = CounterMetricFamily("worker:lb_requests_refused", "Requests turned away, by reason.",
+                                labels=(*LABELS, "reason"))  # fmt: skip
+        for reason in self.REASONS:
+            m.add_metric([*self.labels, reason], adm.refused[reason])
+        yield m

@@ -291,16 +291,23 @@ _SERVING = ("RUNPOD_ENDPOINT_TYPE", "RUNPOD_WEBHOOK_GET_JOB", "PORT", "PORT_HEAL
             "RUNPOD_POD_ID", "MAX_REQUEST_BYTES", "SHUTDOWN_GRACE_S")  # fmt: skip
 
 
-def serving_settings(env: Mapping[str, str] | None = None) -> tuple[Settings | None, str | None]:
-    """(settings, None), or when the environment is invalid: (the _SERVING variables alone, else None; the error)."""
+def serving_settings(env: Mapping[str, str] | None = None) -> tuple[Settings, str | None]:
+    """(settings, None), or when the environment is invalid: (the valid _SERVING variables alone, the error). So a
+    worker whose MAX_MODEL_LEN (say) is wrong still knows its endpoint kind and its queue's webhook, and reports the
+    error on every job or request; an invalid serving variable itself is dropped (its default is used)."""
     env = os.environ if env is None else env
     try:
         return load_settings(env), None
     except SettingsError as e:
-        try:
-            return load_settings({k: env[k] for k in _SERVING if k in env}), str(e)
-        except SettingsError:
-            return None, str(e)
+        valid = {}
+        for k in _SERVING:
+            if k in env:
+                try:
+                    load_settings({k: env[k]})
+                    valid[k] = env[k]
+                except SettingsError:
+                    pass
+        return load_settings(valid), str(e)
 
 
 # Libraries that read environment variables of their own: the worker sets these defaults before they first run (an

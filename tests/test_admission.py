@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from handler.admission import Admission, Overloaded, WaitedTooLong
+from handler.admission import Admission, Closed, Overloaded, WaitedTooLong
 from handler.settings import load_settings
 
 
@@ -103,6 +103,31 @@ def test_a_waiter_that_goes_away_gives_up_its_place():
     _run(main())
 
 
+def test_close_turns_the_waiters_away_at_once_and_every_later_request():
+    async def main():
+        adm = Admission(running=1, waiting=2, max_wait_s=30)
+        running = adm.enter()
+        waiting = [adm.enter() for _ in range(2)]
+        tasks = [asyncio.ensure_future(t.wait()) for t in waiting]
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded):
+            adm.enter()
+        adm.close("the worker is shutting down")
+        for task in tasks:  # not after max_wait_s: now
+            with pytest.raises(Closed, match="shutting down"):
+                await asyncio.wait_for(task, 0.1)
+        with pytest.raises(Closed):
+            adm.enter()
+        for t in waiting:  # they never held a slot: leaving changes no count
+            t.leave()
+        assert adm.active == 1 and adm.queued == 0
+        running.leave()  # the running one keeps its slot until it ends
+        assert adm.active == 0
+        assert dict(adm.refused) == {"overloaded": 1, "closed": 3}
+
+    _run(main())
+
+
 def test_retry_after_follows_the_requests_time():
     adm = Admission(running=1, waiting=0, max_wait_s=1)
     for _ in range(100):
@@ -119,8 +144,13 @@ def test_an_invalid_variable_still_leaves_the_endpoint_kind_known():
     settings, error = serving_settings({"PORT": "8080", "MAX_MODEL_LEN": "lots", "API_KEY": "k"})
     assert settings.endpoint_mode()[0] == "lb" and settings.API_KEY.get_secret_value() == "k"
     assert "MAX_MODEL_LEN" in error
-    settings, error = serving_settings({"PORT": "eighty"})
-    assert settings is None and "PORT" in error
+    # an invalid serving variable is dropped, the others kept: a queue worker keeps its webhook
+    hook = "http://127.0.0.1:9/job"
+    settings, error = serving_settings({"PORT": "eighty", "RUNPOD_WEBHOOK_GET_JOB": hook, "MAX_MODEL_LEN": "lots"})
+    assert settings.endpoint_mode()[0] == "queue" and settings.RUNPOD_WEBHOOK_GET_JOB == hook
+    assert error and settings.PORT is None
+    settings, error = serving_settings({"RUNPOD_ENDPOINT_TYPE": "lbx", "PORT": "8080"})
+    assert settings.endpoint_mode()[0] == "lb" and "RUNPOD_ENDPOINT_TYPE" in error
     assert serving_settings({"PORT": "8080"})[1] is None
 
 

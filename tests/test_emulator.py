@@ -190,3 +190,13 @@ def test_non_json_numbers_and_lone_surrogates_are_refused_at_the_door(emu):
         f"{emu.base}/runsync", json={"input": {"prompt": "hi", "sampling_params": {"max_tokens": 2}}}, timeout=120
     ).json()
     assert ok["status"] == "COMPLETED", ok
+
+
+def test_a_worker_with_an_invalid_setting_takes_jobs_and_fails_each_naming_it():
+    """Through runpod's real loop: not "no job" and an exit (the webhook was once lost with the invalid settings),
+    which Runpod answers by starting the worker again and again while the callers' jobs wait."""
+    with Emulator(emulator_env(MAX_MODEL_LEN="lots")) as e:
+        out = requests.post(f"{e.api}/runsync", json={"input": {"prompt": "hi"}}, timeout=60).json()
+        assert out["status"] == "FAILED" and "MAX_MODEL_LEN='lots'" in out["error"], out
+        assert e.proc.poll() is None  # still serving
+        e.wait_for("queue endpoint mode: RUNPOD_WEBHOOK_GET_JOB is set", 1)

@@ -67,6 +67,7 @@ def test_openai_client_whole_and_streamed(lb):
     # the worker id on every response
     r = httpx.get(f"{lb.api}/v1/models", headers=AUTH)
     assert r.headers["x-runpod-worker-id"]
+    lb.wait_for(r"load-balancing endpoint mode: (RUNPOD_ENDPOINT_TYPE=lb|PORT=\d+ is set)", 1)  # and why
 
 
 def test_errors_name_the_field_and_unknown_routes_list_the_served_ones(lb):
@@ -102,6 +103,10 @@ def test_sixteen_streams_with_four_slots_get_200s_and_clean_429s(lb):
     for _, headers, body in busy:
         assert int(headers["retry-after"]) >= 1
         assert body["error"]["type"] == "rate_limit_error" and "MAX_CONCURRENCY" in body["error"]["message"]
+    text = httpx.get(f"{lb.api}/metrics", headers=AUTH).text  # the admission's own counts
+    refused = [line for line in text.splitlines() if line.startswith("worker:lb_requests_refused_total{")]
+    assert any('reason="overloaded"' in line and float(line.split()[-1]) >= len(busy) for line in refused), refused
+    assert _metric(text, "worker:lb_requests_running") == 0 and _metric(text, "worker:lb_requests_waiting") == 0
     for _, _, events in ok:  # whole: every token, a finish reason, [DONE]
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
@@ -216,8 +221,10 @@ SLOW_START = (
 
 
 def test_ping_204_while_starting_then_200_then_sigterm_drains_and_exits():
-    w = LBWorker(_env(SHUTDOWN_GRACE_S="1.5", MAX_CONCURRENCY="8"), argv=["-c", SLOW_START], wait=False,
-                 start_new_session=True)  # fmt: skip
+    """Also: with every slot taken, a request that waits past LB_MAX_WAIT_S gets 503, and the ones still waiting
+    (an embeddings request among them: it takes a slot too) get 503 at SIGTERM, not after the grace period."""
+    w = LBWorker(_env(SHUTDOWN_GRACE_S="1.5", MAX_CONCURRENCY="8", LB_MAX_WAIT_S="1"), argv=["-c", SLOW_START],
+                 wait=False, start_new_session=True)  # fmt: skip
     try:
         seen, t0 = [], time.monotonic()
         while time.monotonic() - t0 < 120:
@@ -237,17 +244,35 @@ def test_ping_204_while_starting_then_200_then_sigterm_drains_and_exits():
             async with client.stream("POST", f"{w.base_url}/chat/completions", json=body) as r:
                 return r.status_code, [line async for line in r.aiter_lines() if line.startswith("data: ")]
 
+        async def answered_at(request):
+            r = await request
+            return r, time.monotonic()
+
         async def main():
             async with httpx.AsyncClient(timeout=60) as client:
                 tasks = [asyncio.ensure_future(stream(client)) for _ in range(8)]
-                await asyncio.sleep(2.0)  # all of them streaming
+                await asyncio.sleep(0.3)  # all 8 slots taken
+                one = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+                late = asyncio.ensure_future(client.post(f"{w.base_url}/completions", json=one))
+                await asyncio.sleep(1.4)
+                waiting = [
+                    asyncio.ensure_future(answered_at(client.post(f"{w.base_url}/{route}", json=body)))
+                    for route, body in (("embeddings", {"model": MODEL, "input": "hi"}), ("completions", one))
+                ]
+                await asyncio.sleep(0.3)
                 os.kill(w.proc.pid, signal.SIGTERM)
+                killed = time.monotonic()
                 await asyncio.sleep(0.3)
                 ping = await client.get(f"{w.api}/ping")
                 new = await client.post(f"{w.base_url}/completions", json={"model": MODEL, "prompt": "hi"})
-                return ping.status_code, new.status_code, new.json(), await asyncio.gather(*tasks)
+                waited = [(r, at - killed) for r, at in await asyncio.gather(*waiting)]
+                return ping.status_code, new.status_code, new.json(), await late, waited, await asyncio.gather(*tasks)
 
-        ping, new, new_body, streams = asyncio.run(main())
+        ping, new, new_body, late, waited, streams = asyncio.run(main())
+        assert late.status_code == 503 and late.json()["error"]["code"] == "waited_too_long", late.text
+        for r, after in waited:  # the grace period is 1.5 s
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+            assert after < 1.0, after
         assert ping == 503 and new == 503 and "shutting down" in new_body["error"]["message"]
         for status, events in streams:  # each ends with an error event naming the shutdown, then [DONE]
             assert status == 200 and events[-1] == "data: [DONE]"
@@ -255,6 +280,26 @@ def test_ping_204_while_starting_then_200_then_sigterm_drains_and_exits():
         assert w.proc.wait(timeout=30) == 0
         with pytest.raises(ProcessLookupError):  # nothing left in its process group
             os.killpg(w.proc.pid, 0)
+    finally:
+        w.close()
+
+
+def test_sigterm_while_the_engine_loads_exits_at_once():
+    """The load (here 120 s) is not waited for, and nothing is left behind."""
+    w = LBWorker(_env(), argv=["-c", SLOW_START.replace("time.sleep(3)", "time.sleep(120)")], wait=False,
+                 start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while w.ping(timeout=1) != 204:
+            assert time.monotonic() < deadline and w.proc.poll() is None, w.tail()
+            time.sleep(0.05)
+        os.kill(w.proc.pid, signal.SIGTERM)
+        t = time.monotonic()
+        assert w.proc.wait(timeout=30) == 0
+        assert time.monotonic() - t < 10
+        with pytest.raises(ProcessLookupError):
+            os.killpg(w.proc.pid, 0)
+        w.wait_for("shut down before the engine was ready", 5)
     finally:
         w.close()
 
