@@ -210,7 +210,10 @@ def test_ping_stays_fast_during_a_long_prefill(lb):
             took.append(time.perf_counter() - t)
             time.sleep(0.01)
     assert len(took) >= 5, "the prefills were too short to measure anything"
-    assert max(took) < 0.05, sorted(took)[-5:]
+    # 95 % under 50 ms: a server blocked by the prefill would miss it by far for most pings, while one ping late
+    # because another process held the core (a CI machine under load) does not fail it
+    took.sort()
+    assert took[int(0.95 * (len(took) - 1))] < 0.05 and took[len(took) // 2] < 0.02, took[-5:]
 
 
 SLOW_START = (
