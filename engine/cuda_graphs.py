@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from engine.layers.dense import pack, pack_pieces
 from engine.memory import graph_buckets
 from kernels.grammar_mask import apply_token_bitmask, new_bitmask
 
@@ -195,7 +196,8 @@ MASK_WARM_ROWS = (1, 2, 16)  # xgrammar's CUDA mask kernel specializes its row c
 
 
 class IdleWork:
-    """Off-request work after ready, in pieces: compile the Triton variants a step can need (ModelRunner.warm:
+    """Off-request work after ready, in pieces: on CPU, pack the bf16 linear weights for oneDNN, a layer a piece
+    (engine/layers/dense.py `pack`); compile the Triton variants a step can need (ModelRunner.warm:
     padding-only steps, with LoRA's too when it is on; then, once a grammar exists, xgrammar's mask kernel over 1, 2
     and 16 rows; CUDA only), then capture the pending CUDA graphs, smallest bucket first: the target's, and a draft
     model's after the target's of the same bucket.
@@ -215,6 +217,8 @@ class IdleWork:
         self.runner, self.grammar, self.share, self.clock = runner, grammar, share, clock
         self.runners = [runner] + ([draft] if draft is not None else [])
         self.warm_shapes = runner.warm_shapes() if warm_kernels else []  # ModelRunner.warm's arguments
+        self.pack = [piece for r in self.runners for piece in pack_pieces(getattr(r, "model", None))]  # CPU bf16
+        self.packed = 0  # bytes
         self.mask_rows: list[int] = []
         # True: the mask pieces are queued once the first grammar has compiled; None: queued already
         self._masks_due: bool | None = warm_kernels and grammar is not None
@@ -226,7 +230,7 @@ class IdleWork:
     def pending(self) -> bool:
         if self._masks_due and self.grammar.compiles:
             self.warm_grammar()
-        return bool(self.warm_shapes or self.mask_rows) or any(g.pending for g in self.graphs)
+        return bool(self.pack or self.warm_shapes or self.mask_rows) or any(g.pending for g in self.graphs)
 
     @property
     def graphs(self) -> list:
@@ -248,7 +252,9 @@ class IdleWork:
     def step(self) -> None:
         """One piece: a kernel warm step, a mask warm, or one graph capture."""
         t0 = self.clock()
-        if self.warm_shapes:
+        if self.pack:
+            self._pack()
+        elif self.warm_shapes:
             self._warm()
         elif self.mask_rows:
             self._warm_mask()
@@ -264,10 +270,19 @@ class IdleWork:
     def drain(self, batch: int | None = None) -> None:
         """Run the pieces now: every kernel piece, then the graph captures (up to one holding `batch` decodes when
         given). LLM.generate before its first step; python -m warmup, so the volume's Triton cache holds them all."""
-        while self.pending and (self.warm_shapes or self.mask_rows or batch is None):
+        while self.pending and (self.pack or self.warm_shapes or self.mask_rows or batch is None):
             self.step()
         if batch is not None:
             self.capture_graphs(batch)
+
+    def _pack(self) -> None:
+        piece = self.pack.pop(0)
+        done = pack(piece)
+        self.packed += done
+        if not done:
+            self.pack.clear()
+        elif not self.pack:
+            log.info("CPU linear weights packed for oneDNN: %d MiB", self.packed >> 20)
 
     def _warm(self) -> None:
         shape = self.warm_shapes.pop(0)

@@ -1,0 +1,48 @@
+"""bench/peers.py without installing anything: a peer that cannot be installed or started is skipped with the
+reason (and the others still run), and a peer's venv is made once, a marker naming what it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench import peers
+
+
+def test_a_peer_that_cannot_run_is_skipped_with_why_and_the_others_still_run(monkeypatch):
+    def broken(*a):
+        raise peers.Skip("cmake: not found")
+
+    monkeypatch.setattr(peers, "SERVERS", {"broken": (broken, None), "fine": (None, None)})
+    monkeypatch.setattr(peers, "serve_and_time", lambda name, *a: peers.SERVERS[name][0]() if name == "broken" else 1.5)
+    recorded = []
+    wl = SimpleNamespace(prompts=[[1, 2]], out_lens=[3])
+    notes = peers.run_servers(["broken", "fine"], None, wl, lambda *r: recorded.append(r))
+    assert notes == ["- broken was skipped: cmake: not found"] and recorded == [("fine", 1.5)]
+
+
+def test_a_venv_is_made_once_and_a_failed_step_is_a_skip_naming_its_log(monkeypatch, tmp_path):
+    calls = []
+
+    def run(cmd, log, timeout, **kw):
+        calls.append([str(c) for c in cmd])
+        if calls[-1][1:3] == ["-m", "venv"]:
+            Path(calls[-1][3]).mkdir(parents=True)
+        if "uninstall" in calls[-1]:
+            raise peers.Skip(f"failed ({log})")
+
+    monkeypatch.setattr(peers, "_run", run)
+    log = tmp_path / "x.log"
+    with pytest.raises(peers.Skip, match="x.log"):
+        peers._venv(tmp_path / "v", ["pkg==1"], log, remove=("extra",))
+    assert not (tmp_path / "v" / ".installed").exists()  # not marked: made again next time
+    calls.clear()
+    py = peers._venv(tmp_path / "w", ["pkg==1"], log)
+    assert py == tmp_path / "w" / "bin" / "python" and len(calls) == 2  # venv, pip install
+    calls.clear()
+    peers._venv(tmp_path / "w", ["pkg==1"], log)
+    assert calls == []  # made once
+    peers._venv(tmp_path / "w", ["pkg==2"], log)
+    assert len(calls) == 2  # another version: made again

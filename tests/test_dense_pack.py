@@ -1,0 +1,53 @@
+"""bf16 CPU linears packed for oneDNN (engine/layers/dense.py `pack`, run as IdleWork pieces after ready): the same
+result bit for bit as the unpacked weight at every row count, and an engine whose weights got packed gives the same
+tokens and logprobs as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers import dense
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_weight_gives_the_unpacked_result_bit_for_bit(bias):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    b = torch.randn(96, dtype=torch.bfloat16) if bias else None
+    xs = {rows: torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (1, 3, 16, 17, 64, 100, 300)}
+    before = {rows: dense.dense(x, w, b) for rows, x in xs.items()}
+    assert dense.pack_pieces(torch.nn.Module()) == [] and dense.packable(w)
+    assert dense.pack([w]) == w.numel() * 2
+    assert not dense.packable(w)  # packed once
+    for rows, x in xs.items():
+        got = dense.dense(x, w, b)
+        assert torch.equal(got, before[rows]), rows
+        assert torch.equal(got, F.linear(x, w, b)), rows
+    assert not dense.packable(w.float()) and not dense.packable(torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_an_engine_packs_its_weights_after_ready_and_its_outputs_do_not_change(tiny_llama):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
+    idle = llm.engine.idle
+    model = llm.engine.runner.model
+    n_pieces = len(idle.pack)
+    assert n_pieces == len(model.layers) + 1  # a layer a piece, then the lm_head
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 20)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    # the same requests with the linears unpacked, then packed
+    idle.pack, pending = [], idle.pack
+    first = llm.generate(prompts, params)
+    idle.pack = pending
+    assert not hasattr(model.layers[0].qkv, dense.PACKED)
+    second = llm.generate(prompts, params)  # LLM.generate drains the idle pieces first
+    assert idle.pack == [] and idle.packed > 0
+    assert all(hasattr(getattr(layer, n), dense.PACKED) for layer in model.layers for n in layer.LINEARS)
+    for a, b in zip(first, second):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
