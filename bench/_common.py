@@ -231,25 +231,43 @@ def write_section(md: Path, key: str, body: str, title: str = "# Benchmarks") ->
     md.write_text(text)
 
 
-def ab_gemm_buckets(llm, wl: Workload, device, generate, pairs: int = 4) -> None:
-    """Our engine with its CPU GEMM row buckets (engine/layers/dense.py) against every row count exact, alternated
-    (which goes first too) on the same engine and prompts, prefix caching off (a repeat would hit the first run's
-    blocks): what the buckets cost. Prints each pair and the median ratio."""
+def _gemm_buckets(llm, on: bool) -> None:
+    """Our CPU GEMM row buckets (engine/layers/dense.py) on, or every row count exact."""
     from engine.layers import dense
 
-    eng, bucket, ratios = llm.engine, dense.bucket, []
+    dense.bucket = AB_DEFAULTS.setdefault("bucket", dense.bucket) if on else (lambda rows: rows)
+
+
+def _native_attention(llm, on: bool) -> None:
+    """Decodes through the C kernel (kernels/cpu_attention.py), or the torch gather path."""
+    attn = llm.engine.runner.attn
+    assert attn.native is None or attn.native.wait(), attn.native.error
+    attn.native = AB_DEFAULTS.setdefault("native", attn.native) if on else None
+
+
+AB_DEFAULTS: dict = {}  # what each switch found on, restored after
+AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention}
+
+
+def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:
+    """Our engine with switch `name` (AB; None: nothing) on against off, alternated (which goes first too) on the same
+    engine and prompts, prefix caching off (a repeat would hit the first run's blocks): what the switch buys. Prints
+    each pair and the median ratio of tok/s, on / off."""
+    if name is None:
+        return
+    switch, eng, ratios = AB[name], llm.engine, []
+    switch(llm, True)  # records the default
     cfg, eng.cfg = eng.cfg, eng.cfg.replace(enable_prefix_caching=False)
-    exact = lambda rows: rows  # noqa: E731
     try:
         for i in range(pairs):
             t = {}
-            for b in (bucket, exact) if i % 2 == 0 else (exact, bucket):
-                dense.bucket = b
-                t[b] = timed(lambda: generate(llm, wl), device)
-            t_on, t_off = t[bucket], t[exact]
-            ratios.append(t_off / t_on)
-            print(f"  GEMM buckets, pair {i + 1}: {t_on:.2f} s with, {t_off:.2f} s exact; with / exact "
-                  f"{t_off / t_on:.3f}x tok/s", flush=True)  # fmt: skip
+            for on in (True, False) if i % 2 == 0 else (False, True):
+                switch(llm, on)
+                t[on] = timed(lambda: generate(llm, wl), device)
+            ratios.append(t[False] / t[True])
+            print(f"  {name}, pair {i + 1}: {t[True]:.2f} s on, {t[False]:.2f} s off; on / off "
+                  f"{ratios[-1]:.3f}x tok/s", flush=True)  # fmt: skip
     finally:
-        dense.bucket, eng.cfg = bucket, cfg
-    print(f"  GEMM buckets: median {sorted(ratios)[len(ratios) // 2]:.3f}x the exact rows' tok/s", flush=True)
+        switch(llm, True)
+        eng.cfg = cfg
+    print(f"  {name}: median {sorted(ratios)[len(ratios) // 2]:.3f}x the tok/s with it off", flush=True)

@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 
 from bench._common import (
+    AB,
     Workload,
-    ab_gemm_buckets,
+    ab,
     default_model_path,
     gemm_gflops,
     machine_line,
@@ -315,7 +316,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help=f"also run hf-cb at max_batch_tokens {TUNE_MBT}")
     ap.add_argument("--quick", action="store_true", help="8 short requests; prints only unless --docs-dir")
     ap.add_argument("--docs-dir", type=Path, default=None, help="where to write (default docs/, none with --quick)")
-    ap.add_argument("--ab-gemm-buckets", action="store_true", help="ours with and without CPU GEMM row buckets")
+    ap.add_argument("--ab", choices=sorted(AB), help="ours with a switch on and off, alternated (bench/_common.py)")
     ap.add_argument("--moe", action="store_true", help="a small random Mixtral (8 experts, top-2) instead of SmolLM2")
     args = ap.parse_args()
     oh_n, oh_out = 64, 128
@@ -357,8 +358,7 @@ def main() -> None:
         llm = build_llm(path, spec, args, [wl, oh_wl])
         ours_generate(llm, Workload([wl.prompts[0][:16]] * 2, [4, 4]))  # warmup
         record("ours", timed(lambda: ours_generate(llm, wl), device))
-        if args.ab_gemm_buckets:
-            ab_gemm_buckets(llm, wl, device, ours_generate)
+        ab(llm, wl, device, ours_generate, args.ab)  # --ab: a switch on and off
         oh = engine_overhead(llm, oh_wl, device) | dict(n_req=oh_n, n_out=oh_out)
         print(
             f"  engine overhead at batch {oh['batch']}: step {oh['step_ms']:.1f} ms, forward {oh['fwd_ms']:.1f} ms, "

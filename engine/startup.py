@@ -242,7 +242,7 @@ def build_rank(
         kernels.load_triton()  # imports triton (about 0.3 s): the torch path never does
     if kv is None:  # (rank 0 on CPU made it early: early_pool)
         kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
-    attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend)
+    attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend, native_dir(cfg, facts.device))
     if facts.kv_dtype == torch.float8_e4m3fn:
         attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
     lora = None
@@ -253,6 +253,11 @@ def build_rank(
         model, kv, attn, cfg.block_size, facts.device, facts.kernel_backend, lora, cfg.max_num_seqs,
         plan.max_model_len, graphs, memory.graph_query_lens(cfg),
     )  # fmt: skip
+
+
+def native_dir(cfg: EngineConfig, device: torch.device) -> Path | None:
+    """Where CPU kernels in C are built and kept (kernels/cpu_attention.py): beside the other caches, on CPU only."""
+    return Path(cfg.cache_root) / "cpu-kernels" if device.type == "cpu" else None
 
 
 def log_ready(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan, seconds: float) -> None:

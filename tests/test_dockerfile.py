@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,17 @@ def test_modules_it_runs_import():
         assert spec is not None, f"`python -m {mod}`: no module {mod}"
         if spec.submodule_search_locations is not None:  # a package runs its __main__
             assert importlib.util.find_spec(f"{mod}.__main__"), f"`python -m {mod}`: no {mod}/__main__.py"
+
+
+def test_the_installed_package_carries_the_files_the_code_reads_beside_it(tmp_path):
+    """The image runs a regular install (not the source tree): kernels/cpu_attention.c, compiled at run time, must
+    be in the wheel as package data."""
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
+    if importlib.util.find_spec("setuptools"):  # else pip fetches pyproject's build requirement itself
+        pip.append("--no-build-isolation")
+    subprocess.run([*pip, str(REPO), "-w", str(tmp_path)], check=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    assert "kernels/cpu_attention.c" in zipfile.ZipFile(wheel).namelist()
 
 
 def test_runs_as_non_root():

@@ -3,21 +3,24 @@
 The backend interface: `build(layout) -> metadata` once per step, then `forward(q, k, v, caches, meta)`
 per layer. The torch reference here defines correctness and is the CPU fast path. Per layer:
 - one cache write for all new tokens;
-- decodes (one query each): one gather of their pages and two batched matmuls per length bucket
-  (at most 4 buckets, so short contexts are not padded to the longest), never a per-sequence loop;
-- prefill chunks: one SDPA call each over the chunk's own context. A step holds few of them (the token
-  budget bounds it) and each call is large, while padding them into one call wasted up to 4x the work
-  on mixed lengths."""
+- decodes (one query each): on CPU, one call of the C kernel that reads the pages where they lie
+  (kernels/cpu_attention.py, once it is built); else one gather of their pages and two batched matmuls per length
+  bucket (at most 4 buckets, so short contexts are not padded to the longest), never a per-sequence loop;
+- prefill chunks: one SDPA call each over the chunk's own context (a chunk that is its whole context reads its
+  new keys as they are, no gather). A step holds few of them (the token budget bounds it) and each call is large,
+  while padding them into one call wasted up to 4x the work on mixed lengths."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.block_table import h2d, h2d_rows
 from kernels.cache_write import reshape_and_cache
+from kernels.cpu_attention import NativeDecode
 from kernels.paged_attention import paged_attention
 from kernels.prefill_attention import prefill_attention
 
@@ -55,6 +58,13 @@ class _Decodes:
 
 
 @dataclass
+class _NativeDecodes:
+    rows: torch.Tensor  # [G] flat token row of each decode
+    tables: torch.Tensor  # [G, max blocks] int32, padded with block 0 (never read past ctx)
+    ctx: torch.Tensor  # [G] int32 seq_len
+
+
+@dataclass
 class _Prefill:
     start: int  # first flat row of the chunk
     num_q: int  # chunk length
@@ -68,6 +78,7 @@ class TorchAttnMetadata:
     slot_mapping: torch.Tensor
     decodes: list[_Decodes]
     prefills: list[_Prefill]
+    native: _NativeDecodes | None = None  # all decodes, for the C kernel (then `decodes` is empty)
 
 
 @dataclass
@@ -159,12 +170,26 @@ class TorchAttention(_KVScales):
         # Reused gather buffer. Fresh multi-MB allocations per layer cost page faults that made
         # decode gathers 2x slower on CPU.
         self._workspace: torch.Tensor | None = None
+        self.native: NativeDecode | None = None  # the CPU decode kernel (build_attention): used once it is loaded
+
+    def set_kv_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
+        super().set_kv_scales(k_scales, v_scales)
+        if k_scales.dim() > 1:  # finer than a scale per layer (a test's per-head reference): the C kernel has one
+            self.native = None
 
     # ---- once per step -------------------------------------------------------------------
     def build(self, layout: StepLayout, device) -> TorchAttnMetadata:
         qsl, lens, tables, bs = layout.query_start_loc, layout.seq_lens, layout.block_tables, self.block_size
         dec = sorted((i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1), key=lambda i: len(tables[i]))
-        decodes = []
+        decodes, native = [], None
+        if dec and self.native is not None and self.native.lib is not None:
+            nblk = len(tables[dec[-1]])
+            native = _NativeDecodes(
+                rows=torch.tensor([qsl[i] for i in dec]),
+                tables=torch.tensor([tables[i] + [0] * (nblk - len(tables[i])) for i in dec], dtype=torch.int32),
+                ctx=torch.tensor([lens[i] for i in dec], dtype=torch.int32),
+            )
+            dec = []
         for bucket in _length_buckets([len(tables[i]) for i in dec]):
             idx = [dec[j] for j in bucket]
             nblk = len(tables[idx[-1]])
@@ -188,7 +213,7 @@ class TorchAttention(_KVScales):
             if n != lens[i]:  # earlier context: SDPA's is_causal would align the wrong corner
                 mask = _chunk_mask(lens[i], n, None, device)
             prefills.append(_Prefill(qsl[i], n, lens[i], torch.tensor(tables[i]).to(device), mask))
-        return TorchAttnMetadata(layout.slot_mapping, decodes, prefills)
+        return TorchAttnMetadata(layout.slot_mapping, decodes, prefills, native)
 
     # ---- per layer -------------------------------------------------------------------------
     def forward(
@@ -207,19 +232,25 @@ class TorchAttention(_KVScales):
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         window = self.window(layer)
+        if (n := meta.native) is not None:
+            o = self.native(q[n.rows], k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap)
+            out[n.rows] = o.to(q.dtype)
         for g in meta.decodes:
             kg, vg = self._gather(k_cache, v_cache, g.blocks, g.rows.numel(), q.dtype, ks, vs)
             out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask_for(window))
         for p in meta.prefills:
-            kg, vg = self._gather(k_cache, v_cache, p.blocks, 1, q.dtype, ks, vs)  # [KVH, 1, nblk * bs, D]
             qp = q[p.start : p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
-            k, v = kg[:, :, : p.ctx].transpose(0, 1), vg[:, :, : p.ctx].transpose(0, 1)  # [1, KVH, ctx, D]
+            if p.num_q == p.ctx and k.dtype == k_cache.dtype:  # the whole context is new: the cache holds just this
+                kp, vp = (x[p.start : p.start + p.num_q].transpose(0, 1)[None] for x in (k, v))  # [1, KVH, ctx, D]
+            else:
+                kg, vg = self._gather(k_cache, v_cache, p.blocks, 1, q.dtype, ks, vs)  # [KVH, 1, nblk * bs, D]
+                kp, vp = kg[:, :, : p.ctx].transpose(0, 1), vg[:, :, : p.ctx].transpose(0, 1)  # [1, KVH, ctx, D]
             mask = _chunk_mask(p.ctx, p.num_q, window, q.device) if window else p.mask
             if self.softcap:  # SDPA has no soft-cap: the same math spelled out
-                o = self._capped(qp, k, v, mask)
+                o = self._capped(qp, kp, vp, mask)
             else:
                 o = F.scaled_dot_product_attention(
-                    qp, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=kvh != q.shape[1]
+                    qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=kvh != q.shape[1]
                 )
             out[p.start : p.start + p.num_q] = o[0].transpose(0, 1)
         return out
@@ -271,13 +302,16 @@ class TorchAttention(_KVScales):
         return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
 
-def build_attention(spec, block_size: int, backend: str):
+def build_attention(spec, block_size: int, backend: str, native_dir: Path | None = None):
     """The attention backend for a model of `spec` (torch, or the Triton kernels), with its per-layer windows and
-    Gemma 2's soft-cap: the engine's, a tensor-parallel rank's and the speculative draft's."""
+    Gemma 2's soft-cap: the engine's, a tensor-parallel rank's and the speculative draft's. `native_dir` (CPU only):
+    where the C decode kernel is built and cached, for the torch backend."""
     attn = (TritonAttention if backend == "triton" else TorchAttention)(
         block_size, spec.attn_scale or spec.head_dim**-0.5
     )
     attn.windows, attn.softcap = spec.layer_windows, spec.attn_softcap
+    if native_dir is not None and backend != "triton":
+        attn.native = NativeDecode.get(spec.head_dim, native_dir)
     return attn
 
 

@@ -35,7 +35,7 @@ from engine.model_runner import ModelRunner, flat_batch
 from engine.models import model_class
 from engine.models.spec import ModelSpec
 from engine.sampler import Rows, Sampler
-from engine.startup import ModelFacts
+from engine.startup import ModelFacts, native_dir
 from engine.tokenizer import Tokenizer
 from engine.types import Request
 from engine.weights import iter_weights
@@ -65,7 +65,7 @@ class DraftProposer:
         m = model_class(s)(s, facts.dtype, dev, plan.max_model_len, None)
         m.load_weights(iter_weights(path, dev))
         kv = allocate(s, plan, facts.dtype, dev, prefault)  # the target's block count and size
-        attn = build_attention(s, cfg.block_size, facts.kernel_backend)
+        attn = build_attention(s, cfg.block_size, facts.kernel_backend, native_dir(cfg, dev))
         # its own graphs (and pool: the planner counts it, memory.engine_needs) wherever the target has graphs
         graphs = cuda_graph_factory() if memory.cuda_graphs(cfg, dev.type, facts.kernel_backend) else None
         self.runner = ModelRunner(

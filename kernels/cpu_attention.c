@@ -1,0 +1,129 @@
+/* Decode attention over the paged KV cache on CPU, reading each block where it lies (no gather): the CPU's
+ * answer to kernels/paged_attention.py, checked against paged_attention_ref. Built at run time by
+ * kernels/cpu_attention.py with -DHEAD_DIM=<d> (a multiple of 8) and -march=native.
+ *
+ * One query token per sequence. A work item is one (sequence, kv head) pair, whose `rep` query heads share each
+ * K/V row while it is in L1. Two passes over the context: scores (q . k, soft-cap, sliding window), then fp32
+ * exp(s - max) and the weighted sum of V rows, normalized once at the end. fp32 arithmetic throughout; the cache
+ * is converted a row at a time (GCC/Clang vector extensions: 8 lanes, whatever the ISA).
+ *
+ *   q        [G, H, D] fp32, already multiplied by the softmax scale
+ *   k, v     [KVH, NB, BS, D] in `cache_dtype`: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn times a per-tensor scale
+ *   tables   [G, table_stride] int32 block ids; ctx [G] int32 context length, the new token included
+ *   out      [G, H, D] fp32
+ * Threads: OpenMP, `nthreads` of them, in the process's libgomp.so.1, which torch has already loaded: one pool. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NV (HEAD_DIM / 8)
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef _Float16 f8 __attribute__((vector_size(16)));
+
+static float fp8_lut[256];
+
+static float fp8_e4m3fn(uint8_t x) { /* bias 7, no infinities; 0x7f and 0xff are NaN */
+    int e = (x >> 3) & 15, m = x & 7;
+    float v = (e == 15 && m == 7) ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+    return (x >> 7) ? -v : v;
+}
+
+void init_tables(void) {
+    for (int i = 0; i < 256; i++) fp8_lut[i] = fp8_e4m3fn((uint8_t)i);
+}
+
+/* dst[0:NV] = cache row `idx` as fp32 (times `scale` for fp8) */
+static inline void load_row(const void *base, int64_t idx, int dtype, float scale, v8 *dst) {
+    if (dtype == 1) { /* bf16 is the top half of an fp32 */
+        const uint16_t *p = (const uint16_t *)base + idx * HEAD_DIM;
+        for (int c = 0; c < NV; c++) {
+            h8 raw;
+            memcpy(&raw, p + 8 * c, 16);
+            u8 w = __builtin_convertvector(raw, u8) << 16;
+            memcpy(&dst[c], &w, 32);
+        }
+    } else if (dtype == 0) {
+        memcpy(dst, (const float *)base + idx * HEAD_DIM, HEAD_DIM * sizeof(float));
+    } else if (dtype == 2) {
+        const _Float16 *p = (const _Float16 *)base + idx * HEAD_DIM;
+        for (int c = 0; c < NV; c++) {
+            f8 raw;
+            memcpy(&raw, p + 8 * c, 16);
+            dst[c] = __builtin_convertvector(raw, v8);
+        }
+    } else {
+        const uint8_t *p = (const uint8_t *)base + idx * HEAD_DIM;
+        float *f = (float *)dst;
+        for (int i = 0; i < HEAD_DIM; i++) f[i] = fp8_lut[p[i]] * scale;
+    }
+}
+
+static inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+int paged_decode(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
+                 const int32_t *ctx, float *out, int64_t g_count, int64_t h, int64_t kvh, int64_t nb, int64_t bs,
+                 int cache_dtype, float k_scale, float v_scale, int64_t window, float softcap, int nthreads) {
+    const int64_t rep = h / kvh;
+    int failed = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t g = 0; g < g_count; g++) {
+        for (int64_t kh = 0; kh < kvh; kh++) {
+            const int64_t n = ctx[g], start = (window > 0 && n > window) ? n - window : 0, len = n - start;
+            const int32_t *bt = tables + g * table_stride;
+            /* q [rep, NV] | acc [rep, NV] | row [NV] | scores [rep, len] | sums [rep] */
+            const size_t bytes = sizeof(v8) * (2 * rep + 1) * NV + sizeof(float) * rep * (len + 1);
+            v8 *qv = aligned_alloc(32, (bytes + 31) / 32 * 32); /* C11: a multiple of the alignment */
+            if (qv == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            v8 *acc = qv + rep * NV, *row = acc + rep * NV;
+            float *s = (float *)(row + NV), *sums = s + rep * len;
+            memcpy(qv, q + (g * h + kh * rep) * HEAD_DIM, sizeof(v8) * rep * NV);
+            for (int64_t p = start; p < n; p++) { /* pass 1: scores */
+                load_row(k, (kh * nb + bt[p / bs]) * bs + p % bs, cache_dtype, k_scale, row);
+                for (int64_t r = 0; r < rep; r++) {
+                    const v8 *qr = qv + r * NV;
+                    v8 a0 = qr[0] * row[0], a1 = (v8){0};
+                    for (int c = 1; c < NV; c += 2) { /* two chains: half the FMA latency */
+                        a1 += qr[c] * row[c];
+                        if (c + 1 < NV) a0 += qr[c + 1] * row[c + 1];
+                    }
+                    float x = hsum(a0 + a1);
+                    s[r * len + p - start] = softcap > 0.0f ? softcap * tanhf(x / softcap) : x;
+                }
+            }
+            for (int64_t r = 0; r < rep; r++) { /* exp(s - max) in place */
+                float *sr = s + r * len, m = -INFINITY, sum = 0.0f;
+                for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
+                for (int64_t j = 0; j < len; j++) {
+                    sr[j] = expf(sr[j] - m);
+                    sum += sr[j];
+                }
+                sums[r] = sum;
+                for (int c = 0; c < NV; c++) acc[r * NV + c] = (v8){0};
+            }
+            for (int64_t p = start; p < n; p++) { /* pass 2: acc[r] += w[r, p] * v_p */
+                load_row(v, (kh * nb + bt[p / bs]) * bs + p % bs, cache_dtype, v_scale, row);
+                for (int64_t r = 0; r < rep; r++) {
+                    const float w = s[r * len + p - start];
+                    for (int c = 0; c < NV; c++) acc[r * NV + c] += w * row[c];
+                }
+            }
+            float *og = out + (g * h + kh * rep) * HEAD_DIM;
+            for (int64_t r = 0; r < rep; r++) {
+                const float inv = 1.0f / sums[r];
+                for (int c = 0; c < NV; c++) {
+                    v8 o = acc[r * NV + c] * inv;
+                    memcpy(og + r * HEAD_DIM + 8 * c, &o, 32);
+                }
+            }
+            free(qv);
+        }
+    }
+    return failed;
+}
