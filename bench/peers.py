@@ -20,6 +20,7 @@ Usage: python -m bench.peers --install   # prepare both (vLLM: ~2 GB of wheels; 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -183,19 +184,19 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def serve_and_time(name: str, model: Path, prompts: list[list[int]], out_lens: list[int]) -> float:
-    """Seconds for peer `name` to answer every request, all sent at t=0 (after one untimed warm-up request).
-    Skip when it cannot be installed, started or gives the wrong lengths."""
+@contextlib.contextmanager
+def running(name: str, model: Path, n: int, max_len: int):
+    """Peer `name` serving `model` for up to n sequences of max_len tokens, ready (its /health answers 200): yields
+    its base URL, and stops it after. Skip when it cannot be installed or started."""
     import httpx
 
     from bench.procs import free_port
 
-    start, request = SERVERS[name]
     log = root() / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = start(model, len(prompts), max(len(p) + o for p, o in zip(prompts, out_lens)) + 16, port, log)
+    proc = SERVERS[name][0](model, n, max_len, port, log)
     try:
         deadline = time.monotonic() + 900
         while True:  # both answer /health 200 once the model is loaded
@@ -209,6 +210,18 @@ def serve_and_time(name: str, model: Path, prompts: list[list[int]], out_lens: l
             if time.monotonic() > deadline:
                 raise Skip(f"not ready in 900 s; its log: {log}")
             time.sleep(1)
+        yield base
+    finally:
+        _stop(proc)
+
+
+def serve_and_time(name: str, model: Path, prompts: list[list[int]], out_lens: list[int]) -> float:
+    """Seconds for peer `name` to answer every request, all sent at t=0 (after one untimed warm-up request).
+    Skip when it cannot be installed, started or gives the wrong lengths."""
+    import httpx
+
+    request = SERVERS[name][1]
+    with running(name, model, len(prompts), max(len(p) + o for p, o in zip(prompts, out_lens)) + 16) as base:
 
         async def main() -> float:
             limits = httpx.Limits(max_connections=len(prompts) + 1)
@@ -222,8 +235,6 @@ def serve_and_time(name: str, model: Path, prompts: list[list[int]], out_lens: l
             return seconds
 
         return asyncio.run(main())
-    finally:
-        _stop(proc)
 
 
 def run_servers(names: list[str], model: Path, wl, record) -> list[str]:

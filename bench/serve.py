@@ -19,6 +19,8 @@ Usage:
       --model MODEL --tokenizer /path/to/tokenizer_dir
   python -m bench.serve --launch-emulator                 # the local emulator on SmolLM2 (2-core CPU: ~6 min)
   python -m bench.serve --launch-emulator --write-docs    # ... and write docs/benchmarks.md + docs/serve.png
+  python -m bench.serve --launch-emulator --flush-ms 50 --max-concurrency 4 16 --peer vllm-cpu --write-docs
+                                                          # ours against vLLM's CPU server at 4 and 16 streams
 """
 
 from __future__ import annotations
@@ -122,13 +124,23 @@ async def one(client, args, model: str, prompt: str, n_prompt: int, max_tokens: 
     return r
 
 
-async def run_rate(client, args, model, prompts, rate: float, rng: random.Random) -> tuple[list[Result], float]:
-    """Send on an absolute Poisson schedule (sleep until each send time, so event-loop lag does not accumulate)."""
+async def run_rate(
+    client, args, model, prompts, rate: float, rng: random.Random, streams: int | None = None
+) -> tuple[list[Result], float]:
+    """Send on an absolute Poisson schedule (sleep until each send time, so event-loop lag does not accumulate), at
+    most `streams` at a time when given (vllm bench serve's --max-concurrency: a request waits for a free stream
+    before it is sent, and its TTFT counts from the send)."""
     tasks, t0, at = [], now(), 0.0
+    bound = asyncio.Semaphore(streams or len(prompts))
+
+    async def bounded(*a):
+        async with bound:
+            return await one(*a)
+
     for text, n, o in prompts:
         if at > 0:
             await asyncio.sleep(max(0.0, t0 + at - now()))
-        tasks.append(asyncio.create_task(one(client, args, model, text, n, o)))
+        tasks.append(asyncio.create_task(bounded(client, args, model, text, n, o)))
         at += 0.0 if math.isinf(rate) else rng.expovariate(rate)
     results = await asyncio.gather(*tasks)
     return results, now() - t0
@@ -157,7 +169,7 @@ async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]]
     clients = {
         t.label: AsyncOpenAI(base_url=t.base_url, api_key=key, max_retries=0, timeout=args.timeout) for t in targets
     }
-    model = args.model or (await clients[targets[0].label].models.list()).data[0].id
+    models = {t.label: args.model or (await clients[t.label].models.list()).data[0].id for t in targets}
     tok = None if args.approx_words else load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
     lens = [
@@ -165,29 +177,57 @@ async def bench(args, targets: list[Target]) -> tuple[str, dict[str, list[dict]]
         for _ in range(args.num_prompts)
     ]
     for t in targets:
-        warm = await one(clients[t.label], args, model, "Hello, my name is", 5, 4)
+        warm = await one(clients[t.label], args, models[t.label], "Hello, my name is", 5, 4)
         if not warm.ok:
             raise SystemExit(f"warm-up request to {t.label} failed: {warm.error}")
     rows: dict[str, list[dict]] = {t.label: [] for t in targets}
     per_rate: dict[str, list[list[Result]]] = {t.label: [] for t in targets}
-    for i, rate in enumerate(args.request_rate):
+    for i, (rate, streams) in enumerate(points(args)):
         prompts = make_prompts(tok, lens, random.Random(f"{args.seed}-prompts-{i}"))
         for t in targets[i % len(targets) :] + targets[: i % len(targets)]:  # each target first in turn
             results, duration = await run_rate(
-                clients[t.label], args, model, prompts, rate, random.Random(f"{args.seed}-{i}")
+                clients[t.label], args, models[t.label], prompts, rate, random.Random(f"{args.seed}-{i}"), streams
             )
             await worker_side(t, results)
-            rows[t.label].append(r := summarize(rate, results, duration, t.flush_ms))
+            rows[t.label].append(r := summarize(rate, results, duration, t.flush_ms) | {"streams": streams})
             per_rate[t.label].append(results)
             print(
-                f"  {t.label}, rate {rate:g}: {r['completed']} ok, {r['failed']} failed in {duration:.1f} s, "
+                f"  {t.label}, rate {rate:g}, streams {streams or 'any'}: {r['completed']} ok, {r['failed']} failed "
+                f"in {duration:.1f} s, "
                 f"{r['output_tok_per_s']:.1f} output tok/s, TTFT median {r['ttft_ms']['median']:.0f} ms, ITL p99 "
                 f"{r['itl_ms']['p99']:.0f} ms" + (f"; errors: {r['errors']}" if r["errors"] else ""),
                 flush=True,
             )
     for c in clients.values():
         await c.close()
-    return model, rows, per_rate
+    return models[targets[0].label], rows, per_rate
+
+
+def points(args) -> list[tuple[float, int | None]]:
+    """(request rate, concurrent streams) per run: each --max-concurrency at rate inf, else each --request-rate."""
+    if args.max_concurrency:
+        return [(math.inf, c) for c in args.max_concurrency]
+    return [(r, None) for r in args.request_rate]
+
+
+def peer_phase(args, rows: dict, per_rate: dict) -> str:
+    """--peer: that server (bench/peers.py) on the default model, after the emulators are gone (an idle server
+    beside the one measured would take its cores), on the same prompts; its rows join `rows`. Returns its line for
+    the docs, or why it was skipped."""
+    from bench import peers
+    from bench._common import default_model_path
+
+    n = max(args.max_concurrency or [args.num_prompts])
+    try:
+        with peers.running(args.peer, default_model_path(), n, args.input_len_max + args.output_len_max + 32) as base:
+            _, more, results = asyncio.run(bench(args, [Target(args.peer, base + "/v1")]))
+    except peers.Skip as e:
+        print(f"{args.peer} was skipped: {e}", flush=True)
+        return f"- {args.peer} was skipped: {e}"
+    rows.update(more)
+    per_rate.update(results)
+    what = peers.VLLM_CPU if args.peer == "vllm-cpu" else f"llama-server of llama-cpp-python {peers.LLAMA_CPP_PYTHON}"
+    return f"- {args.peer}: bench/peers.py's server ({what}), on the same prompts after ours"
 
 
 def main() -> None:
@@ -203,6 +243,13 @@ def main() -> None:
         default=[0.25, 0.5, 1.0, math.inf],
         help="requests/s, Poisson; inf = all at once (default: 0.25 0.5 1 inf)",
     )
+    ap.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        help="instead of request rates: all requests at once, at most N streaming at a time, for each N given",
+    )
+    ap.add_argument("--peer", choices=("vllm-cpu", "llama.cpp"), help="with --launch-emulator: also this server")
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per rate (32)")
     ap.add_argument("--input-len-min", type=int, default=32)
     ap.add_argument("--input-len-max", type=int, default=512)
@@ -270,8 +317,9 @@ def main() -> None:
             + (f"; {', '.join(args.worker_env)}" if args.worker_env else "")
             + ")"
         )
+        peer_note = peer_phase(args, rows, per_rate) if args.peer else None
     else:
-        targets = [Target(args.base_url, args.base_url)]
+        targets, peer_note = [Target(args.base_url, args.base_url)], None
         model, rows, per_rate = asyncio.run(bench(args, targets))
         server = f"`{args.base_url}`"
     argv = [
@@ -280,11 +328,12 @@ def main() -> None:
         if not a.startswith("--api-key") and not (i and sys.argv[i] == "--api-key")
     ]  # never print or write the key
     cmd = "python -m bench.serve " + " ".join(argv)
+    key = f"serve-{args.peer}" if args.peer else "serve"  # a peer's run has its own docs section
     from bench._common import machine_line
 
     md = "\n".join(
         [
-            "## Serving: latency vs request rate",
+            f"## Serving against {args.peer}" if args.peer else "## Serving: latency vs request rate",
             "",
             f"`{cmd.strip()}` on {time.strftime('%Y-%m-%d')} against {server}, model `{model}`; "
             f"{'client and server' if args.launch_emulator else 'client'} on {machine_line('cpu')}; load average "
@@ -310,13 +359,14 @@ def main() -> None:
                 else []
             ),
             "Notes:",
+            *([peer_note] if peer_note else []),
             "- TTFT includes queueing: at a rate above the server's capacity requests wait, and TTFT grows "
             "with the queue. TPOT and ITL are per generated token once running.",
             "- count only: worker-vllm's yield batching (1, 3, 9, 27, 50 tokens per yield) alone, so content chunks "
             "arrive in bursts and the p99 gap is the gap between bursts. flush N ms: a yield also goes out N ms after "
             "the last one when a token is pending (STREAM_FLUSH_MS).",
             "",
-            "![Latency vs request rate](serve.png)",
+            f"![Latency vs request rate]({key}.png)",
         ]
     )
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
@@ -342,9 +392,9 @@ def main() -> None:
     if args.write_docs:
         from bench._common import write_section
 
-        write_section(REPO / "docs" / "benchmarks.md", "serve", md)
-        plot(rows, REPO / "docs" / "serve.png", title)
-        print(f"wrote {REPO / 'docs' / 'benchmarks.md'} and {REPO / 'docs' / 'serve.png'}")
+        write_section(REPO / "docs" / "benchmarks.md", key, md)
+        plot(rows, REPO / "docs" / f"{key}.png", title)
+        print(f"wrote {REPO / 'docs' / 'benchmarks.md'} and {REPO / 'docs' / f'{key}.png'}")
 
 
 if __name__ == "__main__":

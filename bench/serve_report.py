@@ -74,12 +74,16 @@ def table(rows: dict[str, list[dict]]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {label} | {r['rate']:g} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
+        f"| {label} | {r['rate']:g}{streams(r)} | {r['completed']} / {r['failed']} | {r['request_per_s']:.2f} | "
         f"{r['output_tok_per_s']:.1f} | {f(r['ttft_ms'])} | {f(r['tpot_ms'])} | {f(r['itl_ms'])} |"
         for label, rs in rows.items()
         for r in rs
     ]
     return "\n".join(lines)
+
+
+def streams(r: dict) -> str:
+    return f", {r['streams']} streams" if r.get("streams") else ""
 
 
 def plot(rows: dict[str, list[dict]], png: Path, title: str) -> None:
@@ -90,7 +94,7 @@ def plot(rows: dict[str, list[dict]], png: Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for k, (label, rs) in enumerate(rows.items()):
-        x, labels = range(len(rs)), [f"{r['rate']:g}" for r in rs]  # categorical x: inf has a place too
+        x, labels = range(len(rs)), [f"{r['rate']:g}{streams(r)}" for r in rs]  # categorical x: inf has a place too
         color = f"C{k}"
         axes[0].plot(x, [r["ttft_ms"]["median"] for r in rs], "-o", color=color, label=f"{label}: TTFT median")
         axes[1].plot(x, [r["itl_ms"]["p99"] for r in rs], "-o", color=color, label=f"{label}: ITL p99")

@@ -46,3 +46,34 @@ def test_a_venv_is_made_once_and_a_failed_step_is_a_skip_naming_its_log(monkeypa
     assert calls == []  # made once
     peers._venv(tmp_path / "w", ["pkg==2"], log)
     assert len(calls) == 2  # another version: made again
+
+
+def test_serve_bench_bounds_its_streams_and_sends_every_request(monkeypatch):
+    """bench/serve.py --max-concurrency N: every request is sent, never more than N in flight at once."""
+    import asyncio
+    import math
+    import random
+
+    from bench import serve
+
+    live, most, sent = 0, 0, []
+
+    async def one(client, args, model, text, n, o):
+        nonlocal live, most
+        live += 1
+        most = max(most, live)
+        sent.append(text)
+        await asyncio.sleep(0.01)
+        live -= 1
+        return serve.Result(n, o)
+
+    monkeypatch.setattr(serve, "one", one)
+    prompts = [(f"p{i}", 4, 2) for i in range(10)]
+    results, _ = asyncio.run(serve.run_rate(None, None, "m", prompts, math.inf, random.Random(0), streams=3))
+    assert len(results) == 10 and sorted(sent) == sorted(p for p, _, _ in prompts) and most == 3
+    args = SimpleNamespace(max_concurrency=[4, 16], request_rate=[1.0])
+    assert serve.points(args) == [(math.inf, 4), (math.inf, 16)]
+    assert serve.points(SimpleNamespace(max_concurrency=None, request_rate=[1.0, math.inf])) == [
+        (1.0, None),
+        (math.inf, None),
+    ]
