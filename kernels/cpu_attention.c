@@ -61,6 +61,24 @@ static inline void load_row(const void *base, int64_t idx, int dtype, float scal
     }
 }
 
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+/* exp(x) for x <= 0 (the softmax's s - max), 8 at a time: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
+ * Taylor polynomial (relative error < 2e-7, as expf's few ulp), 2^n through the exponent bits. Below -87 it gives
+ * 2^-126-ish instead of a denormal: a weight that small is 0 beside the max's 1. */
+static inline v8 exp_v8(v8 x) {
+    const v8 lo = (v8){0} - 87.0f, log2e = (v8){0} + 1.44269504f, round = (v8){0} + 12582912.0f;
+    const i8 under = x < lo; /* lanes: -1 where true; C has no vector ?: */
+    x = (v8)(((i8)x & ~under) | ((i8)lo & under)); /* same-size vector casts reinterpret the bits */
+    v8 n = (x * log2e + round) - round; /* round to nearest */
+    v8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f; /* ln2 in two parts */
+    v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    i8 e = (__builtin_convertvector(n, i8) + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &e, 32);
+    return p * scale;
+}
+
 static inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
 int paged_decode(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
@@ -72,9 +90,11 @@ int paged_decode(const float *q, const void *k, const void *v, const int32_t *ta
     for (int64_t g = 0; g < g_count; g++) {
         for (int64_t kh = 0; kh < kvh; kh++) {
             const int64_t n = ctx[g], start = (window > 0 && n > window) ? n - window : 0, len = n - start;
+            const int64_t lenp = (len + 7) & ~(int64_t)7; /* a score row padded to whole vectors */
             const int32_t *bt = tables + g * table_stride;
-            /* q [rep, NV] | acc [rep, NV] | row [NV] | scores [rep, len] | sums [rep] */
-            const size_t bytes = sizeof(v8) * (2 * rep + 1) * NV + sizeof(float) * rep * (len + 1);
+            int64_t base = 0; /* row of position p in the cache: base + p, within p's block */
+            /* q [rep, NV] | acc [rep, NV] | row [NV] | scores [rep, lenp] | sums [rep] */
+            const size_t bytes = sizeof(v8) * (2 * rep + 1) * NV + sizeof(float) * rep * (lenp + 1);
             v8 *qv = aligned_alloc(32, (bytes + 31) / 32 * 32); /* C11: a multiple of the alignment */
             if (qv == NULL) {
 #pragma omp atomic write
@@ -82,10 +102,14 @@ int paged_decode(const float *q, const void *k, const void *v, const int32_t *ta
                 continue;
             }
             v8 *acc = qv + rep * NV, *row = acc + rep * NV;
-            float *s = (float *)(row + NV), *sums = s + rep * len;
+            float *s = (float *)(row + NV), *sums = s + rep * lenp;
             memcpy(qv, q + (g * h + kh * rep) * HEAD_DIM, sizeof(v8) * rep * NV);
-            for (int64_t p = start; p < n; p++) { /* pass 1: scores */
-                load_row(k, (kh * nb + bt[p / bs]) * bs + p % bs, cache_dtype, k_scale, row);
+            for (int64_t p = start, next = start; p < n; p++) { /* pass 1: scores */
+                if (p == next) { /* a block's first row: one division per block, not per row */
+                    base = (kh * nb + bt[p / bs]) * bs + p % bs - p;
+                    next = p - p % bs + bs;
+                }
+                load_row(k, base + p, cache_dtype, k_scale, row);
                 for (int64_t r = 0; r < rep; r++) {
                     const v8 *qr = qv + r * NV;
                     v8 a0 = qr[0] * row[0], a1 = (v8){0};
@@ -94,23 +118,34 @@ int paged_decode(const float *q, const void *k, const void *v, const int32_t *ta
                         if (c + 1 < NV) a0 += qr[c + 1] * row[c + 1];
                     }
                     float x = hsum(a0 + a1);
-                    s[r * len + p - start] = softcap > 0.0f ? softcap * tanhf(x / softcap) : x;
+                    s[r * lenp + p - start] = softcap > 0.0f ? softcap * tanhf(x / softcap) : x;
                 }
             }
-            for (int64_t r = 0; r < rep; r++) { /* exp(s - max) in place */
-                float *sr = s + r * len, m = -INFINITY, sum = 0.0f;
+            for (int64_t r = 0; r < rep; r++) { /* exp(s - max) in place, 8 at a time (scores padded to 8) */
+                float *sr = s + r * lenp, m = -INFINITY;
                 for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
-                for (int64_t j = 0; j < len; j++) {
-                    sr[j] = expf(sr[j] - m);
-                    sum += sr[j];
+                for (int64_t j = len; j < lenp; j++) sr[j] = -INFINITY; /* exp gives ~0: not summed below */
+                v8 sum = (v8){0};
+                for (int64_t j = 0; j < lenp; j += 8) {
+                    v8 x;
+                    memcpy(&x, sr + j, 32);
+                    x = exp_v8(x - m);
+                    memcpy(sr + j, &x, 32);
+                    sum += j + 8 <= len ? x : (v8){0};
                 }
-                sums[r] = sum;
+                float total = hsum(sum);
+                for (int64_t j = len & ~(int64_t)7; j < len; j++) total += sr[j]; /* the partial last 8 */
+                sums[r] = total;
                 for (int c = 0; c < NV; c++) acc[r * NV + c] = (v8){0};
             }
-            for (int64_t p = start; p < n; p++) { /* pass 2: acc[r] += w[r, p] * v_p */
-                load_row(v, (kh * nb + bt[p / bs]) * bs + p % bs, cache_dtype, v_scale, row);
+            for (int64_t p = start, next = start; p < n; p++) { /* pass 2: acc[r] += w[r, p] * v_p */
+                if (p == next) {
+                    base = (kh * nb + bt[p / bs]) * bs + p % bs - p;
+                    next = p - p % bs + bs;
+                }
+                load_row(v, base + p, cache_dtype, v_scale, row);
                 for (int64_t r = 0; r < rep; r++) {
-                    const float w = s[r * len + p - start];
+                    const float w = s[r * lenp + p - start];
                     for (int c = 0; c < NV; c++) acc[r * NV + c] += w * row[c];
                 }
             }
