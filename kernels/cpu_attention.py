@@ -3,8 +3,9 @@ paged_attention_ref (kernels/paged_attention.py) for one query per sequence.
 
 Why C: the torch path gathers every decode's blocks into a padded copy, then runs two batched matmuls whose rows are
 the `rep` query heads of one kv head (3 for SmolLM2): a copy of the whole context per layer and per step, and GEMMs
-too thin for oneDNN. Reading the blocks where they lie, with the rep heads sharing each row, does the same work in
-about a third of the time at 8-64 sequences (bench/decode_step.py --attention; 2 threads, Xeon with AMX).
+too thin for oneDNN (attention was 43 % of the CPU time of bench/throughput.py's issue workload). Reading the blocks
+where they lie, the rep heads sharing each row, made that workload 1.25-1.41x faster end to end (`--ab
+native-attention`, alternated pairs; Intel Xeon VM, 2 cores; docs/decisions.md).
 
 The shared object is built at run time with the system's C compiler (gcc or clang: `cc`, as Triton needs), for this
 CPU (-march=native) and one head_dim, into `<cache>/cpu-kernels/` under a name that hashes the source, the flags,
