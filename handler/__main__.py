@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         worker.ready()
-        return asyncio.run(run_test_job(worker, test_job, sys.stdout))
+        return stopped(worker, asyncio.run(run_test_job(worker, test_job, sys.stdout)))
 
     from handler import runpod_sdk
 
@@ -136,7 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     worker.on_fatal = runpod_sdk.stop_worker  # an engine fault: the jobs in flight report it, then the loop ends
 
     runpod.serverless.start(worker.runpod_config())
-    return exit_now(f"the engine faulted: {worker.fault}") if worker.fault else 0
+    return exit_now(f"the engine faulted: {worker.fault}") if worker.fault else stopped(worker, 0)
+
+
+def stopped(worker, code: int) -> int:
+    """A clean exit stops the engine's step loop first. Left running, its thread may be inside torch (an idle piece:
+    packing a layer's weights for oneDNN) when the interpreter finalizes, and a thread that C++ code is unwound out
+    of aborts the whole process ('terminate called without an active exception', exit 134 after a good job)."""
+    if worker.engine is not None and worker.fault is None:
+        worker.engine.shutdown()
+    return code
 
 
 def exit_now(why: str, code: int = 1) -> int:

@@ -187,3 +187,24 @@ def test_engine_fault_fails_everything_and_asks_for_replacement(tiny_llama):
 
 async def _collect(worker, job):
     return [c async for c in worker.handle({"id": "k", "input": job})]
+
+
+def test_a_clean_exit_stops_the_step_loop_first(tiny_llama, tmp_path):
+    """A bf16 CPU worker packs its weights for oneDNN as idle pieces on the step loop's thread after the job. If
+    the process exited with a piece inside torch, the interpreter's finalization unwound that thread out of C++ and
+    the process aborted after a good job (exit 134, 'terminate called without an active exception'). Each piece is
+    made long here (a matmul of ~0.3 s, in torch, GIL released), so the exit lands inside one."""
+    code = (
+        "import sys, torch, engine.cuda_graphs as cg\n"
+        "real = cg.pack\n"
+        "def slow(piece):\n"
+        "    a = torch.ones(1500, 1500); [a @ a for _ in range(20)]\n"
+        "    return real(piece)\n"
+        "cg.pack = slow\n"
+        "from handler.__main__ import main\n"
+        f"sys.exit(main(['--test_input', {json.dumps(JOB)!r}]))"
+    )
+    env = {**_env(tiny_llama), "DTYPE": "bfloat16"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["status"] == "COMPLETED"
