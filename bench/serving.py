@@ -4,7 +4,7 @@ Everything runs the embedded default model (SmolLM2-135M-Instruct; MODEL_NAME un
 HF_HUB_OFFLINE=1, through the real entry points, one measurement at a time (2 cores: nothing overlaps).
 
 1. Import: wall time of fresh `python -c ...` subprocesses (median of 5, variants interleaved): bare `pass`,
-   `import handler`, `import runpod`, and `import runpod` after our cpuinfo shim (handler.runpod_sdk.cheap_cpuinfo).
+   `import handler`, `import runpod`, and `import runpod` after our shims (handler.runpod_sdk.lean_import).
 2. Cold start: launch `python -m handler.local --port P` (which spawns the worker `python -m handler`), then
    POST /v2/local/run in a loop until the server accepts the job, then poll GET /stream/{id} (it long-polls)
    until the first chunk. Times from launch: the job accepted, the worker spawned, its "engine ready" line, the
@@ -46,7 +46,7 @@ IMPORTS = {
     "python -c pass": "pass",
     "import handler": "import handler",
     "import runpod": "import runpod",
-    "import runpod + cpuinfo shim": "import handler.runpod_sdk as m; m.cheap_cpuinfo(); import runpod",
+    "import runpod + our shims": "import handler.runpod_sdk as m; m.lean_import(); import runpod",
 }
 now = time.perf_counter
 

@@ -77,6 +77,11 @@ class AsyncEngine:
         within the context, the params within this engine's limits, the adapter resolved. generate() trusts it."""
         return self.engine.validate(prompt, params, lora)
 
+    def warm_later(self, *pieces: Callable[[], object]) -> None:
+        """Run `pieces` on the step loop's thread after ready, one per idle gap (IdleWork's host pieces): what a
+        later request would otherwise pay for on its own path, kept off the cold start (an import, a compile)."""
+        self._inbox.put(("idle", pieces))
+
     def lora_names(self) -> list[str]:
         return self.engine.lora_names()
 
@@ -295,6 +300,8 @@ class AsyncEngine:
                 self.engine.add_request(rid, valid)
             except Exception as e:
                 self._send(rid, e)
+        elif cmd[0] == "idle":
+            self.engine.idle.add(*cmd[1])
         elif cmd[0] == "abort":
             _, rid, done = cmd
             self.engine.abort(rid)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -210,13 +211,17 @@ class IdleWork:
     A failure is logged and ends that kind of work: steps stay correct without it."""
 
     def __init__(
-        self, runner, warm_kernels: bool, grammar=None, share: float = BUSY_SHARE, clock=time.perf_counter, draft=None
+        self, runner, warm_kernels: bool, grammar=None, share: float = BUSY_SHARE, clock=time.perf_counter, draft=None,
+        host=(),
     ):  # fmt: skip
         """grammar: the engine's StructuredOutputs (its mask pieces wait for its first compiled grammar). draft: the
-        draft model's ModelRunner, whose graphs are captured with the target's."""
+        draft model's ModelRunner, whose graphs are captured with the target's. host: callables run first, one a
+        piece (what a later request would otherwise pay for, kept off the cold start)."""
         self.runner, self.grammar, self.share, self.clock = runner, grammar, share, clock
         self.runners = [runner] + ([draft] if draft is not None else [])
         self.warm_shapes = runner.warm_shapes() if warm_kernels else []  # ModelRunner.warm's arguments
+        # host pieces first (add(): imports and chat-template compiles the serving path needs later, not before ready)
+        self.host: list[Callable[[], object]] = list(host)
         self.pack = [piece for r in self.runners for piece in pack_pieces(getattr(r, "model", None))]  # CPU bf16
         self.packed = 0  # bytes
         self.mask_rows: list[int] = []
@@ -230,7 +235,7 @@ class IdleWork:
     def pending(self) -> bool:
         if self._masks_due and self.grammar.compiles:
             self.warm_grammar()
-        return bool(self.pack or self.warm_shapes or self.mask_rows) or any(g.pending for g in self.graphs)
+        return bool(self.host or self.pack or self.warm_shapes or self.mask_rows) or any(g.pending for g in self.graphs)
 
     @property
     def graphs(self) -> list:
@@ -252,7 +257,9 @@ class IdleWork:
     def step(self) -> None:
         """One piece: a kernel warm step, a mask warm, or one graph capture."""
         t0 = self.clock()
-        if self.pack:
+        if self.host:
+            self._host()
+        elif self.pack:
             self._pack()
         elif self.warm_shapes:
             self._warm()
@@ -274,10 +281,21 @@ class IdleWork:
         for r in self.runners:
             if (native := getattr(getattr(r, "attn", None), "native", None)) is not None:
                 native.wait()
-        while self.pending and (self.pack or self.warm_shapes or self.mask_rows or batch is None):
+        while self.pending and (self.host or self.pack or self.warm_shapes or self.mask_rows or batch is None):
             self.step()
         if batch is not None:
             self.capture_graphs(batch)
+
+    def add(self, *pieces: Callable[[], object]) -> None:
+        """Host pieces, run before the rest (the step loop's thread: AsyncEngine.warm_later hands them over)."""
+        self.host.extend(pieces)
+
+    def _host(self) -> None:
+        piece = self.host.pop(0)
+        try:
+            piece()
+        except Exception:  # what it prepares is then done by the first request that needs it
+            log.exception("idle piece %s failed; the first request that needs it does it", piece)
 
     def _pack(self) -> None:
         piece = self.pack.pop(0)

@@ -65,7 +65,7 @@ class LLMEngine:
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))
             self.output = OutputProcessor(self.tok, self.eos_token_ids, self.scheduler.finish, self.speculator.k)
             self.injector, self.ooms, self.num_failed_nan = faults.injector(cfg.fault_injection), faults.OomHistory(), 0
-            self.idle = startup.idle_work(cfg, facts, self.runner, self.structured, self.speculator.draft)
+            self.idle = startup.idle_work(cfg, facts, self.runner, self.structured, self.speculator.draft, self.tok)
             tl.skip("kernel warmup", _warmup_note(facts.kernel_backend, len(self.idle.warm_shapes)))
             startup.log_ready(cfg, facts, plan, time.perf_counter() - t0)
 

@@ -205,11 +205,13 @@ def early_pool(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan) -> tuple[
     return (pf, allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, pf)) if pf is not None else (None, None)
 
 
-def idle_work(cfg: EngineConfig, facts: ModelFacts, runner: ModelRunner, grammar, draft) -> IdleWork:
-    """What runs after ready, in the loop's idle gaps and its share of busy time: the Triton kernel warm steps on one
-    GPU (they run on rank 0 alone), the grammar mask's, then the CUDA graph captures, a draft model's included."""
+def idle_work(cfg: EngineConfig, facts: ModelFacts, runner: ModelRunner, grammar, draft, tok) -> IdleWork:
+    """What runs after ready, in the loop's idle gaps and its share of busy time: the chat templates' compiles, the
+    Triton kernel warm steps on one GPU (they run on rank 0 alone), the grammar mask's, then the CUDA graph
+    captures, a draft model's included."""
     one_gpu = facts.device.type == "cuda" and cfg.tensor_parallel_size == 1
-    return IdleWork(runner, warm_kernels=one_gpu, grammar=grammar, draft=getattr(draft, "runner", None))
+    draft = getattr(draft, "runner", None)
+    return IdleWork(runner, warm_kernels=one_gpu, grammar=grammar, draft=draft, host=tok.warm_pieces())
 
 
 def pool_note(plan: MemoryPlan, prefault: Prefaulter | None) -> str:

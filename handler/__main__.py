@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from handler import runpod_sdk
 
-    runpod_sdk.cheap_cpuinfo()
+    runpod_sdk.lean_import()
     import runpod
 
     grace = worker.settings.SHUTDOWN_GRACE_S

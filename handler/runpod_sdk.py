@@ -1,7 +1,10 @@
 """Our fixes to runpod-python 1.12's worker loop, installed before `runpod.serverless.start`.
 
-- `cheap_cpuinfo`: `import runpod` spends ~1.1 s in cpuinfo.get_cpu_info() (rp_debugger reads the CPU brand
-  once); we answer it from /proc/cpuinfo.
+- `lean_import`, before `import runpod`: its import spent ~1.1 s in cpuinfo.get_cpu_info() (rp_debugger reads
+  the CPU brand once), which we answer from /proc/cpuinfo; and ~0.13 s in its command-line tool's package
+  (`runpod.cli`, whose __init__ imports the `ssh` group: paramiko, cryptography, invoke), which a worker never
+  runs: that package stands in as an empty one over the same folder, so the one module the SDK uses from it
+  (`runpod.cli.groups.config.functions`, credentials) still loads. tests/test_runpod_sdk.py checks both.
 - `install(...)` swaps the SDK's JobScaler for a subclass with `Scaler` mixed in (runpod's worker loop builds
   `rp_scale.JobScaler(config)` at call time, so the swap is all it takes):
   - occupancy: the SDK counts a taken job twice (in its queue and in progress) until its task starts, so after
@@ -18,8 +21,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -29,21 +34,25 @@ log = logging.getLogger("handler")
 REPORT_S = 5.0  # after the grace period: time for the ended jobs to report before they are cancelled
 
 
-def cheap_cpuinfo() -> None:
-    """Install a `cpuinfo` stand-in with the one field runpod reads; call before `import runpod`."""
-    if "cpuinfo" in sys.modules:
-        return
-    brand = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                brand = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    shim = types.ModuleType("cpuinfo")
-    shim.get_cpu_info = lambda: {"brand_raw": brand}
-    sys.modules["cpuinfo"] = shim
+def lean_import() -> None:
+    """The shims above (module docstring), installed once; call before `import runpod`."""
+    if "cpuinfo" not in sys.modules:
+        brand = "unknown"
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    brand = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        shim = types.ModuleType("cpuinfo")
+        shim.get_cpu_info = lambda: {"brand_raw": brand}
+        sys.modules["cpuinfo"] = shim
+    if "runpod" not in sys.modules and (spec := importlib.util.find_spec("runpod")) is not None:
+        cli = types.ModuleType("runpod.cli")
+        cli.__path__ = [str(Path(spec.submodule_search_locations[0]) / "cli")]  # its subpackages, found as before
+        cli.STOP_EVENT = threading.Event()  # what its __init__ defines besides the imports
+        sys.modules["runpod.cli"] = cli
 
 
 _current: list = []  # [(the running Scaler, its event loop)], for stop_worker

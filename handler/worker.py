@@ -20,11 +20,18 @@ from engine import AsyncEngine, EngineError, EngineFault, InvalidRequestError, T
 from handler import native_jobs
 from handler.jobs import ColdStart, JobContext, marked
 from handler.native_jobs import native_job
-from handler.openai_jobs import WHERE, openai_job
 from handler.schemas import JobError
 from handler.settings import Settings
 
 log = logging.getLogger("handler")
+
+
+def _openai_routes():
+    """handler/openai_jobs.py and every OpenAI and Anthropic route it brings (their pydantic models: ~85 ms): imported
+    by the first job that needs them, or after ready as an idle piece, whichever comes first."""
+    from handler import openai_jobs
+
+    return openai_jobs
 
 
 class Worker:
@@ -48,6 +55,7 @@ class Worker:
         self.on_fatal: Callable[[], None] | None = None
         if engine is not None:
             engine.on_fault = self._on_fault
+            engine.warm_later(_openai_routes)  # after ready: a native first job does not wait for these imports
         self.max_in_flight = 0
         self._ids = itertools.count()
         self._running: dict[str, str] = {}  # engine request id -> job id, for jobs in flight
@@ -121,11 +129,12 @@ class Worker:
         own), a use_openai_format job's as paths in its native input."""
         ctx = self._context()
         if isinstance(inp, dict) and ("openai_route" in inp or "openai_input" in inp):
-            return openai_job(ctx, inp, rid), lambda e: e.rebased(WHERE)
+            oa = _openai_routes()
+            return oa.openai_job(ctx, inp, rid), lambda e: e.rebased(oa.WHERE)
         job = native_jobs.parse_job(inp)
         if job.use_openai_format:
-            inp, lora, sizer = native_jobs.as_openai(ctx, job)
-            return openai_job(ctx, inp, rid, lora, sizer), lambda e: e.rebased(WHERE, native_jobs.native_path)
+            oa, (inp, lora, sizer) = _openai_routes(), native_jobs.as_openai(ctx, job)
+            return oa.openai_job(ctx, inp, rid, lora, sizer), lambda e: e.rebased(oa.WHERE, native_jobs.native_path)
         return native_job(ctx, job, rid), _as_is
 
     def _context(self) -> JobContext:

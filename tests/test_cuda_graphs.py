@@ -232,6 +232,41 @@ def test_idle_work_warms_kernels_then_captures(tiny_llama):
     assert not IdleWork(LLM(str(tiny_llama), **{**ENGINE, "kernel_backend": "torch"}).engine.runner, True).pending
 
 
+def test_host_pieces_run_first_one_a_gap_and_a_failure_ends_only_itself(tiny_llama, caplog):
+    """The worker's host pieces (AsyncEngine.warm_later: the OpenAI routes' import, the chat templates' compiles)
+    run before the kernel warm-up, one per step; one that raises is logged and the next still runs."""
+    from engine.cuda_graphs import IdleWork
+
+    llm = LLM(str(tiny_llama), **ENGINE)
+    ran = []
+
+    def broken():
+        raise RuntimeError("no such module")
+
+    idle = IdleWork(llm.engine.runner, warm_kernels=True, host=[lambda: ran.append("a")])
+    idle.add(broken, lambda: ran.append("c"))
+    shapes = len(idle.warm_shapes)
+    for expected in (["a"], ["a"], ["a", "c"]):
+        idle.step()
+        assert ran == expected and len(idle.warm_shapes) == shapes
+    assert "no such module" in caplog.text
+    idle.step()
+    assert len(idle.warm_shapes) == shapes - 1
+
+
+def test_warm_later_reaches_the_step_loop(tiny_llama):
+    """AsyncEngine.warm_later hands pieces to the loop's thread, which runs them while idle."""
+    import threading
+
+    engine = AsyncEngine(engine=LLM(str(tiny_llama), **{**ENGINE, "kernel_backend": "torch"}).engine)
+    try:
+        done, where = threading.Event(), []
+        engine.warm_later(lambda: (where.append(threading.current_thread().name), done.set()))
+        assert done.wait(10) and where == ["engine-step-loop"]
+    finally:
+        engine.shutdown()
+
+
 class Hooks:
     """Counting hooks on one engine: each kernel warm step, graph capture and engine step is recorded in order
     (with whether requests were running) and advances a fake clock by a power of two (exact sums)."""

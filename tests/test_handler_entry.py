@@ -69,18 +69,25 @@ def test_test_input_flag_iterates_the_generator(tiny_llama, tmp_path):
 def test_heavy_imports_stay_off_the_cold_start_path(tiny_llama, tmp_path):
     """`import handler` loads no torch, and a CPU worker is ready, and serves a job, without transformers, boto3,
     runpod, triton or xgrammar: they load when something needs them (LoRA, the SDK loop, the Triton kernels, a
-    grammar; transformers only when asked for). jinja2 loads at start for a model with a chat template (compiled
-    then, so no job pays for it); this tiny model has none."""
+    grammar; transformers only when asked for). The OpenAI and Anthropic routes (their pydantic models) and a chat
+    template's jinja2 are not imported before ready either: the engine's idle work imports the routes after ready
+    (this tiny model has no chat template: jinja2 never loads)."""
     code = (
-        "import sys, handler\n"
+        "import sys, time, handler\n"
         "assert 'torch' not in sys.modules\n"
         "from handler.__main__ import build_worker\n"
         "w = build_worker()\n"
         "assert w.engine is not None\n"
+        "assert 'handler.openai_jobs' not in sys.modules, 'the OpenAI routes were imported before ready'\n"
         "import asyncio, io\n"
         "from handler.worker import run_test_job\n"
         "w.ready()\n"
         f"assert asyncio.run(run_test_job(w, {JOB!r}, io.StringIO())) == 0\n"
+        "deadline = time.monotonic() + 30\n"
+        "while 'handler.openai_jobs' not in sys.modules and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "assert 'handler.openai_jobs' in sys.modules, 'the idle work never imported the OpenAI routes'\n"
+        "w.engine.shutdown()\n"
         "heavy = ('transformers', 'jinja2', 'boto3', 'botocore', 'runpod', 'triton', 'xgrammar')\n"
         "print(sorted(m for m in heavy if m in sys.modules))"
     )
@@ -208,3 +215,26 @@ def test_a_clean_exit_stops_the_step_loop_first(tiny_llama, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["status"] == "COMPLETED"
+
+
+def test_runpod_imports_lean_and_whole():
+    """handler.runpod_sdk.lean_import: `import runpod` without cpuinfo's probe or the CLI's ssh group (paramiko,
+    cryptography), and everything the worker loop and the SDK's clients use is there: its worker loop, its job
+    scaler, the credentials its HTTP client reads from the CLI's config module, and the Endpoint client."""
+    code = (
+        "import sys\n"
+        "import handler.runpod_sdk as m\n"
+        "m.lean_import()\n"
+        "import runpod\n"
+        "from runpod.serverless.modules import rp_scale\n"
+        "assert callable(runpod.serverless.start) and rp_scale.JobScaler\n"
+        "config = sys.modules['runpod.cli.groups.config.functions']\n"
+        "assert runpod.http_client.get_credentials is config.get_credentials\n"
+        "assert runpod.Endpoint and runpod.check_credentials\n"
+        "from runpod.serverless.utils import rp_debugger\n"
+        "assert rp_debugger.PROCESSOR == sys.modules['cpuinfo'].get_cpu_info()['brand_raw']\n"
+        "print(sorted(x for x in ('paramiko', 'cryptography', 'invoke', 'runpod.cli.groups.ssh') if x in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -79,7 +79,7 @@ def entry(s: Settings, ctx):
     import handler.__main__ as main_mod
     from handler import runpod_sdk
 
-    runpod_sdk.cheap_cpuinfo()
+    runpod_sdk.lean_import()
     import runpod
 
     seen = {}

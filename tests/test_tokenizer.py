@@ -247,3 +247,35 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_chat_templates_compile_after_ready_not_at_start(tiny_llama, tmp_path):
+    """Opening a tokenizer neither imports jinja2 nor compiles (a prompt job never needs them); its warm pieces,
+    which the engine runs after ready, compile each template its fast path renders, so a chat job finds them in
+    compile_template's cache. A fresh process, for the imports."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "multi"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "chat_template.jinja").write_text(MULTI["default"])
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(MULTI["tool_use"])
+    code = f"""
+import sys
+from engine.tokenizer import Tokenizer
+tok = Tokenizer({str(folder)!r})
+assert "jinja2" not in sys.modules, "opening the tokenizer imported jinja2"
+pieces = tok.warm_pieces()
+assert len(pieces) == 2, pieces
+for piece in pieces:
+    piece()
+from engine.chat_template import compile_template
+assert compile_template.cache_info().currsize == 2
+tok.apply_chat_template([{{"role": "user", "content": "hi"}}], add_generation_prompt=True)
+assert compile_template.cache_info().misses == 2, compile_template.cache_info()  # the render compiled nothing
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
