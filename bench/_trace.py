@@ -40,7 +40,7 @@ def first_yield(agen_fn, on_start, on_first):
 
 
 def trace_emulator() -> None:
-    from handler import local
+    from handler import job_front, local
 
     emu = local.Emulator
     submit, take, result = emu.submit, emu.job_take, emu.job_result
@@ -64,8 +64,8 @@ def trace_emulator() -> None:
         return await result(self, request)
 
     emu.submit, emu.job_take, emu.job_result = traced_submit, traced_take, traced_result
-    # the OpenAI routes' event stream (handler/local_jobs.py), as handler/local.py calls it
-    local.sse_events = first_yield(local.sse_events, lambda a: None, lambda a: emit("sse_out", a[0].id))
+    # the OpenAI routes' event stream (handler/local_jobs.py), as handler/job_front.py calls it
+    job_front.sse_events = first_yield(job_front.sse_events, lambda a: None, lambda a: emit("sse_out", a[0].id))
 
 
 def trace_worker() -> None:

@@ -39,9 +39,12 @@ class AsyncEngine:
         *,
         engine: LLMEngine | None = None,
         timeline: Timeline | None = None,
+        idle_held: bool = False,
         **kwargs,
     ):
+        """idle_held: the idle work's device pieces wait for release_idle() (IdleWork.held)."""
         self.engine = engine or LLMEngine(config or EngineConfig(**kwargs), timeline)
+        self.engine.idle.held = idle_held  # before the loop's thread starts
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
@@ -76,6 +79,10 @@ class AsyncEngine:
         """The request checked once, now (raises InvalidRequestError naming the field): the prompt tokenized and
         within the context, the params within this engine's limits, the adapter resolved. generate() trusts it."""
         return self.engine.validate(prompt, params, lora)
+
+    def release_idle(self) -> None:
+        """The worker takes jobs from now on: the held idle pieces may run (idle_held)."""
+        self._inbox.put(("idle", ()))
 
     def warm_later(self, *pieces: Callable[[], object]) -> None:
         """Run `pieces` on the step loop's thread after ready, one per idle gap (IdleWork's host pieces): what a
@@ -302,6 +309,7 @@ class AsyncEngine:
                 self._send(rid, e)
         elif cmd[0] == "idle":
             self.engine.idle.add(*cmd[1])
+            self.engine.idle.held = self.engine.idle.held and bool(cmd[1])  # release_idle() sends no pieces
         elif cmd[0] == "abort":
             _, rid, done = cmd
             self.engine.abort(rid)

@@ -222,6 +222,9 @@ class IdleWork:
         self.warm_shapes = runner.warm_shapes() if warm_kernels else []  # ModelRunner.warm's arguments
         # host pieces first (add(): imports and chat-template compiles the serving path needs later, not before ready)
         self.host: list[Callable[[], object]] = list(host)
+        # True: only the host pieces run. A worker holds the rest until it takes jobs: packing, on both cores, made
+        # the runpod SDK's import (0.5 s alone) take 1.1 s, so the first job-take came that much later.
+        self.held = False
         self.pack = [piece for r in self.runners for piece in pack_pieces(getattr(r, "model", None))]  # CPU bf16
         self.packed = 0  # bytes
         self.mask_rows: list[int] = []
@@ -235,6 +238,8 @@ class IdleWork:
     def pending(self) -> bool:
         if self._masks_due and self.grammar.compiles:
             self.warm_grammar()
+        if self.held:
+            return bool(self.host)
         return bool(self.host or self.pack or self.warm_shapes or self.mask_rows) or any(g.pending for g in self.graphs)
 
     @property
@@ -271,7 +276,7 @@ class IdleWork:
         self._next_busy = end + (end - t0) * (1 - self.share) / self.share
         self.pieces += 1
         self.seconds += end - t0
-        if not self.pending:
+        if not self.pending and not self.held:
             log.info("idle work done: %d pieces in %.2f s", self.pieces, self.seconds)
 
     def drain(self, batch: int | None = None) -> None:

@@ -78,7 +78,7 @@ def build_worker(per_token: bool = False, settings=None, error: str | None = Non
         log.warning("%s", item)
     tl.mark("settings")
     try:
-        engine = AsyncEngine(settings.engine_config(), timeline=tl)
+        engine = AsyncEngine(settings.engine_config(), timeline=tl, idle_held=True)  # until worker.ready()
     except Exception as e:  # model not found, bad config, out of memory: report it on every job
         log.exception("engine start failed")
         return Worker(settings, None, start_error=f"{type(e).__name__}: {e}")

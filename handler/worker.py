@@ -93,6 +93,8 @@ class Worker:
         if self.timeline is not None:
             self.timeline.mark("ready")
             log.info("cold start:\n%s", self.timeline.table())
+        if self.engine is not None:
+            self.engine.release_idle()  # the idle pieces waited for the rest of the start
 
     async def handle(self, job: dict) -> AsyncIterator[Any]:
         """runpod calls this per job; each yield is one streamed chunk."""

@@ -51,3 +51,29 @@ def test_an_engine_packs_its_weights_after_ready_and_its_outputs_do_not_change(t
     for a, b in zip(first, second):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_worker_engine_holds_the_packing_until_it_takes_jobs(tiny_llama):
+    """AsyncEngine(idle_held=True), as the worker builds it: the host pieces run at once (warm_later), the packing
+    waits for release_idle() (worker.ready(), after the runpod SDK's import, which the packing slowed 2x), then
+    runs without a request."""
+    import threading
+    import time
+
+    from engine import AsyncEngine, EngineConfig
+
+    cfg = EngineConfig(model=str(tiny_llama), dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
+    engine = AsyncEngine(cfg, idle_held=True)
+    try:
+        idle, ran = engine.engine.idle, threading.Event()
+        engine.warm_later(ran.set)
+        assert ran.wait(10)  # a host piece is not held
+        time.sleep(0.3)
+        assert idle.held and idle.packed == 0 and idle.pack and not idle.pending
+        engine.release_idle()
+        deadline = time.monotonic() + 30
+        while idle.pack and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not idle.held and not idle.pack and idle.packed > 0
+    finally:
+        engine.shutdown()
