@@ -61,15 +61,17 @@ def library_path(cache_dir: Path, head_dim: int, cc: str) -> Path:
     return Path(cache_dir) / f"cpu_attention-d{head_dim}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
-def build(cache_dir: Path, head_dim: int) -> Path:
-    """The shared object for `head_dim` in `cache_dir`, compiled unless it is there. Raises RuntimeError saying why
-    it cannot be had (no compiler, a failed compile: the compiler's message)."""
+def build(cache_dir: Path, head_dim: int, on_compile=lambda path: None) -> Path:
+    """The shared object for `head_dim` in `cache_dir`, compiled unless it is there (then `on_compile(path)` is
+    called first). Raises RuntimeError saying why it cannot be had (no compiler, a failed compile: the compiler's
+    message)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     path = library_path(cache_dir, head_dim, cc)
     if path.exists():
         return path
+    on_compile(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".so.tmp", dir=path.parent)
     os.close(fd)
@@ -127,10 +129,9 @@ class NativeDecode:
     def _make(self) -> None:
         t0 = time.perf_counter()
         try:
-            cc = compiler()
-            cached = cc is not None and library_path(self.cache_dir, self.head_dim, cc).exists()
-            self.lib = load(build(self.cache_dir, self.head_dim))
-            how = "loaded" if cached else f"built in {time.perf_counter() - t0:.1f}s"
+            built = []
+            self.lib = load(build(self.cache_dir, self.head_dim, on_compile=built.append))
+            how = f"built in {time.perf_counter() - t0:.1f}s" if built else "loaded"
             log.info("CPU decode attention: native kernel (head_dim %d) %s", self.head_dim, how)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             self.error = str(e)
