@@ -59,6 +59,14 @@ class FakeAsyncEngine:
     ) -> ValidRequest:
         return self._intake.validate(prompt, params, lora)
 
+    def warm_later(self, *pieces) -> None:
+        """AsyncEngine's: the pieces run on its loop's thread after ready; here at once."""
+        for piece in pieces:
+            piece()
+
+    def release_idle(self) -> None:
+        pass
+
     def lora_names(self) -> list[str]:
         return list(self._lora_names)
 
