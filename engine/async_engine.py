@@ -82,7 +82,7 @@ class AsyncEngine:
 
     def release_idle(self) -> None:
         """The worker takes jobs from now on: the held idle pieces may run (idle_held)."""
-        self._inbox.put(("idle", ()))
+        self._inbox.put(("release",))
 
     def warm_later(self, *pieces: Callable[[], object]) -> None:
         """Run `pieces` on the step loop's thread after ready, one per idle gap (IdleWork's host pieces): what a
@@ -309,7 +309,8 @@ class AsyncEngine:
                 self._send(rid, e)
         elif cmd[0] == "idle":
             self.engine.idle.add(*cmd[1])
-            self.engine.idle.held = self.engine.idle.held and bool(cmd[1])  # release_idle() sends no pieces
+        elif cmd[0] == "release":
+            self.engine.idle.held = False
         elif cmd[0] == "abort":
             _, rid, done = cmd
             self.engine.abort(rid)

@@ -87,9 +87,8 @@ class Tokenizer:
             )
             self.special_tokens = {k: v for k in SPECIAL_TOKENS if (v := _content(src.get(k))) is not None}
             self.chat_template = _chat_templates(self.folder, cfg)
-            own = self.chat_template.values() if isinstance(self.chat_template, dict) else [self.chat_template]
-            for t in own:
-                if t is not None and self._pick_template(t, None) is None:
+            for t in self._own_templates():
+                if self._pick_template(t, None) is None:
                     log.info(
                         "the chat template uses special tokens tokenizer_config.json does not name: loading "
                         "transformers' tokenizer now to render it"
@@ -105,8 +104,11 @@ class Tokenizer:
         a prompt job never needs them, and a chat job that comes first compiles its own (compile_template's cache)."""
         if self.backend is None:  # transformers renders them
             return []
+        return [functools.partial(_compile, t) for t in self._own_templates() if self._pick_template(t, None)]
+
+    def _own_templates(self) -> list[str]:
         own = self.chat_template.values() if isinstance(self.chat_template, dict) else [self.chat_template]
-        return [functools.partial(_compile, t) for t in own if t is not None and self._pick_template(t, None)]
+        return [t for t in own if t is not None]
 
     def _token_id(self, tok: str | None) -> int | None:
         return self.backend.token_to_id(tok) if isinstance(tok, str) else None

@@ -4,7 +4,7 @@
   the CPU brand once), which we answer from /proc/cpuinfo; and ~0.13 s in its command-line tool's package
   (`runpod.cli`, whose __init__ imports the `ssh` group: paramiko, cryptography, invoke), which a worker never
   runs: that package stands in as an empty one over the same folder, so the one module the SDK uses from it
-  (`runpod.cli.groups.config.functions`, credentials) still loads. tests/test_runpod_sdk.py checks both.
+  (`runpod.cli.groups.config.functions`, credentials) still loads. tests/test_handler_entry.py checks both.
 - `install(...)` swaps the SDK's JobScaler for a subclass with `Scaler` mixed in (runpod's worker loop builds
   `rp_scale.JobScaler(config)` at call time, so the swap is all it takes):
   - occupancy: the SDK counts a taken job twice (in its queue and in progress) until its task starts, so after
