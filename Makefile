@@ -26,7 +26,7 @@ demo: setup
 	$(PY) -m handler.local --port 8000
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The fast lane: every test file not marked slow (those load the real SmolLM2, start the emulator, or run benches).
 test-fast: setup

@@ -9,6 +9,10 @@ from pathlib import Path
 # Triton kernels run on CPU through the interpreter; this must be set before any @triton.jit decorator runs,
 # i.e. before engine or kernels is imported. (bench/gpu_check.sh sets TRITON_INTERPRET=0 on a GPU.)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test` runs two workers on CI's two cores), each worker and the processes it starts get
+# one OpenMP thread: two workers of two threads each on two cores spin-wait on descheduled peers.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 
@@ -16,6 +20,9 @@ import pytest
 pytest_plugins = ["tests.lora_fixtures"]
 
 from engine.config import default_cache_root  # noqa: E402 - after TRITON_INTERPRET is set
+from tests import triton_interp  # noqa: E402
+
+triton_interp.install()  # the interpreter without its per-call re-patching (tests/triton_interp.py says why)
 from tests.utils import TINY_ARCHS, build_tiny_model  # noqa: E402
 
 
