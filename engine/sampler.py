@@ -47,6 +47,29 @@ class Rows:
         return t.copy_(values) if self.every else t.index_copy_(0, self.index, values)
 
 
+CHUNK = 128  # argmax_rows' chunk of a row
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torch.argmax(logits, -1), logits.amax(-1)) for logits [S, V], the first index of a row's max as argmax gives
+    it, on every row whose max is finite (rows with a NaN or an inf are bad_rows, whose token is -1 either way).
+
+    Why: on CPU torch's argmax is not vectorized: 4.6-10 ms for [64, 49152] fp32 on 2 threads of a Xeon, against
+    0.45-2.3 ms for amax. So: the max of each 128-wide chunk (one amax pass), the first chunk holding the row's max
+    (argmax over [S, V / 128]), and the first max within that chunk. A GPU keeps torch's argmax (one kernel)."""
+    s, v = logits.shape
+    n = v // CHUNK
+    if logits.device.type != "cpu" or n < 2 or not logits.is_contiguous():
+        return logits.argmax(dim=-1), logits.amax(dim=-1)
+    chunk_max = logits[:, : n * CHUNK].view(s, n, CHUNK).amax(dim=-1)  # [S, n]
+    if v % CHUNK:  # the tail: one more chunk, shorter
+        chunk_max = torch.cat([chunk_max, logits[:, n * CHUNK :].amax(dim=-1, keepdim=True)], dim=1)
+    top, best = chunk_max.max(dim=-1)  # [S]: the first chunk holding the row's max
+    start = best * CHUNK
+    cols = (start[:, None] + torch.arange(CHUNK)).clamp_max_(v - 1)  # the tail's: its last column repeated after it
+    return start + logits.gather(1, cols).argmax(dim=-1), top
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -59,14 +82,15 @@ class Sampler:
             r.params.greedy and not r.params.needs_penalties and r.params.min_tokens == 0 and not r.params.logit_bias
             for r in reqs
         ):
-            tokens = logits.argmax(dim=-1).masked_fill_(self.bad_rows(logits), -1).tolist()
+            tokens, top = argmax_rows(logits)
+            tokens = tokens.masked_fill_(~torch.isfinite(top), -1).tolist()  # bad_rows, from the same reduction
             return tokens, self._pick_logprobs(logprobs, reqs, tokens)
 
         logits, bad = self.screen(logits)
         self._mask_min_tokens(logits, reqs)
         self._apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
-        tokens = logits.argmax(dim=-1)  # greedy rows keep these
+        tokens = argmax_rows(logits)[0]  # greedy rows keep these
         rand = Rows.where((not r.params.greedy for r in reqs), self.device)
         if rand:
             rand.put(tokens, self._draw(rand.take(logits), [reqs[i] for i in rand.rows]))

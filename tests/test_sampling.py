@@ -229,3 +229,33 @@ def test_row_subsets_sample_as_each_row_alone():
         if r.params.greedy or r.generator is not None:
             assert Sampler(32, torch.device("cpu"))(logits[i : i + 1].clone(), [r])[0] == [tokens[i]]
     assert tokens[0] == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("vocab", [300, 49152, 50257, 257])
+def test_chunked_argmax_is_torchs_argmax(vocab):
+    """argmax_rows (a chunked argmax for CPU) gives torch.argmax's index and amax's value on every row with a
+    finite max: ties inside a chunk, across chunks and in the short tail chunk resolve to the first; a bad row
+    (NaN, +inf, all -inf) has a non-finite max, which the sampler turns into -1 as before."""
+    from engine.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=g)
+    x[0, [vocab // 3, vocab // 2, vocab - 1]] = 9.0  # ties across chunks: the first wins
+    x[1, [5, 6]] = 9.0  # a tie inside a chunk
+    x[2, vocab - 1] = 9.0  # the max in the tail's last column
+    x[3] = 0.0  # every column ties
+    x[4] = -1e30
+    x[4, vocab - 2] = -1e29
+    x[5, 7] = float("nan")
+    x[6, 3] = float("inf")
+    x[7] = float("-inf")
+    x[8, : vocab // 2] = torch.finfo(torch.float32).max  # a half of the row at fp32's max
+    tokens, top = argmax_rows(x)
+    assert torch.equal(top.isnan(), x.amax(-1).isnan())
+    good = torch.isfinite(x.amax(-1))
+    assert good.sum() == 9 and not good[5:8].any()
+    assert torch.equal(tokens[good], x.argmax(-1)[good]) and torch.equal(top[good], x.amax(-1)[good])
+    assert not torch.isfinite(top[~good]).any()
+    greedy = [Request("r", [1], SamplingParams(temperature=0)) for _ in range(12)]
+    picked, _ = Sampler(vocab, torch.device("cpu"))(x, greedy)
+    assert picked == [t if ok else -1 for t, ok in zip(x.argmax(-1).tolist(), good.tolist())]
