@@ -81,6 +81,20 @@ static inline v8 exp_v8(v8 x) {
 
 static inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
+/* The horizontal sums of a[0], ..., a[7] in one vector: three rounds of pairwise shuffles and adds (a transpose-and-add),
+ * instead of eight horizontal sums. Lane j sums a[j]'s lanes as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
+static inline v8 hsum8(const v8 *a) {
+    v8 t[4], u[2];
+    for (int i = 0; i < 4; i++) /* lanes: rows 2i, 2i + 1 alternate, each the sum of two neighbours */
+        t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++) /* lanes: rows 4i..4i+3 twice (their first halves, then their second) */
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 int paged_decode(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
                  const int32_t *ctx, float *out, int64_t g_count, int64_t h, int64_t kvh, int64_t nb, int64_t bs,
                  int cache_dtype, float k_scale, float v_scale, int64_t window, float softcap, int nthreads) {
@@ -93,8 +107,8 @@ int paged_decode(const float *q, const void *k, const void *v, const int32_t *ta
             const int64_t lenp = (len + 7) & ~(int64_t)7; /* a score row padded to whole vectors */
             const int32_t *bt = tables + g * table_stride;
             int64_t base = 0; /* row of position p in the cache: base + p, within p's block */
-            /* q [rep, NV] | acc [rep, NV] | row [NV] | scores [rep, lenp] | sums [rep] */
-            const size_t bytes = sizeof(v8) * (2 * rep + 1) * NV + sizeof(float) * rep * (lenp + 1);
+            /* q [rep, NV] | acc [rep, NV] | rows [8, NV] | scores [rep, lenp] | sums [rep] */
+            const size_t bytes = sizeof(v8) * (2 * rep + 8) * NV + sizeof(float) * rep * (lenp + 1);
             v8 *qv = aligned_alloc(32, (bytes + 31) / 32 * 32); /* C11: a multiple of the alignment */
             if (qv == NULL) {
 #pragma omp atomic write
@@ -102,23 +116,29 @@ int paged_decode(const float *q, const void *k, const void *v, const int32_t *ta
                 continue;
             }
             v8 *acc = qv + rep * NV, *row = acc + rep * NV;
-            float *s = (float *)(row + NV), *sums = s + rep * lenp;
+            float *s = (float *)(row + 8 * NV), *sums = s + rep * lenp;
             memcpy(qv, q + (g * h + kh * rep) * HEAD_DIM, sizeof(v8) * rep * NV);
-            for (int64_t p = start, next = start; p < n; p++) { /* pass 1: scores */
-                if (p == next) { /* a block's first row: one division per block, not per row */
-                    base = (kh * nb + bt[p / bs]) * bs + p % bs - p;
-                    next = p - p % bs + bs;
+            for (int64_t p0 = start, next = start; p0 < n; p0 += 8) { /* pass 1: scores, 8 rows at a time */
+                const int64_t cnt = n - p0 < 8 ? n - p0 : 8;
+                for (int64_t j = 0; j < cnt; j++) { /* the 8 rows as fp32, converted once for the rep heads */
+                    const int64_t p = p0 + j;
+                    if (p == next) { /* a block's first row: one division per block, not per row */
+                        base = (kh * nb + bt[p / bs]) * bs + p % bs - p;
+                        next = p - p % bs + bs;
+                    }
+                    load_row(k, base + p, cache_dtype, k_scale, row + j * NV);
                 }
-                load_row(k, base + p, cache_dtype, k_scale, row);
+                if (cnt < 8) memset(row + cnt * NV, 0, sizeof(v8) * (8 - cnt) * NV); /* scores past n: unused */
                 for (int64_t r = 0; r < rep; r++) {
                     const v8 *qr = qv + r * NV;
-                    v8 a0 = qr[0] * row[0], a1 = (v8){0};
-                    for (int c = 1; c < NV; c += 2) { /* two chains: half the FMA latency */
-                        a1 += qr[c] * row[c];
-                        if (c + 1 < NV) a0 += qr[c + 1] * row[c + 1];
-                    }
-                    float x = hsum(a0 + a1);
-                    s[r * lenp + p - start] = softcap > 0.0f ? softcap * tanhf(x / softcap) : x;
+                    v8 a[8];
+                    for (int j = 0; j < 8; j++) a[j] = qr[0] * row[j * NV];
+                    for (int c = 1; c < NV; c++) /* eight independent chains */
+                        for (int j = 0; j < 8; j++) a[j] += qr[c] * row[j * NV + c];
+                    v8 x = hsum8(a);
+                    if (softcap > 0.0f)
+                        for (int j = 0; j < 8; j++) x[j] = softcap * tanhf(x[j] / softcap);
+                    memcpy(s + r * lenp + p0 - start, &x, 32); /* lenp is a multiple of 8: past len is padding */
                 }
             }
             for (int64_t r = 0; r < rep; r++) { /* exp(s - max) in place, 8 at a time (scores padded to 8) */
