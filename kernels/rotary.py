@@ -118,13 +118,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, ...]:
+    """The cos and sin rows of `positions` in `dtype`: [T, 1, D] each (what rotary_embedding_ref multiplies by)."""
+    return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+
+def rotate_ref(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by rows (c, s) of rotary_rows."""
+    return x * c + _rotate_half(x) * s
+
+
 def rotary_embedding_ref(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # q: [T, H, D], k: [T, KVH, D], cos/sin: [max_pos, D] fp32, positions: [T]
-    c = cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-    s = sin[positions].unsqueeze(1).to(q.dtype)
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    c, s = rotary_rows(cos, sin, positions, q.dtype)  # [T, 1, D]
+    return rotate_ref(q, c, s), rotate_ref(k, c, s)
 
 
 def rotary_embedding(

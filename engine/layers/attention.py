@@ -59,7 +59,7 @@ class _Decodes:
 
 @dataclass
 class _NativeDecodes:
-    rows: torch.Tensor  # [G] flat token row of each decode
+    rows: torch.Tensor | None  # [G] flat token row of each decode; None: every row of the step, in order
     tables: torch.Tensor  # [G, max blocks] int32, padded with block 0 (never read past ctx)
     ctx: torch.Tensor  # [G] int32 seq_len
 
@@ -184,8 +184,10 @@ class TorchAttention(_KVScales):
         decodes, native = [], None
         if dec and self.native is not None and self.native.lib is not None:
             nblk = len(tables[dec[-1]])
+            every = len(dec) == qsl[-1]  # a decode-only step: its rows are every row, in the batch's order
+            dec = sorted(dec) if every else dec
             native = _NativeDecodes(
-                rows=torch.tensor([qsl[i] for i in dec]),
+                rows=None if every else torch.tensor([qsl[i] for i in dec]),
                 tables=torch.tensor([tables[i] + [0] * (nblk - len(tables[i])) for i in dec], dtype=torch.int32),
                 ctx=torch.tensor([lens[i] for i in dec], dtype=torch.int32),
             )
@@ -230,9 +232,13 @@ class TorchAttention(_KVScales):
         kvh = k.shape[1]
         ks, vs = self._scales(layer)
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        out = torch.empty_like(q)
         window = self.window(layer)
-        if (n := meta.native) is not None:
+        if (n := meta.native) is not None and n.rows is None:  # a decode-only step: no gather, no scatter
+            return self.native(q, k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap).to(
+                q.dtype
+            )
+        out = torch.empty_like(q)
+        if n is not None:
             o = self.native(q[n.rows], k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap)
             out[n.rows] = o.to(q.dtype)
         for g in meta.decodes:

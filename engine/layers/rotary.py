@@ -7,7 +7,8 @@ import math
 import torch
 
 from engine.errors import UnsupportedModelError
-from kernels.rotary import rotary_embedding
+from kernels._common import use_triton
+from kernels.rotary import rotary_embedding, rotary_rows, rotate_ref
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -69,7 +70,18 @@ class RotaryCache:
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.cos = (emb.cos() * mscale).to(device)
         self.sin = (emb.sin() * mscale).to(device)
+        self._rows: tuple | None = None  # apply's last: (positions, its version, dtype, (cos rows, sin rows))
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]
-        return rotary_embedding(q, k, self.cos, self.sin, positions)
+        if use_triton(q):
+            return rotary_embedding(q, k, self.cos, self.sin, positions)
+        # the torch path (CPU): the step's cos/sin rows gathered once for every layer, not once per layer. A step's
+        # positions are a tensor of its own there (graphs, which refill one buffer, take the Triton kernels); an
+        # in-place change outside inference mode shows in the version counter (inference tensors have none)
+        version = None if positions.is_inference() else positions._version
+        last = self._rows
+        if last is None or last[0] is not positions or last[1] != version or last[2] != q.dtype:
+            last = self._rows = positions, version, q.dtype, rotary_rows(self.cos, self.sin, positions, q.dtype)
+        c, s = last[3]
+        return rotate_ref(q, c, s), rotate_ref(k, c, s)

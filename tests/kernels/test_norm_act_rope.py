@@ -228,3 +228,28 @@ def test_torch_backend_is_the_reference():
     pos = torch.tensor([5, 1], device=DEVICE)
     out_q, _ = rotary_embedding(q, k, cos, sin, pos)
     assert out_q.data_ptr() != q.data_ptr() and torch.equal(out_q, rotary_embedding_ref(q, k, cos, sin, pos)[0])
+
+
+def test_the_torch_path_gathers_a_steps_rotary_rows_once_for_every_layer(monkeypatch):
+    """RotaryCache.apply on the torch path (CPU) indexes the cos/sin tables once per positions tensor, not once per
+    layer, and gathers again when the positions change in place (its version) or the dtype changes; every result is
+    rotary_embedding_ref's, bit for bit."""
+    import kernels.rotary
+    from engine.layers import rotary as layer_rotary
+
+    calls = []
+    real = kernels.rotary.rotary_rows
+    monkeypatch.setattr(layer_rotary, "rotary_rows", lambda *a: calls.append(1) or real(*a))
+    rc = layer_rotary.RotaryCache(16, 64, 10000.0, None, "cpu")
+    g = _gen("memo")
+    pos = torch.tensor([3, 9, 17])
+    with kernels.backend("torch"):
+        for dtype in (torch.float32, torch.float32, torch.bfloat16):
+            for _layer in range(3):
+                q, k = _randn((3, 4, 16), dtype, g), _randn((3, 2, 16), dtype, g)
+                want = rotary_embedding_ref(q, k, rc.cos, rc.sin, pos)
+                got = rc.apply(q, k, pos)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            if len(calls) == 1:
+                pos.add_(1)  # in place: the next step's positions in the same buffer
+    assert len(calls) == 3  # the first step, the in-place change, the dtype
