@@ -58,7 +58,9 @@ def compile_arch(arch: int, models: dict[str, str], cache: str) -> dict:
     # steps whose kernel variants this run must compile: the screen is not what it checks
     from engine.sampler import Sampler
 
-    Sampler.bad_rows = staticmethod(lambda logits: torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device))
+    Sampler.bad_rows = staticmethod(
+        lambda logits, *_: torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    )
     torch.set_num_threads(1)  # those ops are small; the workers share the cores
     seen: dict[str, dict] = {}
     with target(facts), kernels.backend("triton"):

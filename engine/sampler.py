@@ -83,7 +83,7 @@ class Sampler:
             for r in reqs
         ):
             tokens, top = argmax_rows(logits)
-            tokens = tokens.masked_fill_(~torch.isfinite(top), -1).tolist()  # bad_rows, from the same reduction
+            tokens = tokens.masked_fill_(self.bad_rows(logits, top), -1).tolist()
             return tokens, self._pick_logprobs(logprobs, reqs, tokens)
 
         logits, bad = self.screen(logits)
@@ -98,10 +98,11 @@ class Sampler:
         return tokens, self._pick_logprobs(logprobs, reqs, tokens)
 
     @staticmethod
-    def bad_rows(logits: torch.Tensor) -> torch.Tensor:
+    def bad_rows(logits: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
         """[S] bool: rows with a NaN or +inf anywhere, or nothing left to pick (all -inf). A row's max is NaN if
-        any element is (torch propagates it), +inf if any is: one reduction, no host sync."""
-        return ~torch.isfinite(logits.amax(dim=-1))
+        any element is (torch propagates it), +inf if any is: one reduction, no host sync (none when the caller
+        has the rows' max already: `row_max`)."""
+        return ~torch.isfinite(logits.amax(dim=-1) if row_max is None else row_max)
 
     def screen(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of `logits` that sampling may change, its bad rows (bad_rows) zeroed so that no draw fails on them,
