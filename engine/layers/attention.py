@@ -233,14 +233,14 @@ class TorchAttention(_KVScales):
         ks, vs = self._scales(layer)
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         window = self.window(layer)
-        if (n := meta.native) is not None and n.rows is None:  # a decode-only step: no gather, no scatter
-            return self.native(q, k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap).to(
-                q.dtype
-            )
+        if (n := meta.native) is not None:
+            qn = q if n.rows is None else q[n.rows]
+            o = self.native(qn, k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap).to(q.dtype)
+            if n.rows is None:  # a decode-only step: every row, in order (no gather, no scatter)
+                return o
         out = torch.empty_like(q)
         if n is not None:
-            o = self.native(q[n.rows], k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap)
-            out[n.rows] = o.to(q.dtype)
+            out[n.rows] = o
         for g in meta.decodes:
             kg, vg = self._gather(k_cache, v_cache, g.blocks, g.rows.numel(), q.dtype, ks, vs)
             out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask_for(window))
