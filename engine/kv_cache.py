@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.host_memory import madvise
+from engine.layers.attention import softmax_with_sinks
 from engine.memory import MemoryPlan
 from engine.models.spec import ModelSpec
 from kernels import FP8_MAX
@@ -173,11 +174,17 @@ class CalibrationAttention:
         self.over_448 = 0  # values a blind scale of 1.0 would clip
         self.count = 0
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, layer: int = 0):
+    def forward(self, q, k, v, k_cache, v_cache, meta, layer: int = 0, sinks=None):
         self.k_amax[layer] = max(self.k_amax[layer].item(), k.abs().max().float().item())
         self.v_amax[layer] = max(self.v_amax[layer].item(), v.abs().max().float().item())
         self.over_448 += int((k.abs() > FP8_MAX).sum()) + int((v.abs() > FP8_MAX).sum())
         self.count += k.numel() + v.numel()
+        if sinks is not None:  # GPT-OSS: SDPA has no sinks
+            rep = q.shape[1] // k.shape[1]
+            s = torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(rep, 1)) * self.scale
+            s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool).triu(1), float("-inf"))
+            p = softmax_with_sinks(s, sinks.view(-1, 1, 1))  # [H, T, T]
+            return torch.einsum("hts,shd->thd", p, v.float().repeat_interleave(rep, 1)).to(q.dtype)
         o = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],

@@ -45,7 +45,7 @@ def no_output(*args, **kwargs) -> None:
 ATTENTION_ARGS = (
     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
     "float scale, Tensor? k_scale=None, Tensor? v_scale=None, int? max_query_len=None, int? num_splits=None, "
-    "int? window=None, float? softcap=None) -> Tensor"
+    "int? window=None, float? softcap=None, Tensor? sinks=None) -> Tensor"
 )
 
 

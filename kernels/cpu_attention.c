@@ -10,6 +10,7 @@
  *   q        [G, H, D] fp32, already multiplied by the softmax scale
  *   k, v     [KVH, NB, BS, D] in `cache_dtype`: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn times a per-tensor scale
  *   tables   [G, table_stride] int32 block ids; ctx [G] int32 context length, the new token included
+ *   sinks    [H] fp32 or NULL: GPT-OSS's per-head logit that joins each softmax's denominator with no value
  *   out      [G, H, D] fp32
  * Threads: OpenMP, `nthreads` of them, in the process's libgomp.so.1, which torch has already loaded: one pool. */
 #include <math.h>
@@ -97,7 +98,8 @@ static inline v8 hsum8(const v8 *a) {
 
 int paged_decode(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
                  const int32_t *ctx, float *out, int64_t g_count, int64_t h, int64_t kvh, int64_t nb, int64_t bs,
-                 int cache_dtype, float k_scale, float v_scale, int64_t window, float softcap, int nthreads) {
+                 int cache_dtype, float k_scale, float v_scale, int64_t window, float softcap, const float *sinks,
+                 int nthreads) {
     const int64_t rep = h / kvh;
     int failed = 0;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
@@ -144,6 +146,8 @@ int paged_decode(const float *q, const void *k, const void *v, const int32_t *ta
             for (int64_t r = 0; r < rep; r++) { /* exp(s - max) in place, 8 at a time (scores padded to 8) */
                 float *sr = s + r * lenp, m = -INFINITY;
                 for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
+                const float sink = sinks ? sinks[kh * rep + r] : -INFINITY;
+                m = sink > m ? sink : m;
                 for (int64_t j = len; j < lenp; j++) sr[j] = -INFINITY; /* exp gives ~0: not summed below */
                 v8 sum = (v8){0};
                 for (int64_t j = 0; j < lenp; j += 8) {
@@ -155,6 +159,7 @@ int paged_decode(const float *q, const void *k, const void *v, const int32_t *ta
                 }
                 float total = hsum(sum);
                 for (int64_t j = len & ~(int64_t)7; j < len; j++) total += sr[j]; /* the partial last 8 */
+                if (sinks) total += expf(sink - m);
                 sums[r] = total;
                 for (int c = 0; c < NV; c++) acc[r * NV + c] = (v8){0};
             }

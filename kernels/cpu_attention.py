@@ -35,7 +35,8 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _F, _F, _I64, _F, ctypes.c_int]
+_ARGTYPES = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _F, _F, _I64, _F, _P,
+             ctypes.c_int]  # fmt: skip
 
 
 def supported(head_dim: int) -> bool:
@@ -139,18 +140,20 @@ class NativeDecode:
         finally:
             self._done.set()
 
-    def __call__(self, q, k_cache, v_cache, tables, ctx, scale, k_scale=None, v_scale=None, window=None, softcap=None):
+    def __call__(self, q, k_cache, v_cache, tables, ctx, scale, k_scale=None, v_scale=None, window=None, softcap=None,
+                 sinks=None):  # fmt: skip
         """out [G, H, D] fp32 for q [G, H, D] (one token per sequence) over caches [KVH, NB, BS, D];
-        tables [G, >= blocks] int32 and ctx [G] int32, both contiguous."""
+        tables [G, >= blocks] int32 and ctx [G] int32, both contiguous; sinks [H] (GPT-OSS) or None."""
         g, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
         qs = (q.float() * scale).contiguous()
         out = torch.empty(g, h, d, dtype=torch.float32)
+        sinks = None if sinks is None else sinks.float().contiguous()
         failed = self.lib.paged_decode(
             qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             ctx.data_ptr(), out.data_ptr(), g, h, kvh, nb, bs, CACHE_DTYPES[k_cache.dtype],
             1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale),
-            window or 0, softcap or 0.0, torch.get_num_threads(),
+            window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("CPU decode attention: out of memory for its scores")
@@ -158,8 +161,8 @@ class NativeDecode:
 
 
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None, window=None,
-                     softcap=None, *, kernel: NativeDecode) -> torch.Tensor:  # fmt: skip
+                     softcap=None, sinks=None, *, kernel: NativeDecode) -> torch.Tensor:  # fmt: skip
     """paged_attention_ref's result for a batch of decodes (query_start_loc = arange(G + 1)), in q's dtype."""
     tables = block_tables.to(torch.int32).contiguous()
     ctx = seq_lens.to(torch.int32).contiguous()
-    return kernel(q, k_cache, v_cache, tables, ctx, scale, k_scale, v_scale, window, softcap).to(q.dtype)
+    return kernel(q, k_cache, v_cache, tables, ctx, scale, k_scale, v_scale, window, softcap, sinks).to(q.dtype)

@@ -1,7 +1,8 @@
 """Fused mixture-of-experts MLP (vLLM's fused_moe, in its shape): Triton grouped GEMM, launcher and torch reference.
 
-x [T, H]; w13 [E, 2I, H] (each expert's gate rows then up rows); w2 [E, H, I]; topk_ids / topk_weights [T, K].
-out[t] = sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ x[t]), e = topk_ids[t, k].
+x [T, H]; w13 [E, 2I, H] (each expert's gate rows then up rows); w2 [E, H, I]; topk_ids / topk_weights [T, K];
+optional biases b13 [E, 2I] (gate then up), b2 [E, H] (GPT-OSS's experts).
+out[t] = sum_k topk_weights[t, k] * (w2[e] @ act_and_mul(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, k].
 
 - Alignment (`moe_align`, device ops only, no host sync): the T*K (token, k) slots are sorted by expert and each
   expert's run is padded to the block size with a sentinel slot, so every block of the sorted list belongs to one
@@ -13,20 +14,22 @@ out[t] = sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ x[t]), e = topk
 - GEMM (`_moe_gemm_kernel`): one program per (block of sorted slots, BLOCK_N output columns) multiplies the
   block's rows by its expert's weight tile, K-loop in fp32. The first GEMM reads x's row slot // K; the second
   reads the activation's row slot and multiplies by the slot's top-k weight in its epilogue. fp8 (e4m3) weights
-  are widened in the loop and their per-expert, per-output-channel scales applied after it. On a GPU 16-bit
-  operands go to tl.dot as they are (tensor cores); elsewhere (the interpreter) in fp32.
-- The activation between them is kernels.activation's (SiLU or GELU-tanh and mul); the K partial rows of a token
-  are summed last, in fp32.
+  are widened in the loop and their per-expert, per-output-channel scales applied after it; then the expert's
+  bias row is added (before the top-k weight, as HF's GPT-OSS). On a GPU 16-bit operands go to tl.dot as they
+  are (tensor cores); elsewhere (the interpreter) in fp32.
+- The activation between them is kernels.activation's (SiLU, GELU-tanh or, with `swiglu=(alpha, limit)`,
+  GPT-OSS's clamped SwiGLU, and mul); the K partial rows of a token are summed last, in fp32.
 The reference (the CPU path) runs one matmul pair per expert that has tokens, over its gathered tokens: never a
 loop over tokens."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kernels._common import FP8, cdiv, jit, native_dot_for, next_power_of_2, tl, use_triton
+from kernels._common import FP8, cdiv, jit, native_dot_for, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
-from kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul, swiglu_oai_and_mul
 
 BLOCK_M = 16  # decode-sized blocks; tl.dot wants every block dim >= 16
 BLOCK_M_LARGE = 64  # prefill-sized blocks
@@ -88,6 +91,7 @@ def _moe_gemm_kernel(
     b_ptr,
     c_ptr,
     scale_ptr,
+    bias_ptr,
     w_ptr,
     sorted_ptr,
     expert_ptr,
@@ -100,9 +104,11 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_cm,
     stride_se,
+    stride_bias_e,
     FIRST: tl.constexpr,  # the first GEMM: A's row is slot // top_k (the token)
     MUL_WEIGHT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,17 +139,22 @@ def _moe_gemm_kernel(
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     if HAS_SCALE:  # fp8 weights: the expert's per-output-channel scales
         acc = acc * tl.load(scale_ptr + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:  # the expert's bias row, inside the top-k weighting
+        acc = acc + tl.load(bias_ptr + e * stride_bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(w_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
     tl.store(
         c_ptr + slot[:, None] * stride_cm + offs_n[None, :],
-        acc.to(c_ptr.dtype.element_ty),
+        round_to(acc, c_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty),  # nearest even, the interpreter too
         mask=ok[:, None] & n_ok[None, :],
     )
 
 
-def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: bool) -> torch.Tensor:
+def _gemm(a, w, scale, bias, weights, sorted_slots, experts, num_slots, top_k, first: bool) -> torch.Tensor:
     e, n, k = w.shape
+    if bias is not None:
+        assert bias.shape == (e, n), (bias.shape, w.shape)
+        bias = bias.contiguous()
     out = torch.empty((num_slots, n), dtype=a.dtype, device=a.device)
     native = native_dot_for(a)
     cfg = tiles(sorted_slots.numel() // experts.numel(), n, k, native)  # the block moe_align padded the runs to
@@ -153,6 +164,7 @@ def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: 
         w,
         out,
         scale if scale is not None else a,
+        bias if bias is not None else a,
         weights if weights is not None else a,
         sorted_slots,
         experts,
@@ -165,9 +177,11 @@ def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: 
         w.stride(1),
         out.stride(0),
         scale.stride(0) if scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         FIRST=first,
         MUL_WEIGHT=weights is not None,
         HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
         NATIVE_DOT=native,
         **cfg,
     )
@@ -176,10 +190,12 @@ def _gemm(a, w, scale, weights, sorted_slots, experts, num_slots, top_k, first: 
 
 @triton_op(
     "fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, bool gelu=False, "
-    "Tensor? w13_scale=None, Tensor? w2_scale=None) -> Tensor",
+    "Tensor? w13_scale=None, Tensor? w2_scale=None, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+    "float[]? swiglu=None) -> Tensor",
     lambda x, *args, **kwargs: torch.empty_like(x),
 )
-def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None):
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None, w13_bias=None,
+                     w2_bias=None, swiglu=None):  # fmt: skip
     t, h = x.shape
     top_k = topk_ids.shape[1]
     assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2], (w13.shape, w2.shape)
@@ -188,34 +204,50 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=N
         return torch.empty_like(x)
     s = t * top_k
     sorted_slots, experts = moe_align(topk_ids, w13.shape[0], block_size_for(s, w13.shape[0]))
-    inter = _gemm(x, w13, w13_scale, None, sorted_slots, experts, s, top_k, first=True)  # [S, 2I]
-    act = gelu_tanh_and_mul(inter) if gelu else silu_and_mul(inter)  # [S, I]
+    inter = _gemm(x, w13, w13_scale, w13_bias, None, sorted_slots, experts, s, top_k, first=True)  # [S, 2I]
+    act = _act(inter, gelu, swiglu)  # [S, I]
     weights = topk_weights.to(torch.float32).flatten().contiguous()
-    out = _gemm(act, w2, w2_scale, weights, sorted_slots, experts, s, top_k, first=False)  # [S, H]
+    out = _gemm(act, w2, w2_scale, w2_bias, weights, sorted_slots, experts, s, top_k, first=False)  # [S, H]
     return out.view(t, top_k, h).float().sum(1).to(x.dtype)
+
+
+def _act(h: torch.Tensor, gelu: bool, swiglu) -> torch.Tensor:
+    assert not (gelu and swiglu is not None), "gelu and swiglu select different activations"
+    if swiglu is not None:
+        return swiglu_oai_and_mul(h, *swiglu)
+    return gelu_tanh_and_mul(h) if gelu else silu_and_mul(h)
 
 
 def _dequant(w: torch.Tensor, scale: torch.Tensor | None, dtype) -> torch.Tensor:
     return w if scale is None else (w.float() * scale).to(dtype)
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None):
+def _row(t: torch.Tensor | None, e: int, dtype=None) -> torch.Tensor | None:
+    return None if t is None else t[e] if dtype is None else t[e].to(dtype)
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None, w13_bias=None,
+                  w2_bias=None, swiglu=None):  # fmt: skip
     """One matmul pair per expert that has tokens, over its gathered tokens; weighted rows summed per token."""
     t, h = x.shape
     out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
-    act_fn = gelu_tanh_and_mul if gelu else silu_and_mul
     for e in torch.unique(topk_ids).tolist():
         tok, k = torch.nonzero(topk_ids == e, as_tuple=True)
-        w_e = _dequant(w13[e], None if w13_scale is None else w13_scale[e], x.dtype)
-        d_e = _dequant(w2[e], None if w2_scale is None else w2_scale[e], x.dtype)
-        y = act_fn(x[tok] @ w_e.T) @ d_e.T  # [n, H]
+        w_e = _dequant(w13[e], _row(w13_scale, e), x.dtype)
+        d_e = _dequant(w2[e], _row(w2_scale, e), x.dtype)
+        a = _act(F.linear(x[tok], w_e, _row(w13_bias, e, x.dtype)), gelu, swiglu)  # [n, I]
+        y = F.linear(a, d_e, _row(w2_bias, e, x.dtype))  # [n, H]
         out.index_add_(0, tok, (y * topk_weights[tok, k, None].to(y.dtype)).float())
     return out.to(x.dtype)
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None) -> torch.Tensor:
-    """[T, H] (see module doc); fp8 weights (e4m3) with per-expert [E, N, 1] fp32 scales."""
+def fused_moe(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None, w13_bias=None,
+              w2_bias=None, swiglu=None) -> torch.Tensor:  # fmt: skip
+    """[T, H] (see module doc); fp8 weights (e4m3) with per-expert [E, N, 1] fp32 scales; per-expert biases
+    w13_bias [E, 2I], w2_bias [E, H]; swiglu (alpha, limit): GPT-OSS's clamped SwiGLU for SiLU."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
     if w13.dtype == FP8 and fn is fused_moe_ref:
         assert w13_scale is not None and w2_scale is not None, "fp8 expert weights need their scales"
-    return fn(x, w13, w2, topk_weights, topk_ids, gelu, w13_scale, w2_scale)
+    if swiglu is not None:
+        swiglu = [float(v) for v in swiglu]  # the operator's float[]
+    return fn(x, w13, w2, topk_weights, topk_ids, gelu, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)

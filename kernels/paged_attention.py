@@ -5,8 +5,9 @@ sequence b owns rows query_start_loc[b]:query_start_loc[b+1] (n tokens), seq_len
 length INCLUDING those tokens, so its query j sits at position L-n+j and attends to positions <= L-n+j
 (bottom-right causal). Head h reads kv head h // (H // KVH) (MHA, GQA, MQA). fp8 (e4m3) caches are
 dequantized on load as x.float() * k_scale / v_scale. Per call (a layer's): `window` W, a query sees positions
-> its own - W (Mistral, Gemma's local layers); `softcap` c, scores become c * tanh(s / c) (Gemma 2). Rows of q
-past query_start_loc[-1] (padding) are left unspecified. Design: docs/kernels.md, "Paged attention".
+> its own - W (Mistral, Gemma's local layers); `softcap` c, scores become c * tanh(s / c) (Gemma 2); `sinks` [H]
+(GPT-OSS), a per-head logit that joins each row's softmax denominator with no value. Rows of q past
+query_start_loc[-1] (padding) are left unspecified. Design: docs/kernels.md, "Paged attention".
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ def _paged_attn_kernel(
     num_splits,
     window,
     softcap,
+    sinks_ptr,
     REP: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -117,6 +120,9 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is a position with weight e^sink and no value; split 0 alone counts it, once per row
+        m_i = tl.load(sinks_ptr + head, mask=row_ok & (split == 0), other=float("-inf")).to(tl.float32)
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
@@ -241,6 +247,7 @@ def paged_attention_triton(
     num_splits=None,
     window=None,
     softcap=None,
+    sinks=None,
     *,
     native_dot: bool | None = None,
     block_n: int = 32,
@@ -256,6 +263,7 @@ def paged_attention_triton(
     b = seq_lens.shape[0]
     assert query_start_loc.shape[0] == b + 1 and block_tables.shape[0] == b
     assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+    assert sinks is None or (sinks.shape == (h,) and sinks.is_contiguous()), (h, sinks.shape)
     out = torch.empty_like(q)
     if t == 0 or b == 0:
         return out
@@ -303,9 +311,11 @@ def paged_attention_triton(
         num_splits,
         window or 2**30,  # no window: one longer than any context
         float(softcap or 0.0),
+        scale_tensor(None, q.device) if sinks is None else sinks,  # a dummy pointer when there are none
         REP=rep,
         IS_SPLIT=num_splits > 1,
         HAS_SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
         NATIVE_DOT=bool(native_dot),
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -330,22 +340,12 @@ def paged_attention_triton(
 
 
 def paged_attention_ref(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    scale,
-    k_scale=None,
-    v_scale=None,
-    max_query_len=None,
-    num_splits=None,
-    window=None,
-    softcap=None,
-) -> torch.Tensor:
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=None, v_scale=None,
+    max_query_len=None, num_splits=None, window=None, softcap=None, sinks=None,
+) -> torch.Tensor:  # fmt: skip
     """Plain torch, one sequence at a time: gather its blocks, dequantize, causal softmax in fp32; a query sees the
     `window` latest positions (itself included) when set, and scores are soft-capped (softcap * tanh(s / softcap)).
+    `sinks` [H] join the softmax as one more column per head (after the cap), dropped before the values (HF's way).
     max_query_len and num_splits are accepted for signature parity and ignored."""
     t, h, d = q.shape
     kvh, _, bs, _ = k_cache.shape
@@ -370,7 +370,10 @@ def paged_attention_ref(
         q_pos = torch.arange(ctx - n, ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = (k_pos <= q_pos[:, None]) & (k_pos > q_pos[:, None] - (window or ctx + 1))  # [n, ctx]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float().view(h, 1, 1).expand(h, n, 1)], -1)
+        probs = scores.softmax(-1)[..., :ctx]
         out[s:e] = (probs @ v).transpose(0, 1).to(q.dtype)  # [n, H, D]
     return out
 
@@ -380,12 +383,12 @@ _paged_attention_op = triton_op("paged_attention" + ATTENTION_ARGS, attention_fa
 
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=None, v_scale=None,
-    max_query_len=None, num_splits=None, window=None, softcap=None,
+    max_query_len=None, num_splits=None, window=None, softcap=None, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc); the
     arguments are paged_attention_ref's. The Triton kernel for CUDA tensors (or when forced), else the reference."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if not use_triton(q):
-        return paged_attention_ref(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)
+        return paged_attention_ref(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap, sinks)
     k_scale, v_scale = (None if s is None else scale_tensor(s, q.device) for s in (k_scale, v_scale))
-    return _paged_attention_op(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)
+    return _paged_attention_op(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap, sinks)

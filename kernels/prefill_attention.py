@@ -2,11 +2,11 @@
 reference.
 
 The operands and semantics are paged_attention's (kernels/paged_attention.py, module doc): q [T, H, D] is the flat
-batch, caches are [KVH, num_blocks, block_size, D], sequence b's n queries are the last n of its seq_lens[b]
-positions (bottom-right causal), head h reads kv head h // (H // KVH), fp8 caches carry per-tensor scales, and a
-call may set a sliding `window` and a logit `softcap`. What differs is the tile: a program owns BLOCK_M = 64-128
-rows (BLOCK_Q query tokens times the REP query heads of one kv head, vLLM's unified-attention layout), so a K/V tile
-is read once per BLOCK_Q queries instead of once per 4, and tl.dot runs at a size the tensor cores are built for.
+batch, caches are [KVH, num_blocks, block_size, D], sequence b's n queries are the last n of its seq_lens[b] positions
+(bottom-right causal), head h reads kv head h // (H // KVH), fp8 caches carry per-tensor scales, and a call may set a
+sliding `window`, a logit `softcap` and per-head `sinks` (GPT-OSS). What differs is the tile: a program owns BLOCK_M =
+64-128 rows (BLOCK_Q query tokens times the REP query heads of one kv head, vLLM's unified-attention layout), so a K/V
+tile is read once per BLOCK_Q queries instead of once per 4, and tl.dot runs at a size the tensor cores are built for.
 Tile sizes per head size and GPU: `pick_tiles`. Design: docs/kernels.md, "Prefill attention".
 """
 
@@ -182,9 +182,11 @@ def _prefill_attn_kernel(
     stride_bt,
     window,
     softcap,
+    sinks_ptr,
     REP: tl.constexpr,
     HEAD_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -236,6 +238,9 @@ def _prefill_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is a position with weight e^sink and no value; base 2 like the scores
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
@@ -279,6 +284,7 @@ def prefill_attention_triton(
     num_splits=None,
     window=None,
     softcap=None,
+    sinks=None,
     *,
     native_dot: bool | None = None,
     tiles: Tiles | None = None,
@@ -296,6 +302,7 @@ def prefill_attention_triton(
     assert query_start_loc.shape[0] == b + 1 and block_tables.shape[0] == b
     assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
     assert window is None or window >= 1, window
+    assert sinks is None or (sinks.shape == (h,) and sinks.is_contiguous()), (h, sinks.shape)
     out = torch.empty_like(q)
     if t == 0 or b == 0:
         return out
@@ -315,7 +322,8 @@ def prefill_attention_triton(
         *q.stride()[:2], *k_cache.stride()[:3], *out.stride()[:2], block_tables.stride(0),
         window or 2**30,  # no window: one longer than any context
         float(softcap or 0.0),
-        REP=rep, HEAD_D=d, HAS_SOFTCAP=bool(softcap), NATIVE_DOT=bool(native_dot),
+        scale_tensor(None, q.device) if sinks is None else sinks,  # a dummy pointer when there are none
+        REP=rep, HEAD_D=d, HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, NATIVE_DOT=bool(native_dot),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, next_power_of_2(d)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
@@ -336,10 +344,12 @@ def prefill_attention_ref(
     num_splits=None,
     window=None,
     softcap=None,
+    sinks=None,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time: each context position's cache slot through the block table, dequantize,
     scores per kv head for its group of query heads (no repeated K/V), fp32 softmax over the visible positions
-    (causal, within `window` when set, soft-capped when set). max_query_len, num_splits: accepted, ignored."""
+    (causal, within `window` when set, soft-capped when set); `sinks` [H] join it as one more column per head,
+    dropped before the values. max_query_len, num_splits: accepted, ignored."""
     t, h, d = q.shape
     kvh, _, bs, _ = k_cache.shape
     rep = h // kvh
@@ -363,7 +373,10 @@ def prefill_attention_ref(
         visible = pos[None, :] <= q_pos  # [n, ctx]
         if window:
             visible &= pos[None, :] > q_pos - window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float().view(kvh, rep, 1, 1).expand(kvh, rep, n, 1)], -1)
+        probs = scores.softmax(-1)[..., :ctx]
         out[qsl[i] : qsl[i + 1]] = torch.einsum("krnc,kcd->nkrd", probs, v).reshape(n, h, d).to(q.dtype)
     return out
 
@@ -373,12 +386,12 @@ _prefill_attention_op = triton_op("prefill_attention" + ATTENTION_ARGS, attentio
 
 def prefill_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=None, v_scale=None,
-    max_query_len=None, num_splits=None, window=None, softcap=None,
+    max_query_len=None, num_splits=None, window=None, softcap=None, sinks=None,
 ) -> torch.Tensor:  # fmt: skip
     """out [T, H, D] for q [T, H, D] over paged caches [KVH, num_blocks, block_size, D] (see module doc); the
     arguments are prefill_attention_ref's. The Triton kernel for CUDA tensors (or when forced), else the reference."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if not use_triton(q):
-        return prefill_attention_ref(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)
+        return prefill_attention_ref(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap, sinks)
     k_scale, v_scale = (None if s is None else scale_tensor(s, q.device) for s in (k_scale, v_scale))
-    return _prefill_attention_op(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap)
+    return _prefill_attention_op(*args, k_scale, v_scale, max_query_len, num_splits, window, softcap, sinks)

@@ -343,10 +343,10 @@ def as_two_ranks(eng, path, monkeypatch) -> None:
         layer.linear = functools.partial(linear, layer, parts)
 
     class PerHead(CalibrationAttention):  # also max |k|, |v| per layer and KV head
-        def forward(self, q, k, v, k_cache, v_cache, meta, layer=0):
+        def forward(self, q, k, v, k_cache, v_cache, meta, layer=0, sinks=None):
             for amax, x in ((k_heads, k), (v_heads, v)):
                 amax[layer] = torch.maximum(amax[layer], x.abs().amax(dim=(0, 2)).float())  # x: [T, KVH, D]
-            return super().forward(q, k, v, k_cache, v_cache, meta, layer)
+            return super().forward(q, k, v, k_cache, v_cache, meta, layer, sinks)
 
     L, kvh = spec.num_layers, spec.num_kv_heads
     k_heads, v_heads = torch.zeros(L, kvh), torch.zeros(L, kvh)

@@ -87,6 +87,31 @@ TINY_ARCHS = {
             head_dim=16,
         ),
     ),
+    # GPT-OSS: sinks, biases everywhere (randomized below: HF initializes most to zero), sliding (6) and full layers,
+    # YaRN whose ramp falls inside these short prompts (original length 16), top-2 of 4 experts, a SwiGLU limit
+    # low enough that its clamps cut
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(
+            tie_word_embeddings=False,
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            swiglu_limit=0.4,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 150000.0,
+            },
+        ),
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         dict(
@@ -158,6 +183,11 @@ def build_tiny_model(out: Path, arch: str, *, seed: int = 0, init_range: float =
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if arch == "gpt-oss":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    p.normal_(0, 1.0 if name.endswith("sinks") else 0.3)
     if arch == "qwen3":
         with torch.no_grad():
             for layer in model.model.layers:

@@ -140,8 +140,8 @@ class TritonAttention(_KVScales):
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttnMetadata, layer: int = 0) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttnMetadata, layer: int = 0, sinks=None) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]; sinks: [H] fp32 or None
         ks, vs = self._scales(layer)
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         attend = prefill_attention if meta.max_query_len > PREFILL_TILE_MIN_QUERY else paged_attention
@@ -158,6 +158,7 @@ class TritonAttention(_KVScales):
             max_query_len=meta.max_query_len,
             window=self.window(layer),
             softcap=self.softcap,
+            sinks=sinks,
         )
 
 
@@ -227,15 +228,18 @@ class TorchAttention(_KVScales):
         v_cache: torch.Tensor,
         meta: TorchAttnMetadata,
         layer: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]
+        # q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D]; sinks: [H] fp32 (GPT-OSS: a
+        # logit per head in each softmax's denominator, with no value) or None
         kvh = k.shape[1]
         ks, vs = self._scales(layer)
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         window = self.window(layer)
         if (n := meta.native) is not None:
             qn = q if n.rows is None else q[n.rows]
-            o = self.native(qn, k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap).to(q.dtype)
+            o = self.native(qn, k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap, sinks)
+            o = o.to(q.dtype)
             if n.rows is None:  # a decode-only step: every row, in order (no gather, no scatter)
                 return o
         out = torch.empty_like(q)
@@ -243,7 +247,7 @@ class TorchAttention(_KVScales):
             out[n.rows] = o
         for g in meta.decodes:
             kg, vg = self._gather(k_cache, v_cache, g.blocks, g.rows.numel(), q.dtype, ks, vs)
-            out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask_for(window))
+            out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask_for(window), sinks)
         for p in meta.prefills:
             qp = q[p.start : p.start + p.num_q].transpose(0, 1)[None]  # [1, H, n, D]
             if p.num_q == p.ctx and k.dtype == k_cache.dtype:  # the whole context is new: the cache holds just this
@@ -252,8 +256,8 @@ class TorchAttention(_KVScales):
                 kg, vg = self._gather(k_cache, v_cache, p.blocks, 1, q.dtype, ks, vs)  # [KVH, 1, nblk * bs, D]
                 kp, vp = kg[:, :, : p.ctx].transpose(0, 1), vg[:, :, : p.ctx].transpose(0, 1)  # [1, KVH, ctx, D]
             mask = _chunk_mask(p.ctx, p.num_q, window, q.device) if window else p.mask
-            if self.softcap:  # SDPA has no soft-cap: the same math spelled out
-                o = self._capped(qp, kp, vp, mask)
+            if self.softcap or sinks is not None:  # SDPA has neither soft-cap nor sinks: the same math spelled out
+                o = self._explicit(qp, kp, vp, mask, sinks)
             else:
                 o = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=kvh != q.shape[1]
@@ -261,18 +265,22 @@ class TorchAttention(_KVScales):
             out[p.start : p.start + p.num_q] = o[0].transpose(0, 1)
         return out
 
-    def _capped(self, q, k, v, mask):
-        """Soft-capped attention. q: [1, H, n, D]; k, v: [1, KVH, ctx, D]; mask: [n, ctx] bool or None (causal)."""
+    def _explicit(self, q, k, v, mask, sinks):
+        """Soft-capped attention and/or attention with sinks. q: [1, H, n, D]; k, v: [1, KVH, ctx, D]; mask: [n, ctx]
+        bool or None (causal); sinks: [H] or None."""
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale  # [1, H, n, ctx]
-        s = self.softcap * torch.tanh(s / self.softcap)
+        if self.softcap:
+            s = self.softcap * torch.tanh(s / self.softcap)
         if mask is None:
             n, ctx = s.shape[-2:]
             mask = _chunk_mask(ctx, n, None, q.device)
-        return torch.matmul(s.masked_fill(~mask, float("-inf")).softmax(-1), v.float()).to(q.dtype)
+        rows = None if sinks is None else sinks.view(1, -1, 1, 1)
+        probs = softmax_with_sinks(s.masked_fill(~mask, float("-inf")), rows)
+        return torch.matmul(probs, v.float()).to(q.dtype)
 
-    def _decode(self, q, k, v, mask):
+    def _decode(self, q, k, v, mask, sinks=None):
         """Grouped-query attention for one query per sequence, as two batched matmuls with an fp32
         softmax: ~7x faster on CPU than SDPA's flash kernel at this shape.
         q: [G, H, D]; k, v: [KVH, G, L, D]; mask: [1, G, 1, L] -> [G, H, D]."""
@@ -283,7 +291,8 @@ class TorchAttention(_KVScales):
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [KVH, G, rep, L]
         if self.softcap:
             scores = self.softcap * torch.tanh(scores / self.softcap)
-        probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1).to(v.dtype)
+        rows = None if sinks is None else sinks.view(kvh, 1, h // kvh, 1)  # head kv * rep + r, as q's rows
+        probs = softmax_with_sinks(scores.masked_fill_(~mask, float("-inf")), rows).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(n, h, d).to(q.dtype)
 
     def _gather(self, k_cache, v_cache, blocks, n, dtype, k_scale=None, v_scale=None):
@@ -319,6 +328,15 @@ def build_attention(spec, block_size: int, backend: str, native_dir: Path | None
     if native_dir is not None and backend != "triton":
         attn.native = NativeDecode.get(spec.head_dim, native_dir)
     return attn
+
+
+def softmax_with_sinks(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over s's last dim, fp32; with sinks (shaped to broadcast against s[..., :1]), each row's sink joins
+    the denominator as one more logit whose value is dropped, as transformers' GPT-OSS."""
+    if sinks is None:
+        return s.float().softmax(-1)
+    both = torch.cat([s.float(), sinks.float().expand(*s.shape[:-1], 1)], -1)
+    return both.softmax(-1)[..., :-1]
 
 
 def _chunk_mask(ctx: int, n: int, window: int | None, device) -> torch.Tensor:

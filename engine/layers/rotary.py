@@ -1,4 +1,4 @@
-"""Rotary position embedding, neox style (rotate half), with linear and Llama-3 frequency scaling."""
+"""Rotary position embedding, neox style (rotate half), with linear, Llama-3, YaRN and longrope frequency scaling."""
 
 from __future__ import annotations
 
@@ -29,7 +29,40 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, out)
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope are)")
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling)[0]
+    raise UnsupportedModelError(
+        f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn, longrope are)"
+    )
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN as transformers computes it (_compute_yarn_parameters): the inverse frequencies blended between
+    interpolated (/ factor) and original along a linear ramp over the dimensions between the beta_fast and beta_slow
+    rotation counts (floored / ceiled unless `truncate` is false: GPT-OSS), and cos/sin scaled by the attention
+    factor (0.1 ln(factor) + 1 unless given). Returns (inv [head_dim / 2], attention factor)."""
+    orig = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original length
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low)
+    extrapolate = 1 - ramp.clamp(0, 1)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate, attn
 
 
 def _longrope(head_dim: int, theta: float, scaling: dict, max_pos: int) -> torch.Tensor:
@@ -66,6 +99,8 @@ class RotaryCache:
             )
         else:
             inv = inv_frequencies(head_dim, theta, scaling)
+            if kind == "yarn":
+                mscale = _yarn(head_dim, theta, scaling)[1]
             freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]  # [max_pos, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.cos = (emb.cos() * mscale).to(device)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 
 def model_class(spec):
-    """Gemma's, the mixture-of-experts one, or the Llama family's."""
+    """Gemma's, GPT-OSS's, the mixture-of-experts one, or the Llama family's."""
     from engine.models.gemma import GemmaForCausalLM
+    from engine.models.gpt_oss import GptOssForCausalLM
     from engine.models.llama import LlamaForCausalLM
     from engine.models.moe import MoEForCausalLM
 
     if spec.gemma:
         return GemmaForCausalLM
+    if spec.attention_sinks:
+        return GptOssForCausalLM
     return MoEForCausalLM if spec.num_experts else LlamaForCausalLM

@@ -45,6 +45,10 @@ class DecoderLayer(nn.Module):
             nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) if s.attention_bias else None
         )
         self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **lin), False)
+        self.o_proj_bias = nn.Parameter(torch.empty(s.hidden_size, **kw), False) if s.o_bias else None
+        # GPT-OSS: a logit per query head that joins each softmax's denominator (fp32, as the kernels read it)
+        sinks = dict(dtype=torch.float32, device=device)
+        self.sinks = nn.Parameter(torch.empty(s.num_heads, **sinks), False) if s.attention_sinks else None
         self.gate_up = nn.Parameter(torch.empty(2 * s.intermediate_size, s.hidden_size, **lin), False) if mlp else None
         self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **lin), False) if mlp else None
         self.input_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
@@ -209,9 +213,9 @@ class LlamaForCausalLM(nn.Module):
             q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
         q, k = self.rotary_for(i).apply(q, k, positions)
-        o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i)  # [T, H, D]
+        o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i, layer.sinks)  # [T, H, D]
         o = o.reshape(-1, layer.q_size)  # [T, q]
-        h = layer.linear("o_proj", o)
+        h = layer.linear("o_proj", o, layer.o_proj_bias)
         if lora is not None:
             lora(i, "o_proj", o, h)
         return self.reduce(h)
@@ -290,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
             loader = self.LOADERS.get(f"{d.param}.{d.suffix}") or self.LOADERS.get(d.suffix)
             if loader is None:
                 raise UnsupportedModelError(f"unexpected weight {name!r}")
-            filled[d.layer, d.param] += loader(self, d, t, name)
+            filled[d.layer, f"{d.param}_bias" if d.suffix == "bias" else d.param] += loader(self, d, t, name)
         if not self.spec.tie_word_embeddings and filled[None, "lm_head"] == 0:
             self._headless()  # a base model's checkpoint (an embedding model's): nothing to generate with
         loading.check_complete(self, filled, table)

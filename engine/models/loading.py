@@ -132,13 +132,15 @@ class Kept:
 
 
 def load_bias(model, d: Dest, t: torch.Tensor, name: str) -> int:
-    """A bias: the rows of `{param}_bias` that its weight fills in `param` (OPTIONAL: not counted)."""
+    """A bias: the rows of `{param}_bias` that its weight fills in `param` (counted for `{param}_bias`)."""
     owner = _owner(model, d)
     bias = _param(owner, f"{d.param}_bias", name)
     rows = None if d.part is None else owner.parts[d.param][d.part]
-    if not model.kept.place(bias, rows, t):
-        copy_weight(_rows(owner, d, bias), t, name)
-    return 0
+    if d.expert is None and model.kept.place(bias, rows, t):
+        return t.numel()
+    dst = _rows(owner, d, bias)
+    copy_weight(dst, t, name)
+    return dst.numel()
 
 
 def load_weight_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:

@@ -1,6 +1,6 @@
-"""Mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE. The Llama family's layers with the MLP of MoE layers
-replaced by a router and experts run through kernels/fused_moe.py (Triton on a GPU; on CPU one matmul pair per
-expert that has tokens).
+"""Mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE, and GPT-OSS's experts (engine/models/gpt_oss.py). The Llama
+family's layers with the MLP of MoE layers replaced by a router and experts run through kernels/fused_moe.py
+(Triton on a GPU; on CPU one matmul pair per expert that has tokens).
 
 Routing, as transformers: logits = x @ router.T; probabilities = softmax in fp32; the top-k experts per token;
 renormalized to sum 1 when norm_topk_prob (Mixtral always); cast to the model dtype. Qwen2-MoE adds a shared
@@ -41,6 +41,10 @@ class MoELayer(DecoderLayer):
         self.router = nn.Parameter(torch.empty(e, h, **kw), False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **wkw), False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **wkw), False)
+        bias = s.expert_bias  # GPT-OSS: the router's, and each expert's gate / up and down
+        self.router_bias = nn.Parameter(torch.empty(e, **kw), False) if bias else None
+        self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, **kw), False) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(e, h, **kw), False) if bias else None
         if fp8:
             self.expert_scales = {n: torch.ones(*getattr(self, n).shape[:2], 1, device=device) for n in ("w13", "w2")}
         si = s.shared_expert_intermediate_size
@@ -78,12 +82,17 @@ class MoEForCausalLM(LlamaForCausalLM):
         if not layer.moe:
             return super().mlp(i, layer, x, lora)
         s = self.spec
-        probs = dense(x, layer.router).float().softmax(-1)  # [T, E]
-        weights, ids = probs.topk(s.num_experts_per_tok, dim=-1)  # [T, K]
-        if s.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        logits = dense(x, layer.router, layer.router_bias).float()  # [T, E]
+        if s.swiglu:  # GPT-OSS: the softmax of the top-k logits (the same weights as renormalizing, HF's order)
+            top, ids = logits.topk(s.num_experts_per_tok, dim=-1)
+            weights = top.softmax(-1)
+        else:
+            weights, ids = logits.softmax(-1).topk(s.num_experts_per_tok, dim=-1)  # [T, K]
+            if s.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
         sc = layer.expert_scales
-        out = fused_moe(x, layer.w13, layer.w2, weights.to(x.dtype), ids, False, sc.get("w13"), sc.get("w2"))
+        out = fused_moe(x, layer.w13, layer.w2, weights.to(x.dtype), ids, False, sc.get("w13"), sc.get("w2"),
+                        layer.w13_bias, layer.w2_bias, s.swiglu)  # fmt: skip
         if layer.shared_gate_up is not None:
             shared = dense(silu_and_mul(dense(x, layer.shared_gate_up)), layer.shared_down)
             out = out + torch.sigmoid(dense(x, layer.shared_gate)) * shared

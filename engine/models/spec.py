@@ -20,6 +20,7 @@ ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 # a family's base model (AutoModel's class, no LM head: how embedding models such as Qwen3-Embedding ship) loads as
 # its causal LM without a head (engine/models/llama.py _headless)
@@ -63,6 +64,13 @@ class ModelSpec:
     norm_topk_prob: bool = False  # renormalize the top-k probabilities (Mixtral always)
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
+    # GPT-OSS (engine/models/gpt_oss.py): per-head attention sinks, an o_proj bias, a router bias, expert biases,
+    # top-k before the softmax, the clamped SwiGLU (alpha, limit), and MXFP4 experts dequantized at load
+    attention_sinks: bool = False
+    o_bias: bool = False
+    expert_bias: bool = False
+    swiglu: tuple[float, float] | None = None
+    mxfp4: bool = False
 
     def num_active_params(self) -> int:
         """Parameters one token runs through: all of them, less the experts its router did not pick."""
@@ -76,8 +84,10 @@ class ModelSpec:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * (q + 2 * kv) + q * h + (4 if self.gemma else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         attn += (q + 2 * kv) if self.attention_bias else 0
+        attn += (h if self.o_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         dense = 3 * h * self.intermediate_size
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and the router's rows
+        moe += self.num_experts * (2 * self.moe_intermediate_size + h + 1) if self.expert_bias else 0
         moe += (3 * h * self.shared_expert_intermediate_size + h) if self.shared_expert_intermediate_size else 0
         mlps = sum(moe if self.is_moe(i) else dense for i in range(self.num_layers))
         embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -111,6 +121,8 @@ class ModelSpec:
         for src in (generation_cfg or {}, cfg):
             e = src.get("eos_token_id")
             eos += e if isinstance(e, list) else ([e] if e is not None else [])
+        if scaling and (scaling.get("rope_type") or scaling.get("type")) == "yarn":  # its factor may be implied
+            scaling = {**scaling, "max_position_embeddings": cfg.get("max_position_embeddings")}
         if scaling and (scaling.get("rope_type") or scaling.get("type")) == "longrope":  # Phi-3: lengths it needs
             orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
             scaling = {**scaling, "original_max_position_embeddings": orig}
@@ -154,11 +166,30 @@ def _attention_bias(cfg: dict, arch: str) -> bool:
     return bool(cfg[key]) if cfg.get(key) is not None else arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
+def _gpt_oss_fields(cfg: dict) -> dict:
+    """GPT-OSS: every layer routes over num_local_experts experts of intermediate_size (softmax over the top-k
+    logits, which is the renormalized top-k of the full softmax), with biases everywhere and sinks."""
+    return dict(
+        num_experts=cfg["num_local_experts"],
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["intermediate_size"],
+        norm_topk_prob=True,
+        moe_layers=(True,) * cfg["num_hidden_layers"],
+        attention_sinks=True,
+        o_bias=bool(cfg.get("attention_bias", True)),
+        expert_bias=True,
+        swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
+        mxfp4=str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4",
+    )
+
+
 def _moe_fields(cfg: dict, arch: str) -> dict:
     """Mixtral: every layer routes over num_local_experts experts of intermediate_size, top-k renormalized.
     Qwen2/3-MoE: num_experts (transformers 5 writes num_local_experts) of moe_intermediate_size on the layers
     that are not in mlp_only_layers and fall on decoder_sparse_step; the rest keep a dense MLP."""
     n = cfg["num_hidden_layers"]
+    if arch == "GptOssForCausalLM":
+        return _gpt_oss_fields(cfg)
     if arch == "MixtralForCausalLM":
         e = cfg["num_local_experts"]
         return dict(
@@ -234,8 +265,11 @@ def _layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
 
 
 def _quant(cfg: dict, arch: str, setting: str | None) -> QuantScheme | None:
-    q = scheme.parse(cfg.get("quantization_config"), scheme.method_setting(setting))
-    moe = arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    qc = cfg.get("quantization_config")
+    if arch == "GptOssForCausalLM" and str((qc or {}).get("quant_method", "")).lower() == "mxfp4":
+        qc = None  # its MXFP4 experts are dequantized as they load (engine/models/gpt_oss.py); the rest is 16-bit
+    q = scheme.parse(qc, scheme.method_setting(setting))
+    moe = arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
     if q is not None and q.kind == "int" and moe:
         raise UnsupportedModelError(f"{arch} with {q.source} int{q.bits} weights: quantized mixture-of-experts "
                                     "experts are not supported yet in int formats (fp8 ones are)")  # fmt: skip

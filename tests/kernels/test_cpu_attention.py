@@ -119,3 +119,15 @@ def test_a_failed_compile_names_the_compilers_message(kernel_dir, monkeypatch):
     monkeypatch.setattr(cpu_attention, "FLAGS", (*cpu_attention.FLAGS, "-include", "/nonexistent.h"))
     with pytest.raises(RuntimeError, match="nonexistent.h"):
         cpu_attention.build(kernel_dir, 32)
+
+
+def test_sinks(kernel_dir):
+    """GPT-OSS's sinks (a logit per query head in each softmax's denominator, no value), with and without a window;
+    large ones change the output, so a kernel that ignored them would fail."""
+    args = make_batch(DECODES, h=4, kvh=2, seed=11)
+    check(args, kernel_dir, sinks=torch.randn(4) * 2)
+    check(args, kernel_dir, window=4, sinks=torch.randn(4))
+    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items() if k != "query_start_loc"}
+    plain = paged_decode_cpu(**a, kernel=kernel(a["q"].shape[-1], kernel_dir))
+    sunk = paged_decode_cpu(**a, sinks=torch.full((4,), 6.0), kernel=kernel(a["q"].shape[-1], kernel_dir))
+    assert (plain - sunk).abs().max() > 0.1

@@ -1,0 +1,173 @@
+"""GPT-OSS (engine/models/gpt_oss.py). Parity with HF transformers on a tiny random config (sinks, biases, sliding
+and full layers, YaRN, clamped SwiGLU experts) under default settings and chunked prefill with preemption is in
+test_parity.py (TINY_ARCHS); here: each GPT-OSS feature changed breaks that parity (sinks, expert biases, the
+SwiGLU clamp), routing reaches every expert, prefix caching and the C decode kernel keep HF's tokens, MXFP4 experts
+dequantize exactly as transformers does and load into a model that gives HF's tokens, and fp8 experts load (from an
+fp8 snapshot too)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.models.gpt_oss import dequantize_mxfp4
+from tests.utils import hf_greedy
+
+pytestmark = pytest.mark.slow  # HF transformers parity
+
+PROMPTS = [[5 + (7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate((7, 16, 33))]
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["gpt-oss"]
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    return [r[0] for r in hf_greedy(model, PROMPTS, 16)]
+
+
+def _tokens(llm, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+def _zero_sinks(llm):
+    for layer in llm.engine.model.layers:
+        layer.sinks.data.fill_(float("-inf"))  # exp(-inf) = 0: attention as if it had none
+
+
+def _zero_expert_biases(llm):
+    for layer in llm.engine.model.layers:
+        layer.w13_bias.data.zero_()
+        layer.w2_bias.data.zero_()
+
+
+def _no_clamp(llm):
+    spec = llm.engine.model.spec
+    llm.engine.model.spec = spec.__class__(**{**spec.__dict__, "swiglu": (spec.swiglu[0], 1e9)})
+
+
+@pytest.mark.parametrize("breaker", [_zero_sinks, _zero_expert_biases, _no_clamp], ids=lambda f: f.__name__[1:])
+def test_each_feature_matters(model, ref, breaker):
+    llm = LLM(model=str(model), dtype="float32", log_stats_interval=0)
+    assert llm.engine.spec.attention_sinks and llm.engine.spec.swiglu == (1.702, 0.4)
+    assert _tokens(llm) == ref
+    breaker(llm)
+    assert _tokens(llm) != ref, f"{breaker.__name__} left the output as HF's: the test could not fail"
+
+
+def test_routing_reaches_every_expert(model, monkeypatch):
+    import kernels.fused_moe as fm
+
+    llm = LLM(model=str(model), dtype="float32", log_stats_interval=0)
+    seen, real = set(), fm.fused_moe_ref
+    monkeypatch.setattr(fm, "fused_moe_ref", lambda *a, **k: seen.update(a[4].flatten().tolist()) or real(*a, **k))
+    _tokens(llm)
+    assert seen == set(range(llm.engine.spec.num_experts)), seen
+
+
+def test_prefix_cache_and_the_c_kernel_keep_hf_tokens(model, ref):
+    llm = LLM(model=str(model), dtype="float32", log_stats_interval=0, block_size=8)
+    native = llm.engine.runner.attn.native
+    assert native is not None and native.wait(), native and native.error  # decodes through the C kernel
+    assert _tokens(llm) == ref
+    assert llm.engine.block_manager.hit_tokens == 0
+    assert _tokens(llm) == ref  # the same prompts again: their full blocks come from the prefix cache
+    assert llm.engine.block_manager.hit_tokens >= 8 * sum(len(p) // 8 for p in PROMPTS) - 8 * len(PROMPTS)
+
+
+# ---- MXFP4 ---------------------------------------------------------------------------------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A writer following the OCP MX layout: w [..., N, K] -> blocks [..., N, K/32, 16] uint8 (two e2m1 codes a
+    byte, the even element in the low nibble), scales [..., N, K/32] uint8 (e8m0, bias 127). Each block of 32 gets
+    the power of two that brings its largest magnitude to at most 6, and each value the nearest e2m1."""
+    g = w.float().unflatten(-1, (-1, 32))  # [..., N, G, 32]
+    amax = g.abs().amax(-1).clamp_min(2.0**-100)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # amax / 2**exp <= 6
+    scaled = g / torch.exp2(exp)[..., None]
+    code = (scaled.abs()[..., None] - E2M1).abs().argmin(-1) | ((scaled < 0).to(torch.int64) << 3)
+    pairs = code.unflatten(-1, (16, 2))
+    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_dequantizes_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 40, 64) * torch.logspace(-3, 2, 40)[None, :, None]  # rows of very different magnitudes
+    blocks, scales = pack_mxfp4(w)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [E, N, K]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, N]: their layout
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    assert (ours - w).abs().max() / w.abs().max() < 0.25  # and it is w, to 4 bits
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16), ours.bfloat16())
+
+
+def test_an_mxfp4_checkpoint_gives_hf_tokens_on_its_dequantized_weights(model, tmp_path):
+    """The tiny model's experts packed to MXFP4 (checkpoint B, with a quantization_config as gpt-oss ships) and,
+    beside it, the same model with the experts replaced by their dequantized values (checkpoint A, unquantized):
+    our engine on B gives HF's tokens on A."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        shutil.copytree(model, d)
+    tensors = load_file(str(model / "model.safetensors"))
+    packed, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = pack_mxfp4(t.transpose(1, 2).contiguous())  # [E, N, K] rows, as gpt-oss packs them
+            packed |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+            dequantized[name] = dequantize_mxfp4(blocks, scales, t.dtype).transpose(1, 2).contiguous()
+        else:
+            packed[name] = dequantized[name] = t
+    save_file(dequantized, str(a / "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed, str(b / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (b / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=str(b), dtype="float32", log_stats_interval=0)
+    assert llm.engine.spec.mxfp4
+    assert _tokens(llm) == [r[0] for r in hf_greedy(a, PROMPTS, 16)]
+    assert _tokens(llm) != [r[0] for r in hf_greedy(model, PROMPTS, 16)]  # 4 bits changed the model: a real test
+
+
+def test_fp8_experts_and_their_snapshot(model, tmp_path):
+    kw = dict(model=str(model), dtype="bfloat16", log_stats_interval=0, cache_root=str(tmp_path))
+    fp8 = LLM(quantization="fp8", **kw)
+    layer = fp8.engine.model.layers[0]
+    assert layer.w13.dtype == torch.float8_e4m3fn and layer.sinks.dtype == torch.float32
+    want = _tokens(fp8)
+    again = LLM(quantization="fp8", **kw)
+    assert again.engine.weights_source == "fp8 snapshot" and _tokens(again) == want
+
+
+def test_the_triton_kernels_give_hf_tokens(model, ref):
+    """Sinks in the Triton attention kernels and biases + the clamped SwiGLU in the fused MoE kernel (under the
+    interpreter here), through the whole model."""
+    llm = LLM(model=str(model), dtype="float32", kernel_backend="triton", log_stats_interval=0)
+    assert _tokens(llm) == ref
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_is_transformers(truncate):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import _yarn
+
+    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
+            "original_max_position_embeddings": 4096, "rope_theta": 150000.0}  # fmt: skip
+    cfg = GptOssConfig(hidden_size=128, num_attention_heads=2, head_dim=64, rope_parameters=dict(rope))
+    inv, attn = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    ours, our_attn = _yarn(64, 150000.0, rope)
+    assert torch.equal(ours, inv) and our_attn == attn
