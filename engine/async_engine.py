@@ -102,6 +102,11 @@ class AsyncEngine:
         return self.engine.model_pooling
 
     @property
+    def architecture(self) -> str:
+        """The checkpoint's architecture, as ModelSpec names it (GptOssForCausalLM: handler/harmony.py)."""
+        return self.engine.facts.spec.architecture
+
+    @property
     def hidden_size(self) -> int:
         return self.engine.facts.spec.hidden_size
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine import LoRARequest
 from handler import anthropic_messages as anthropic
-from handler import jobs, reasoning, tool_calls
+from handler import harmony, jobs, reasoning, tool_calls
 from handler import openai_compat as oa
 from handler import openai_completions as completions
 from handler import openai_embeddings as embeddings
@@ -120,21 +120,33 @@ class _Reply:
     echo: str  # vLLM's chat echo: the text the reply starts with ("" without echo)
     prompt_token_ids: list[int]
     in_content: bool | None = None  # REASONING_PARSER set: whether the reply starts with its answer (reasoning.py)
+    harmony: Any = None  # GPT-OSS: the harmony encoding its replies are parsed with, from their ids (harmony.py)
 
-    def reasoning(self) -> reasoning.ReasoningStream | None:
+    def reasoning(self) -> reasoning.ReasoningStream | harmony.HarmonyStream | None:
+        if self.harmony is not None:
+            return harmony.HarmonyStream(self.harmony)
         return None if self.in_content is None else reasoning.ReasoningStream(self.in_content)
+
+    @property
+    def splits(self) -> bool:  # the reply's reasoning comes apart from its answer
+        return self.in_content is not None or self.harmony is not None
 
 
 async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, sizer: BatchSizer):
     parallel = req.parallel_tool_calls is not False
-    tool_mode, tool_name, tool_grammar = tool_calls.plan(req.tools, req.tool_choice, ctx.settings, parallel=parallel)
+    enc = harmony.for_model(ctx)  # GPT-OSS: reasoning and tool calls come in its harmony channels
+    if enc is not None:
+        tool_mode, tool_name, tool_grammar = harmony.tool_plan(req.tools, req.tool_choice, WHERE), None, None
+    else:
+        tool_mode, tool_name, tool_grammar = tool_calls.plan(req.tools, req.tool_choice, ctx.settings,
+                                                             parallel=parallel)  # fmt: skip
     max_tokens = req.max_completion_tokens or req.max_tokens
     prompt, echo = await extras.chat_prompt(ctx, req, max_tokens)  # {"prompt_token_ids"}
     shapes = oa.ChatShapes(ctx.served_name, *_shape_args(ctx, req))
     top_n = req.top_logprobs or 0 if req.logprobs else None
     model_lora = _checked(ctx, req)
     in_content = after = None
-    if parser := ctx.settings.REASONING_PARSER:
+    if (parser := ctx.settings.REASONING_PARSER) and enc is None:
         tail = ctx.engine.tok.decode(prompt["prompt_token_ids"][-32:], skip_special_tokens=False)
         in_content = reasoning.starts_in_content(parser, tail, req.chat_template_kwargs)
         # a grammar (structured output, a forced tool call) constrains the answer, not the thinking (as vLLM)
@@ -146,7 +158,7 @@ async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, siz
     valid = jobs.prepare(ctx, prompt, params, model_lora or lora, where, default_room=not max_tokens)
     outputs = jobs.generate(ctx, valid, rid)
     tools = (tool_mode, tool_name, None if parallel else 1, tool_calls.schemas(req.tools)) if tool_mode else None
-    reply = _Reply(req, shapes, top_n, tools, echo, valid.prompt_token_ids, in_content)
+    reply = _Reply(req, shapes, top_n, tools, echo, valid.prompt_token_ids, in_content, enc)
     if req.stream:
         async for chunk in _stream(ctx, outputs, reply, sizer):
             yield chunk
@@ -213,8 +225,9 @@ async def _whole(ctx: JobContext, outputs, reply: _Reply) -> dict:
     n_in, n_out, choices, cached, prompt_lps, thinking = 0, 0, [], 0, None, {}
     async for out in outputs:
         n_in = len(out.prompt_token_ids)
-        for c in out.outputs if reply.in_content is not None else ():  # the reasoning's tokens, as they came
-            thinking.setdefault(c.index, reply.reasoning()).feed(c.delta_text, len(c.delta_token_ids))
+        for c in out.outputs if reply.splits else ():  # the reasoning's tokens, as they came
+            st = thinking.setdefault(c.index, reply.reasoning())
+            st.feed(c.delta_token_ids) if reply.harmony else st.feed(c.delta_text, len(c.delta_token_ids))
         if out.finished:
             prompt_lps, cached = out.prompt_logprobs, out.metrics.cached_prompt_tokens
             for c in out.outputs:
@@ -236,7 +249,7 @@ async def _whole(ctx: JobContext, outputs, reply: _Reply) -> dict:
 def _usage(reply: _Reply, n_in: int, n_out: int, cached: int, thinking) -> dict:
     """OpenAI's usage; with a reasoning parser, how many of the completion tokens were reasoning (vLLM's)."""
     u = oa.usage(n_in, n_out, cached)
-    if reply.in_content is not None:
+    if reply.splits:
         u["completion_tokens_details"] = {"reasoning_tokens": sum(t.reasoning_tokens for t in thinking)}
     return u
 
@@ -246,14 +259,20 @@ def _choice(ctx: JobContext, reply: _Reply, c, thinking: reasoning.ReasoningStre
     lp = None
     if reply.top_n is not None and c.logprobs:
         lp = oa.chat_logprobs(extras.token_names(ctx, reply.req), c.token_ids, c.logprobs, reply.top_n)
-    text, why = c.text, None
-    if thinking is not None:
+    text, why, calls = c.text, None, []
+    if isinstance(thinking, harmony.HarmonyStream):
+        thinking.finish()
+        why, text, calls = thinking.message()
+    elif thinking is not None:
         thinking.finish()
         why, text = thinking.split()  # vLLM's message fields: reasoning (and its old name), content
     choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp}
     if thinking is not None:
         choice["reasoning"] = why
-    if reply.tools:  # the answer through the same parser a stream uses
+    if reply.harmony is not None and calls:
+        choice["tool_calls"] = calls
+        choice["finish_reason"] = "tool_calls" if c.finish_reason != "length" else c.finish_reason
+    elif reply.tools and reply.harmony is None:  # the answer through the same parser a stream uses
         st = tool_calls.ToolCallStream(*reply.tools)
         st.feed(text or "")
         st.pending_content()
@@ -293,8 +312,16 @@ async def _stream(ctx: JobContext, outputs, reply: _Reply, sizer: BatchSizer) ->
                 ids_due.add(c.index, c.delta_token_ids)
                 if not (c.delta_text or c.finish_reason or c.delta_token_ids):
                     continue
-                lp, text = None, c.delta_text
-                if reply.in_content is not None:  # the reasoning apart: both of vLLM's names for it
+                lp, text, finish, calls = None, c.delta_text, c.finish_reason, []
+                if reply.harmony is not None:  # GPT-OSS: its channels, from the token ids
+                    st = thinking.setdefault(c.index, reply.reasoning())
+                    d = st.feed(c.delta_token_ids)
+                    why, text, calls = d.reasoning, d.content + (st.finish() if finish else ""), d.calls
+                    if why:
+                        events.append(event(shapes.chunk(c.index, {"reasoning": why, "reasoning_content": why})))
+                    events += [event(shapes.chunk(c.index, {"tool_calls": [x]})) for x in calls]
+                    finish = "tool_calls" if finish and finish != "length" and st.calls else finish
+                elif reply.in_content is not None:  # the reasoning apart: both of vLLM's names for it
                     st = thinking.setdefault(c.index, reply.reasoning())
                     why, text = st.feed(text, len(c.delta_token_ids))
                     why += st.finish()[0] if c.finish_reason else ""
@@ -302,8 +329,7 @@ async def _stream(ctx: JobContext, outputs, reply: _Reply, sizer: BatchSizer) ->
                         events.append(event(shapes.chunk(c.index, {"reasoning": why, "reasoning_content": why})))
                 if reply.top_n is not None and c.delta_token_ids and c.logprobs:
                     lp = oa.chat_logprobs(names, c.delta_token_ids, c.logprobs[-len(c.delta_token_ids) :], reply.top_n)
-                finish = c.finish_reason
-                if reply.tools:  # content and tool-call deltas in OpenAI's chunk shapes
+                if reply.tools and reply.harmony is None:  # content and tool-call deltas in OpenAI's chunk shapes
                     st = parsers.setdefault(c.index, tool_calls.ToolCallStream(*reply.tools))
                     text, calls = st.feed(text)
                     text += st.pending_content() if finish else ""

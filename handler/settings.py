@@ -346,6 +346,11 @@ def set_library_defaults() -> None:
         os.environ["TRITON_CACHE_DIR"] = fallback
 
 
+def point_tiktoken_at(folder) -> None:
+    """Where openai-harmony (handler/harmony.py) reads its tiktoken vocabulary instead of downloading it."""
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
+
+
 TRITON_CACHE_MIN_FREE = 256 << 20  # a model's compiled kernels take some tens of MiB; less free than this: not there
 
 

@@ -34,6 +34,12 @@ def _openai_routes():
     return openai_jobs
 
 
+def _harmony(ctx):
+    from handler import harmony
+
+    return harmony.for_model(ctx)
+
+
 class Worker:
     def __init__(
         self,
@@ -56,6 +62,8 @@ class Worker:
         if engine is not None:
             engine.on_fault = self._on_fault
             engine.warm_later(_openai_routes)  # after ready: a native first job does not wait for these imports
+            if getattr(engine, "architecture", None) == "GptOssForCausalLM":  # its harmony encoding: ~0.6 s
+                engine.warm_later(lambda: _harmony(self.ctx))
         self.max_in_flight = 0
         self._ids = itertools.count()
         self._running: dict[str, str] = {}  # engine request id -> job id, for jobs in flight

