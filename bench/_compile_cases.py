@@ -215,6 +215,25 @@ def moe(m: Model, fp8: bool) -> None:
         fused_moe(torch.empty(t, m.hidden, dtype=BF16), w13, w2, torch.full((t, top_k), 0.5), ids, False, s13, s2)
 
 
+GPT_OSS_20B = Model("gpt-oss-20b", 2880, 2880, 201088, experts=(32, 4))
+
+
+def moe_mxfp4(m: Model) -> None:
+    """GPT-OSS's experts as they stay on a GPU (engine/models/gpt_oss.py): MXFP4 bytes [N, K / 2] and e8m0 scales
+    [N, K / 32], expert biases and the clamped SwiGLU, decoded in the fused MoE's K loop; 1 to 512 tokens."""
+    from kernels.fused_moe import fused_moe
+
+    e, top_k = m.experts
+    u8, h, i = torch.uint8, m.hidden, m.inter
+    w13, s13 = torch.empty(e, 2 * i, h // 2, dtype=u8), torch.empty(e, 2 * i, h // 32, dtype=u8)
+    w2, s2 = torch.empty(e, h, i // 2, dtype=u8), torch.empty(e, h, i // 32, dtype=u8)
+    b13, b2 = torch.empty(e, 2 * i, dtype=BF16), torch.empty(e, h, dtype=BF16)
+    for t in TOKENS:
+        ids = (torch.arange(t * top_k) % e).reshape(t, top_k)
+        fused_moe(torch.empty(t, h, dtype=BF16), w13, w2, torch.full((t, top_k), 0.25), ids, False, s13, s2, b13, b2,
+                  (1.702, 7.0))  # fmt: skip
+
+
 def grammar_mask(vocab: int, sms: int) -> None:
     """xgrammar's mask kernel as its launcher (apply_token_bitmask_inplace_triton) launches it for the engine's fp32
     logits and int32 row indices (kernels/grammar_mask.py), over the row counts IdleWork warms (MASK_WARM_ROWS)."""
@@ -251,6 +270,7 @@ def cases(models: dict[str, Path], sms: int) -> list[Case]:
         if m.experts:
             out.append(Case(f"{m.name} MoE bf16", lambda m=m: moe(m, False)))
             out.append(Case(f"{m.name} MoE fp8", lambda m=m: moe(m, True), fp8=True))
+    out.append(Case("gpt-oss-20b MoE MXFP4", lambda: moe_mxfp4(GPT_OSS_20B)))
     out.append(Case("Llama-3.1-8B fp16 norms, act, LoRA", lambda: dense(MODELS[0], torch.float16)))
     out.append(Case("grammar masks (xgrammar)", lambda: grammar_mask(MODELS[0].vocab, sms)))
     return out

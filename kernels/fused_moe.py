@@ -15,8 +15,10 @@ out[t] = sum_k topk_weights[t, k] * (w2[e] @ act_and_mul(w13[e] @ x[t] + b13[e])
   block's rows by its expert's weight tile, K-loop in fp32. The first GEMM reads x's row slot // K; the second
   reads the activation's row slot and multiplies by the slot's top-k weight in its epilogue. fp8 (e4m3) weights
   are widened in the loop and their per-expert, per-output-channel scales applied after it; then the expert's
-  bias row is added (before the top-k weight, as HF's GPT-OSS). On a GPU 16-bit operands go to tl.dot as they
-  are (tensor cores); elsewhere (the interpreter) in fp32.
+  bias row is added (before the top-k weight, as HF's GPT-OSS). MXFP4 weights (uint8; kernels/mxfp4.py: two e2m1
+  codes a byte, an e8m0 scale per 32 K elements; GPT-OSS's experts) stay 4-bit in memory: each K step loads the
+  tile's bytes and scales and decodes them (`mxfp4_tile`), as Hopper has no FP4 tensor cores. On a GPU 16-bit
+  operands go to tl.dot as they are (tensor cores); elsewhere (the interpreter) in fp32.
 - The activation between them is kernels.activation's (SiLU, GELU-tanh or, with `swiglu=(alpha, limit)`,
   GPT-OSS's clamped SwiGLU, and mul); the K partial rows of a token are summed last, in fp32.
 The reference (the CPU path) runs one matmul pair per expert that has tokens, over its gathered tokens: never a
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from kernels._common import FP8, cdiv, jit, native_dot_for, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul, swiglu_oai_and_mul
+from kernels.mxfp4 import dequantize_mxfp4_ref, mxfp4_k, mxfp4_tile
 
 BLOCK_M = 16  # decode-sized blocks; tl.dot wants every block dim >= 16
 BLOCK_M_LARGE = 64  # prefill-sized blocks
@@ -104,10 +107,12 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_cm,
     stride_se,
+    stride_sn,  # MXFP4: the scales' row stride
     stride_bias_e,
     FIRST: tl.constexpr,  # the first GEMM: A's row is slot // top_k (the token)
     MUL_WEIGHT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    MXFP4: tl.constexpr,  # uint8 weights [E, N, K // 2], e8m0 scales [E, N, K // 32] (kernels/mxfp4.py)
     HAS_BIAS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -128,11 +133,18 @@ def _moe_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_ptr + row[:, None] * stride_am + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(
-            b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
+        if MXFP4:  # the tile's bytes and scales, decoded in fp32 (exact); to the dot's dtype below
+            w = mxfp4_tile(
+                b_ptr + e * stride_be, scale_ptr + e * stride_se, offs_n, n_ok, k0, K, stride_bn, stride_sn,
+                BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            b = tl.trans(w)  # [BLOCK_K, BLOCK_N]
+        else:
+            b = tl.load(
+                b_ptr + e * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_N]
         if NATIVE_DOT:  # 16-bit operands on the tensor cores (fp8 weights widened to them), fp32 accumulation
             acc += tl.dot(a, b.to(a.dtype))
         else:
@@ -151,7 +163,10 @@ def _moe_gemm_kernel(
 
 
 def _gemm(a, w, scale, bias, weights, sorted_slots, experts, num_slots, top_k, first: bool) -> torch.Tensor:
-    e, n, k = w.shape
+    mxfp4 = w.dtype == torch.uint8
+    e, n, k = *w.shape[:2], mxfp4_k(w) if mxfp4 else w.shape[2]
+    if mxfp4:
+        assert scale is not None and scale.shape == (e, n, k // 32) and scale.stride(2) == 1, (w.shape, scale)
     if bias is not None:
         assert bias.shape == (e, n), (bias.shape, w.shape)
         bias = bias.contiguous()
@@ -177,10 +192,12 @@ def _gemm(a, w, scale, bias, weights, sorted_slots, experts, num_slots, top_k, f
         w.stride(1),
         out.stride(0),
         scale.stride(0) if scale is not None else 0,
+        scale.stride(1) if mxfp4 else 0,
         bias.stride(0) if bias is not None else 0,
         FIRST=first,
         MUL_WEIGHT=weights is not None,
-        HAS_SCALE=scale is not None,
+        HAS_SCALE=scale is not None and not mxfp4,
+        MXFP4=mxfp4,
         HAS_BIAS=bias is not None,
         NATIVE_DOT=native,
         **cfg,
@@ -198,7 +215,8 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=N
                      w2_bias=None, swiglu=None):  # fmt: skip
     t, h = x.shape
     top_k = topk_ids.shape[1]
-    assert w13.shape[2] == h and w2.shape[1] == h and w13.shape[1] == 2 * w2.shape[2], (w13.shape, w2.shape)
+    k13, k2 = (mxfp4_k(w13), mxfp4_k(w2)) if w13.dtype == torch.uint8 else (w13.shape[2], w2.shape[2])
+    assert k13 == h and w2.shape[1] == h and w13.shape[1] == 2 * k2, (w13.shape, w2.shape)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     if t == 0:
         return torch.empty_like(x)
@@ -219,6 +237,8 @@ def _act(h: torch.Tensor, gelu: bool, swiglu) -> torch.Tensor:
 
 
 def _dequant(w: torch.Tensor, scale: torch.Tensor | None, dtype) -> torch.Tensor:
+    if w.dtype == torch.uint8:  # MXFP4
+        return dequantize_mxfp4_ref(w, scale, dtype)
     return w if scale is None else (w.float() * scale).to(dtype)
 
 
@@ -243,11 +263,12 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, gelu=False, w13_scale=None, w2_scale=None, w13_bias=None,
               w2_bias=None, swiglu=None) -> torch.Tensor:  # fmt: skip
-    """[T, H] (see module doc); fp8 weights (e4m3) with per-expert [E, N, 1] fp32 scales; per-expert biases
-    w13_bias [E, 2I], w2_bias [E, H]; swiglu (alpha, limit): GPT-OSS's clamped SwiGLU for SiLU."""
+    """[T, H] (see module doc); fp8 weights (e4m3) with per-expert [E, N, 1] fp32 scales, or MXFP4 ones (uint8
+    w13 [E, 2I, H // 2], w2 [E, H, I // 2]) with their e8m0 scales (uint8 [E, 2I, H // 32], [E, H, I // 32]);
+    per-expert biases w13_bias [E, 2I], w2_bias [E, H]; swiglu (alpha, limit): GPT-OSS's clamped SwiGLU for SiLU."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_ref
-    if w13.dtype == FP8 and fn is fused_moe_ref:
-        assert w13_scale is not None and w2_scale is not None, "fp8 expert weights need their scales"
+    if w13.dtype == torch.uint8 or w13.dtype == FP8 and fn is fused_moe_ref:
+        assert w13_scale is not None and w2_scale is not None, f"{w13.dtype} expert weights need their scales"
     if swiglu is not None:
         swiglu = [float(v) for v in swiglu]  # the operator's float[]
     return fn(x, w13, w2, topk_weights, topk_ids, gelu, w13_scale, w2_scale, w13_bias, w2_bias, swiglu)

@@ -114,10 +114,9 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16), ours.bfloat16())
 
 
-def test_an_mxfp4_checkpoint_gives_hf_tokens_on_its_dequantized_weights(model, tmp_path):
-    """The tiny model's experts packed to MXFP4 (checkpoint B, with a quantization_config as gpt-oss ships) and,
-    beside it, the same model with the experts replaced by their dequantized values (checkpoint A, unquantized):
-    our engine on B gives HF's tokens on A."""
+def _mxfp4_pair(model, tmp_path):
+    """The tiny model's experts packed to MXFP4 (checkpoint b, with a quantization_config as gpt-oss ships) and,
+    beside it, the same model with the experts replaced by their dequantized values (checkpoint a, unquantized)."""
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
         shutil.copytree(model, d)
@@ -135,6 +134,12 @@ def test_an_mxfp4_checkpoint_gives_hf_tokens_on_its_dequantized_weights(model, t
     cfg = json.loads((b / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (b / "config.json").write_text(json.dumps(cfg))
+    return a, b
+
+
+def test_an_mxfp4_checkpoint_gives_hf_tokens_on_its_dequantized_weights(model, tmp_path):
+    """Our engine on the MXFP4 checkpoint (dequantized at load on CPU) gives HF's tokens on the dequantized one."""
+    a, b = _mxfp4_pair(model, tmp_path)
     llm = LLM(model=str(b), dtype="float32", log_stats_interval=0)
     assert llm.engine.spec.mxfp4
     assert _tokens(llm) == [r[0] for r in hf_greedy(a, PROMPTS, 16)]
@@ -171,3 +176,49 @@ def test_yarn_is_transformers(truncate):
     inv, attn = ROPE_INIT_FUNCTIONS["yarn"](cfg)
     ours, our_attn = _yarn(64, 150000.0, rope)
     assert torch.equal(ours, inv) and our_attn == attn
+
+
+# ---- the planner: MXFP4 experts counted at 4.25 bits where they stay packed (a GPU) ----------------------------
+def gpt_oss_config(layers: int, experts: int) -> dict:
+    return {
+        "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "vocab_size": 201088, "sliding_window": 128,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "attention_bias": True, "swiglu_limit": 7.0, "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, layers, experts, gib, weights_gb, kv_tokens",
+    [("gpt-oss-20b", 24, 32, 24, (13.5, 14.0), 100_000), ("gpt-oss-120b", 36, 128, 80, (64.5, 65.5), 65_536)],
+)
+def test_the_planner_fits_gpt_oss_on_one_card(name, layers, experts, gib, weights_gb, kv_tokens):
+    """gpt-oss-20b on a 24 GB card and gpt-oss-120b on an 80 GB one, as vLLM serves them: the experts at 4 bits and
+    an e8m0 scale per 32 (17/32 of a byte a weight), the rest in bf16; the KV they leave (reported)."""
+    from engine.models.spec import ModelSpec
+    from warmup.plan import make_plan
+
+    spec = ModelSpec.from_hf(gpt_oss_config(layers, experts))
+    assert spec.mxfp4 and spec.quant is None
+    p = make_plan(spec, gib * 2**30, max_model_len=32768)
+    assert weights_gb[0] * 1e9 < p["weight_bytes"] < weights_gb[1] * 1e9, p["weight_bytes"] / 1e9
+    assert p["fits"] and p["kv_tokens"] >= kv_tokens, p
+    print(f"{name} on {gib} GiB: {p['weight_bytes'] / 1e9:.1f} GB of weights, {p['kv_tokens']:,} KV tokens")
+    dequantized = make_plan(spec, gib * 2**30, max_model_len=32768, kernel_backend="torch")
+    assert not dequantized["fits"]  # what they would take as bf16 does not fit: the 4 bits are what makes it
+
+
+def test_mxfp4_experts_stay_4_bit_in_the_triton_kernels(model, tmp_path):
+    """Where the Triton kernels run (forced here, under the interpreter), the MXFP4 experts load as their bytes and
+    scales and the fused MoE kernel dequantizes them in its loop: HF's tokens on the dequantized weights."""
+    a, b = _mxfp4_pair(model, tmp_path)
+    llm = LLM(model=str(b), dtype="float32", kernel_backend="triton", log_stats_interval=0)
+    layer = llm.engine.model.layers[0]
+    assert layer.w13.dtype == torch.uint8 and layer.w13.shape[-1] == llm.engine.spec.hidden_size // 2
+    assert layer.expert_scales["w13"].dtype == torch.uint8
+    assert _tokens(llm) == [r[0] for r in hf_greedy(a, PROMPTS, 16)]

@@ -369,3 +369,35 @@ def as_two_ranks(eng, path, monkeypatch) -> None:
             reshape_and_cache_ref(hk, hv, k_cache[h : h + 1], v_cache[h : h + 1], slots, ks[h], vs[h])
 
     monkeypatch.setattr(attention, "reshape_and_cache", write)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-moe")
+    wide = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4)
+    return {
+        "mixtral": build_tiny_model(root / "mixtral", "mixtral", **wide, intermediate_size=128),
+        "qwen2-moe": build_tiny_model(root / "qwen2-moe", "qwen2-moe", **wide),  # a shared expert, a dense layer
+        "gpt-oss": build_tiny_model(root / "gpt-oss", "gpt-oss", **wide),  # sinks, biases, the clamped SwiGLU
+    }
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "gpt-oss"])
+def test_mixtures_of_experts_under_tp2(moe_models, name):
+    """Every rank holds every expert's intermediate slice (and the shared expert's); GPT-OSS's sinks follow their
+    heads and its o_proj / down biases are added once: TP=1's tokens and logprobs."""
+    with engine(moe_models[name]) as one:
+        ref = generate(one)
+    with engine(moe_models[name], 2) as llm:
+        assert llm.engine.rank_spec.moe_intermediate_size == llm.engine.spec.moe_intermediate_size // 2
+        assert_same(ref, generate(llm))
+
+
+def test_mxfp4_sizes_that_cut_a_block_are_refused():
+    from engine import ModelSpec
+    from tests.test_gpt_oss import gpt_oss_config
+
+    spec = ModelSpec.from_hf(gpt_oss_config(24, 32))  # 2880 expert columns: 1440 a rank at 2, 720 at 4
+    shard.check(spec, 2)
+    with pytest.raises(ConfigError, match="720 expert columns per rank cut MXFP4's 32-value blocks"):
+        shard.check(spec, 4)

@@ -11,9 +11,11 @@ The checkpoint stores each layer's experts stacked, gate and up interleaved (gat
 unquantized as gate_up_proj [E, H, 2I] and down_proj [E, I, H] (transposed), or as **MXFP4**:
 `{proj}_blocks` [E, N, K / 32, 16] uint8 (two e2m1 values a byte, the even one in the low nibble) with
 `{proj}_scales` [E, N, K / 32] uint8 (e8m0: 2 ** (s - 127), one per 32 values). `split_experts` rewrites them into
-the per-expert names the MoE tables load (`mlp.experts.{e}.gate_proj.weight`, ...), dequantizing MXFP4 one expert
-at a time into the model dtype, from where QUANTIZATION=fp8 quantizes as for any checkpoint. Keeping them 4-bit on a
-GPU (dequantized in the fused MoE kernel's loop) is not built yet: the experts take 16 (or 8) bits of memory."""
+the per-expert names the MoE tables load (`mlp.experts.{e}.gate_proj.weight`, ...). Where the Triton kernels run
+(a GPU, or the backend forced) MXFP4 experts stay 4-bit: their bytes [N, K / 2] and e8m0 scales [N, K / 32] go into
+uint8 w13 / w2 and `expert_scales`, and kernels/fused_moe.py dequantizes them in its K loop (Hopper has no FP4
+tensor cores); the planner counts 4.25 bits a weight. Elsewhere (CPU), or with QUANTIZATION=fp8, they are
+dequantized one expert at a time into the model dtype, from where fp8 quantizes as for any checkpoint."""
 
 from __future__ import annotations
 
@@ -23,29 +25,25 @@ from collections.abc import Iterator
 import torch
 
 from engine.errors import UnsupportedModelError
-from engine.models.moe import MoEForCausalLM
+from engine.models import loading
+from engine.models.moe import MoEForCausalLM, MoELayer
+from kernels.mxfp4 import dequantize_mxfp4_ref
 
 log = logging.getLogger("engine")
 
-# e2m1 by its 4 bits: sign, 2 exponent bits, 1 mantissa bit (OCP microscaling formats, v1.0)
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [..., N, G, 16] uint8, scales [..., N, G] uint8 -> [..., N, G * 32] in `dtype` (exact: e2m1 times a
-    power of two fits bf16 and fp32)."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise UnsupportedModelError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    b = blocks.to(torch.int64)
-    vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [..., N, G, 32], low nibble first
-    out = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None].float())
-    return out.flatten(-2).to(dtype)
+    power of two fits bf16 and fp32); kernels/mxfp4.py's reference, its error as the loader's."""
+    try:
+        return dequantize_mxfp4_ref(blocks, scales, dtype)
+    except ValueError as e:
+        raise UnsupportedModelError(str(e)) from e
 
 
-def split_experts(weights: Iterator, dtype: torch.dtype) -> Iterator:
+def split_experts(weights: Iterator, dtype: torch.dtype, keep_mxfp4: bool = False) -> Iterator:
     """The checkpoint's stacked expert tensors (unquantized or MXFP4) as per-expert ones in Mixtral / Qwen's names,
-    gate and up de-interleaved; `self_attn.sinks` as a weight; everything else as it comes."""
+    gate and up de-interleaved; `self_attn.sinks` as a weight; everything else as it comes. keep_mxfp4: MXFP4
+    experts as their bytes (`weight`, [N, K / 2] uint8) and scales (`mx_scale`, [N, K / 32] uint8)."""
     pending: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's blocks or scales, until the other half arrives
     said = False
     for name, t in weights:
@@ -71,6 +69,10 @@ def split_experts(weights: Iterator, dtype: torch.dtype) -> Iterator:
             pending[key] = t
             continue
         blocks, scales = (t, other) if suffix.endswith("_blocks") else (other, t)
+        if keep_mxfp4:  # [E, N, G, 16] -> [E, N, K / 2]: rows stay rows, so gate / up split as for any weight
+            yield from _per_expert(module, proj, "weight", blocks.shape[0], lambda e, b=blocks: b[e].flatten(-2))
+            yield from _per_expert(module, proj, "mx_scale", scales.shape[0], lambda e, s=scales: s[e])
+            continue
         if not said:
             log.info("GPT-OSS: MXFP4 experts dequantized to %s as they load", str(dtype).removeprefix("torch."))
             said = True
@@ -92,11 +94,32 @@ def _per_expert(module: str, proj: str, suffix: str, n: int, get) -> Iterator:
             yield f"{module}.{e}.up_proj.{suffix}", x[1::2]
 
 
+def load_mx_scale(model, d: loading.Dest, t: torch.Tensor, name: str) -> int:
+    """An MXFP4 expert's e8m0 scales into its rows of the layer's uint8 expert_scales."""
+    owner = model.layers[d.layer]
+    scales = owner.expert_scales.get(d.param)
+    if scales is None or scales.dtype != torch.uint8:
+        raise UnsupportedModelError(f"unexpected weight {name!r}")
+    loading.copy_weight(loading.part_rows(owner, d, scales), t, name)
+    return 0
+
+
 class GptOssForCausalLM(MoEForCausalLM):
     WEIGHTS = MoEForCausalLM.WEIGHTS | {
         "self_attn.sinks": ("sinks", None),
         "mlp.router": ("router", None),
     }
+    LOADERS = MoEForCausalLM.LOADERS | {"mx_scale": load_mx_scale}
+
+    def __init__(self, spec, dtype, device, max_positions: int, quantization=None, shard=None, tp=None, packed=False):
+        # MXFP4 experts stay 4-bit where the Triton kernels run (packed), unless fp8 was asked for
+        object.__setattr__(self, "mxfp4", bool(spec.mxfp4 and packed and quantization != "fp8"))
+        super().__init__(spec, dtype, device, max_positions, quantization, shard, tp, packed)
+
+    def make_layer(self, i: int, dtype, device, fp8: bool) -> MoELayer:
+        return MoELayer(self.spec, dtype, device, fp8, self.spec.is_moe(i), self.layer_quant, self.mxfp4)
 
     def load_weights(self, weights) -> None:
-        super().load_weights(split_experts(weights, self.embed.dtype))
+        if self.mxfp4:
+            log.info("GPT-OSS: MXFP4 experts kept 4-bit (dequantized in the fused MoE kernel)")
+        super().load_weights(split_experts(weights, self.embed.dtype, keep_mxfp4=self.mxfp4))

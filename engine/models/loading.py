@@ -72,7 +72,7 @@ def load_weight(model, d: Dest, t: torch.Tensor, name: str) -> int:
         if model.kept.place(_param(owner, d.param, name), rows, t):
             return t.numel()
     dst = target(model, d, name)  # after place(): it may have given the parameter new memory
-    load_into(dst, None if scales is None else _rows(owner, d, scales), t, name, model.embed.dtype)
+    load_into(dst, None if scales is None else part_rows(owner, d, scales), t, name, model.embed.dtype)
     return dst.numel()
 
 
@@ -138,7 +138,7 @@ def load_bias(model, d: Dest, t: torch.Tensor, name: str) -> int:
     rows = None if d.part is None else owner.parts[d.param][d.part]
     if d.expert is None and model.kept.place(bias, rows, t):
         return t.numel()
-    dst = _rows(owner, d, bias)
+    dst = part_rows(owner, d, bias)
     copy_weight(dst, t, name)
     return dst.numel()
 
@@ -150,7 +150,7 @@ def load_weight_scale(model, d: Dest, t: torch.Tensor, name: str) -> int:
     scales = owner.fp8_scales.get(d.param) if d.layer is not None and model.spec.prequantized else None
     if scales is None:
         raise UnsupportedModelError(f"unexpected weight {name!r}")
-    dst = _rows(owner, d, scales)
+    dst = part_rows(owner, d, scales)
     dst.copy_(t.float().reshape(-1, 1).expand_as(dst) if t.numel() == 1 else t.float().reshape(dst.shape))
     return 0
 
@@ -221,7 +221,7 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 def target(model, d: Dest, name: str) -> torch.Tensor:
     """The rows of our parameter that checkpoint tensor `name` fills."""
     owner = _owner(model, d)
-    return _rows(owner, d, _param(owner, d.param, name))
+    return part_rows(owner, d, _param(owner, d.param, name))
 
 
 def _owner(model, d: Dest):
@@ -235,7 +235,7 @@ def _param(owner, attr: str, name: str) -> torch.Tensor:
     return p
 
 
-def _rows(owner, d: Dest, x: torch.Tensor) -> torch.Tensor:
+def part_rows(owner, d: Dest, x: torch.Tensor) -> torch.Tensor:
     """Of x (the parameter, or its scales): expert d.expert of a stacked one, then rows d.part of a fused one."""
     x = x if d.expert is None else x[d.expert]
     return x if d.part is None else x.narrow(0, *owner.parts[d.param][d.part])

@@ -27,20 +27,25 @@ FP8 = torch.float8_e4m3fn
 
 
 class MoELayer(DecoderLayer):
-    def __init__(self, s, dtype, device, fp8: bool, moe: bool, packed=None):
+    def __init__(self, s, dtype, device, fp8: bool, moe: bool, packed=None, mxfp4: bool = False):
+        """mxfp4: GPT-OSS's experts kept as the checkpoint packs them (engine/models/gpt_oss.py)."""
         super().__init__(s, dtype, device, fp8, mlp=not moe, packed=packed)
         # a block-fp8 checkpoint's experts are requantized per channel while loading (engine/quant/convert.py)
         fp8 = fp8 or (packed is not None and packed.kind == "fp8")
         self.moe = moe
-        self.expert_scales: dict[str, torch.Tensor] = {}  # w13 / w2 -> [E, N, 1] fp32 when the experts are fp8
+        # w13 / w2 -> [E, N, 1] fp32 when the experts are fp8, [E, N, K / 32] uint8 (e8m0) when MXFP4
+        self.expert_scales: dict[str, torch.Tensor] = {}
         if not moe:
             return
         kw = dict(dtype=dtype, device=device)
         e, i, h = s.num_experts, s.moe_intermediate_size, s.hidden_size
         wkw = dict(dtype=FP8, device=device) if fp8 else kw
         self.router = nn.Parameter(torch.empty(e, h, **kw), False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **wkw), False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, **wkw), False)
+        if mxfp4:  # bytes [N, K / 2] (two e2m1 codes each) and e8m0 scales [N, K / 32]; rows: gate, then up
+            wkw = dict(dtype=torch.uint8, device=device)
+            self.expert_scales = {"w13": torch.empty(e, 2 * i, h // 32, **wkw), "w2": torch.empty(e, h, i // 32, **wkw)}
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h // 2 if mxfp4 else h, **wkw), False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i // 2 if mxfp4 else i, **wkw), False)
         bias = s.expert_bias  # GPT-OSS: the router's, and each expert's gate / up and down
         self.router_bias = nn.Parameter(torch.empty(e, **kw), False) if bias else None
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, **kw), False) if bias else None
@@ -96,7 +101,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         if layer.shared_gate_up is not None:
             shared = dense(silu_and_mul(dense(x, layer.shared_gate_up)), layer.shared_down)
             out = out + torch.sigmoid(dense(x, layer.shared_gate)) * shared
-        return out
+        return self.reduce(out)  # tensor parallelism: each rank's intermediate slice of every expert, summed
 
     def snapshot_state(self) -> dict[str, torch.Tensor]:
         out = super().snapshot_state()

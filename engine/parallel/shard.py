@@ -6,7 +6,11 @@
   (rows; each rank's logits are gathered to rank 0, the only one that samples);
 - KV heads: split across ranks, or, with fewer KV heads than ranks, each rank keeps the one its query heads use;
 - norms and q/k norms are whole on every rank; fp8 weight scales follow their rows (replicated for row-parallel
-  weights, whose scales are per output row).
+  weights, whose scales are per output row);
+- mixture of experts: every rank holds every expert, each cut as a dense MLP is (gate / up rows and down columns of
+  the expert's intermediate slice; the shared expert's likewise), the router whole; GPT-OSS's sinks follow their
+  heads, and MXFP4 down weights are cut in whole 32-column blocks (bytes and scales);
+- a row-parallel bias (o_proj, down: GPT-OSS) lives on rank 0 alone: the all-reduce would add it once per rank.
 
 Shape arithmetic, no torch at import: the memory planner (`python -m warmup.plan --tensor-parallel-size N`) plans
 one rank from `local_spec`."""
@@ -25,8 +29,11 @@ def check(spec: ModelSpec, tp: int, devices: int | None = None) -> None:
     if tp == 1:
         return
     why = []
-    if spec.num_experts:
-        why.append("mixture-of-experts models are not sharded yet (no expert parallelism)")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(spec, name) % tp:
+            why.append(f"{name} {getattr(spec, name)} is not divisible by {tp}")
+    if spec.mxfp4 and (spec.moe_intermediate_size // tp) % 32:
+        why.append(f"{spec.moe_intermediate_size // tp} expert columns per rank cut MXFP4's 32-value blocks")
     if spec.num_heads % tp:
         why.append(f"{spec.num_heads} attention heads are not divisible by {tp}")
     kv = spec.num_kv_heads
@@ -74,6 +81,8 @@ def local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
         num_heads=spec.num_heads // tp,
         num_kv_heads=max(1, spec.num_kv_heads // tp),
         intermediate_size=spec.intermediate_size // tp,
+        moe_intermediate_size=spec.moe_intermediate_size // tp,
+        shared_expert_intermediate_size=spec.shared_expert_intermediate_size // tp,
         vocab_size=-(-spec.vocab_size // tp),  # padded: the last rank's extra rows are zeros, cut after the gather
     )
 
@@ -125,6 +134,13 @@ class Shard:
             return t  # per-tensor scales apply to every shard
         if kind in ("iq_weight", "iq_scales", "iq_zeros", "weight_scale_inv"):
             return self._quantized(proj, kind, t)
+        if proj in ("o_proj", "down_proj", "w2") and kind == "bias":  # added after the all-reduce: once
+            return t if self.rank == 0 else torch.zeros_like(t)
+        if proj == "sinks":  # GPT-OSS: one per query head
+            hq = s.num_heads // self.tp
+            return t.narrow(0, self.rank * hq, hq)
+        if ".experts." in name or "shared_expert." in name:
+            return self._expert(name, proj, kind, t)
         column = self.column_rows()
         if proj in column:
             return t.narrow(0, *column[proj])
@@ -138,6 +154,21 @@ class Shard:
         if proj in ("o_proj", "down_proj") and kind == "weight":  # input columns; scales are per output row
             return t.narrow(1, *self.row_columns()[proj])
         return t  # norms, q/k norms, row-parallel scales: whole on every rank
+
+    def _expert(self, name: str, proj: str, kind: str, t):
+        """An expert's (or the shared expert's) gate / up rows or down columns of its intermediate slice; MXFP4
+        down bytes [H, I / 2] and scales [H, I / 32] by whole blocks (check() refused a cut through one)."""
+        import torch
+
+        s = self.spec
+        inter = s.shared_expert_intermediate_size if "shared_expert." in name else s.moe_intermediate_size
+        n = inter // self.tp
+        if proj in ("gate_proj", "up_proj", "w1", "w3"):
+            return t.narrow(0, self.rank * n, n)
+        if proj in ("down_proj", "w2"):
+            per = {"mx_scale": 32}.get(kind, 2 if t.dtype == torch.uint8 else 1)  # columns per stored value
+            return t.narrow(1, self.rank * n // per, n // per)
+        return t
 
     def _quantized(self, proj: str, kind: str, t):
         """A packed or block-scaled tensor (engine/quant/): rows as the weight's for a column-parallel projection
