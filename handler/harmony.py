@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
+import json
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -76,6 +77,61 @@ def encoding(cache_root: str):
         tmp.replace(folder / VOCAB)  # atomic: workers sharing the volume never read half a file
     point_tiktoken_at(folder)
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+EFFORTS = {"none": "LOW", "minimal": "LOW", "low": "LOW", "medium": "MEDIUM", "high": "HIGH", "xhigh": "HIGH",
+           "max": "HIGH"}  # fmt: skip  # OpenAI's reasoning_effort values onto harmony's three
+
+
+def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str | None) -> list[int]:
+    """A chat request as openai-harmony renders it for a reply (as vLLM does for GPT-OSS, whatever the checkpoint's
+    template): a system message with the reasoning effort; a developer message with the system / developer messages'
+    text as instructions and the tools as `functions`; then the turns. An assistant turn's reasoning is its
+    `analysis` message, its content the `final` one, each tool call a `commentary` message to=functions.NAME (json),
+    and a tool result a message from functions.NAME to the assistant; harmony drops earlier turns' analysis itself.
+    Ends with `<|start|>assistant`."""
+    import openai_harmony as oh
+    from openai_harmony import Message, Role
+
+    system = oh.SystemContent.new().with_reasoning_effort(oh.ReasoningEffort[EFFORTS.get(effort or "medium", "MEDIUM")])
+    out = [Message.from_role_and_content(Role.SYSTEM, system)]
+    instructions = "\n\n".join(_text(m.get("content")) for m in messages if m["role"] in ("system", "developer"))
+    funcs = [t["function"] for t in tools or () if t.get("type", "function") == "function"]
+    if instructions or funcs:
+        dev = oh.DeveloperContent.new()
+        dev = dev.with_instructions(instructions) if instructions else dev
+        if funcs:
+            dev = dev.with_function_tools([oh.ToolDescription.new(f["name"], f.get("description") or "",
+                                                               f.get("parameters")) for f in funcs])  # fmt: skip
+        out.append(Message.from_role_and_content(Role.DEVELOPER, dev))
+    names = {}  # tool_call_id -> function name, for the results
+    for m in messages:
+        role = m["role"]
+        if role == "user":
+            out.append(Message.from_role_and_content(Role.USER, _text(m.get("content"))))
+        elif role == "assistant":
+            if why := m.get("reasoning") or m.get("reasoning_content"):
+                out.append(Message.from_role_and_content(Role.ASSISTANT, why).with_channel("analysis"))
+            if text := _text(m.get("content")):
+                out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("final"))
+            for c in m.get("tool_calls") or ():
+                f = c["function"]
+                names[c.get("id")] = f["name"]
+                args = f.get("arguments") if isinstance(f.get("arguments"), str) else json.dumps(f.get("arguments"))
+                out.append(Message.from_role_and_content(Role.ASSISTANT, args or "{}").with_channel("commentary")
+                           .with_recipient(f"functions.{f['name']}").with_content_type("json"))  # fmt: skip
+        elif role == "tool":
+            author = oh.Author.new(Role.TOOL, f"functions.{names.get(m.get('tool_call_id'), m.get('name') or 'tool')}")
+            out.append(Message.from_author_and_content(author, _text(m.get("content"))).with_channel("commentary")
+                       .with_recipient("assistant"))  # fmt: skip
+    return enc.render_conversation_for_completion(oh.Conversation.from_messages(out), Role.ASSISTANT)
+
+
+def _text(content) -> str:
+    """A message's content as text: a string, or the text of its parts."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
 
 
 @dataclass

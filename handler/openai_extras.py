@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from handler import jobs, messages, tool_calls
+from handler import harmony, jobs, messages, tool_calls
 from handler.jobs import JobContext
 from handler.schemas import JobError, warn_ignored
 
@@ -57,9 +57,13 @@ async def chat_prompt(ctx: JobContext, req: ChatCompletionRequest, max_tokens: i
             "(vLLM's --trust-request-chat-template) to allow it, or send none",
             param=f"{WHERE}.chat_template",
         )
-    template = messages.pick_template(
-        ctx.engine.tok.chat_template, req.chat_template or ctx.settings.CUSTOM_CHAT_TEMPLATE, req.tools
-    )
+    custom = req.chat_template or ctx.settings.CUSTOM_CHAT_TEMPLATE
+    if custom is None and (enc := harmony.for_model(ctx)) is not None:  # GPT-OSS: openai-harmony renders it
+        turns = [m.model_dump(exclude_none=True) for m in req.messages]
+        ids = harmony.render_chat(enc, turns, req.tools, req.reasoning_effort)
+        echo = messages.last_text(turns, "assistant") if req.echo else ""
+        return prompt_ids(ctx, req, {"prompt_token_ids": ids}, f"{WHERE}.messages", max_tokens, always=True), echo
+    template = messages.pick_template(ctx.engine.tok.chat_template, custom, req.tools)
     history = messages.for_template([m.model_dump(exclude_none=True) for m in req.messages], template)
     echo = messages.last_text(history, "assistant" if req.add_generation_prompt else history[-1]["role"])
     history = tool_calls.history(history, ctx.settings.TOOL_CALL_PARSER, template)

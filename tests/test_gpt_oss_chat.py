@@ -50,7 +50,9 @@ def test_the_final_channel_is_the_content(workers):
 
 
 def test_the_analysis_channel_is_the_reasoning(workers):
-    msg = _chat(workers["thinking"], reasoning_effort="low")
+    msg = _chat(workers["thinking"], reasoning_effort="high", return_token_ids=True)
+    enc = workers["thinking"].ctx.engine.tok
+    assert "Reasoning: high" in enc.decode(msg["prompt_token_ids"])  # openai-harmony rendered the request
     m = msg["choices"][0]["message"]
     assert (m["reasoning"], m["content"]) == ("The user wants a colour; pick one.", None)
     assert msg["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0

@@ -131,3 +131,30 @@ def test_malformed_replies_lose_nothing(enc, text, want):
         st.feed(ids[i:])
         st.finish()
         assert st.message()[:2] == want, i
+
+
+def test_a_chat_with_tools_and_history_renders_as_harmony(enc):
+    """The request's turns in harmony: the effort in the system message, instructions and tools in the developer
+    one, an earlier tool call and its result, the last turn's reasoning dropped by harmony, the reply opened."""
+    from handler.harmony import render_chat
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    turns = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "reasoning": "Call the tool.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'},
+    ]  # fmt: skip
+    text = enc.decode(render_chat(enc, turns, tools, "high"))
+    assert text.startswith("<|start|>system<|message|>") and "Reasoning: high" in text
+    assert "<|start|>developer<|message|># Instructions\n\nAnswer briefly." in text
+    assert "namespace functions {" in text and "type get_weather = (_: {" in text and "// Weather for a city" in text
+    assert "<|start|>user<|message|>Weather in Paris?<|end|>" in text
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            in text)  # fmt: skip
+    assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 20}<|end|>' in text
+    assert text.endswith("<|start|>assistant")
+    low = enc.decode(render_chat(enc, turns[1:2], None, None))
+    assert "Reasoning: medium" in low and "<|start|>developer" not in low  # no instructions, no tools
