@@ -146,7 +146,7 @@ async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, siz
     top_n = req.top_logprobs or 0 if req.logprobs else None
     model_lora = _checked(ctx, req)
     in_content = after = None
-    if (parser := ctx.settings.REASONING_PARSER) and enc is None:
+    if (parser := ctx.settings.REASONING_PARSER) in reasoning.PARSERS and enc is None:
         tail = ctx.engine.tok.decode(prompt["prompt_token_ids"][-32:], skip_special_tokens=False)
         in_content = reasoning.starts_in_content(parser, tail, req.chat_template_kwargs)
         # a grammar (structured output, a forced tool call) constrains the answer, not the thinking (as vLLM)

@@ -104,10 +104,12 @@ class Settings(_EngineVariables):
     # tool calling (worker-vllm's names): tool_choice "auto" parses the output in TOOL_CALL_PARSER's format
     ENABLE_AUTO_TOOL_CHOICE: bool = False
     TOOL_CALL_PARSER: (
-        Literal["hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml"] | None
+        Literal["hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml", "openai"]
+        | None
     ) = None
     # vLLM's --reasoning-parser (worker-vllm's variable): thinking apart from the answer (handler/reasoning.py)
-    REASONING_PARSER: Literal["qwen3", "deepseek_r1"] | None = None
+    # openai_gptoss: GPT-OSS's harmony channels, which its replies get whatever this says (handler/harmony.py)
+    REASONING_PARSER: Literal["qwen3", "deepseek_r1", "openai_gptoss"] | None = None
     # /v1/embeddings (handler/openai_embeddings.py): unset, each comes from the checkpoint (sentence-transformers'
     # modules, config.json's is_matryoshka), else last-token pooling, normalized, no truncation
     POOLING: Literal["last", "mean", "cls"] | None = None

@@ -49,6 +49,12 @@ def plan(tools: list[dict] | None, tool_choice: Any, settings, where: str = "ope
                 "instead",
                 param=f"{where}.tool_choice",
             )
+        if parser == "openai":  # GPT-OSS's harmony calls: its replies take handler/harmony.py, not this
+            raise JobError(
+                f"{where}.tool_choice: TOOL_CALL_PARSER=openai parses GPT-OSS's harmony format, and this model is "
+                "not GPT-OSS; set the parser its chat template writes",
+                param=f"{where}.tool_choice",
+            )
         return f"auto:{parser}", None, None
     field = f"{where}.tool_choice"
     if choice == "required":

@@ -222,3 +222,13 @@ def test_mxfp4_experts_stay_4_bit_in_the_triton_kernels(model, tmp_path):
     assert layer.w13.dtype == torch.uint8 and layer.w13.shape[-1] == llm.engine.spec.hidden_size // 2
     assert layer.expert_scales["w13"].dtype == torch.uint8
     assert _tokens(llm) == [r[0] for r in hf_greedy(a, PROMPTS, 16)]
+
+
+def test_chunked_prefill_with_preemption_keeps_hf_tokens(model):
+    prompts = [[5 + (7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate((1, 7, 16, 33, 70))]
+    ref = [r[0] for r in hf_greedy(model, prompts, 24)]
+    llm = LLM(model=str(model), dtype="float32", log_stats_interval=0, max_num_batched_tokens=8, num_kv_blocks=8,
+              max_model_len=128)  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.scheduler.num_preemptions > 0  # the window's and the full layers' blocks freed and recomputed

@@ -138,15 +138,16 @@ def test_a_chat_with_tools_and_history_renders_as_harmony(enc):
     one, an earlier tool call and its result, the last turn's reasoning dropped by harmony, the reply opened."""
     from handler.harmony import render_chat
 
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+                                               "parameters": city}}]  # fmt: skip
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     turns = [
         {"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
-        {"role": "assistant", "reasoning": "Call the tool.", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "assistant", "reasoning": "Call the tool.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'},
-    ]  # fmt: skip
+    ]
     text = enc.decode(render_chat(enc, turns, tools, "high"))
     assert text.startswith("<|start|>system<|message|>") and "Reasoning: high" in text
     assert "<|start|>developer<|message|># Instructions\n\nAnswer briefly." in text
@@ -158,3 +159,19 @@ def test_a_chat_with_tools_and_history_renders_as_harmony(enc):
     assert text.endswith("<|start|>assistant")
     low = enc.decode(render_chat(enc, turns[1:2], None, None))
     assert "Reasoning: medium" in low and "<|start|>developer" not in low  # no instructions, no tools
+
+
+def test_vllms_gpt_oss_parser_names_are_accepted_and_say_what_they_do():
+    """worker-vllm's GPT-OSS recipes set REASONING_PARSER=openai_gptoss and TOOL_CALL_PARSER=openai: the worker
+    starts with them (GPT-OSS's replies are split either way); on another model "auto" tool calls are refused,
+    naming the field, rather than parsed in a format that model does not write."""
+    from handler import tool_calls
+    from handler.schemas import JobError
+    from handler.settings import load_settings
+
+    s = load_settings({"REASONING_PARSER": "openai_gptoss", "TOOL_CALL_PARSER": "openai",
+                       "ENABLE_AUTO_TOOL_CHOICE": "true"})  # fmt: skip
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(JobError, match="TOOL_CALL_PARSER=openai parses GPT-OSS") as e:
+        tool_calls.plan([tool], "auto", s)
+    assert e.value.param == "openai_input.tool_choice"

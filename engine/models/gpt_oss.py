@@ -31,6 +31,7 @@ from kernels.mxfp4 import dequantize_mxfp4_ref
 
 log = logging.getLogger("engine")
 
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [..., N, G, 16] uint8, scales [..., N, G] uint8 -> [..., N, G * 32] in `dtype` (exact: e2m1 times a
     power of two fits bf16 and fp32); kernels/mxfp4.py's reference, its error as the loader's."""
