@@ -165,11 +165,21 @@ def test_quantized_checkpoints_steps_read_the_device_once(llama64, tmp_path, fmt
 
 
 @SLOW
-@pytest.mark.parametrize("arch", ["mixtral", "gemma2"])
-def test_moe_and_gemma_steps_read_the_device_once(models, arch):
-    """The fused MoE (its prefill-sized blocks too: 20 tokens x 2 of 4 experts) and Gemma-2's soft-cap, sliding
-    window and GeGLU."""
-    with fake_engine(models(arch)) as (engine, syncs):
+@pytest.mark.parametrize("arch", ["mixtral", "gemma2", "gpt-oss", "gpt-oss-mxfp4"])
+def test_moe_and_gemma_steps_read_the_device_once(models, arch, tmp_path):
+    """The fused MoE (its prefill-sized blocks too: 20 tokens x 2 of 4 experts), Gemma-2's soft-cap, sliding
+    window and GeGLU, GPT-OSS's sinks, biases and clamped SwiGLU, and its MXFP4 experts kept 4-bit."""
+    model = models(arch.removesuffix("-mxfp4"))
+    if arch.endswith("mxfp4"):
+        import json
+        import shutil
+
+        model = shutil.copytree(model, tmp_path / arch)
+        cfg = json.loads((model / "config.json").read_text()) | {"quantization_config": {"quant_method": "mxfp4"}}
+        (model / "config.json").write_text(json.dumps(cfg))
+    with fake_engine(model) as (engine, syncs):
+        w13 = getattr(engine.model.layers[0], "w13", None)
+        assert (w13 is not None and w13.dtype == torch.uint8) == arch.endswith("mxfp4")
         for params in (GREEDY, RANDOM):
             assert run_steps(engine, syncs, [(params, None)] * 8) == [ONE_READ] * 3
 
