@@ -182,7 +182,7 @@ class CalibrationAttention:
         if sinks is not None:  # GPT-OSS: SDPA has no sinks
             rep = q.shape[1] // k.shape[1]
             s = torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(rep, 1)) * self.scale
-            s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool).triu(1), float("-inf"))
+            s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
             p = softmax_with_sinks(s, sinks.view(-1, 1, 1))  # [H, T, T]
             return torch.einsum("hts,shd->thd", p, v.float().repeat_interleave(rep, 1)).to(q.dtype)
         o = torch.nn.functional.scaled_dot_product_attention(

@@ -18,11 +18,14 @@ SHA-256 checked by openai-harmony against the one it expects."""
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gzip
 import importlib.util
 import json
+import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,12 @@ def for_model(ctx):
     from engine import default_cache_root
 
     return encoding(ctx.settings.cache_root() or default_cache_root())
+
+
+def answer_start(enc) -> tuple[int, ...]:
+    """The tokens after which a GPT-OSS reply's answer begins (a grammar constrains from there, as vLLM's
+    openai_gptoss reasoning end)."""
+    return tuple(enc.encode("<|channel|>final<|message|>", allowed_special="all"))
 
 
 def tool_plan(tools: list[dict] | None, tool_choice, where: str) -> None:
@@ -71,10 +80,10 @@ def encoding(cache_root: str):
         if packed is None or not packed.exists():
             raise RuntimeError(f"GPT-OSS's harmony vocabulary ({VOCAB}) comes from the bpe-openai package: not found")
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{VOCAB}.tmp"
-        with gzip.open(packed) as unzipped, open(tmp, "wb") as dst:
+        fd, tmp = tempfile.mkstemp(prefix=VOCAB, suffix=".tmp", dir=folder)  # its own: workers share the volume
+        with gzip.open(packed) as unzipped, os.fdopen(fd, "wb") as dst:
             shutil.copyfileobj(unzipped, dst)
-        tmp.replace(folder / VOCAB)  # atomic: workers sharing the volume never read half a file
+        os.replace(tmp, folder / VOCAB)  # atomic: no worker reads half a file
     point_tiktoken_at(folder)
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
 
@@ -83,7 +92,8 @@ EFFORTS = {"none": "LOW", "minimal": "LOW", "low": "LOW", "medium": "MEDIUM", "h
            "max": "HIGH"}  # fmt: skip  # OpenAI's reasoning_effort values onto harmony's three
 
 
-def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str | None) -> list[int]:
+def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str | None,
+                tool_choice=None) -> list[int]:  # fmt: skip
     """A chat request as openai-harmony renders it for a reply (as vLLM does for GPT-OSS, whatever the checkpoint's
     template): a system message with the reasoning effort; a developer message with the system / developer messages'
     text as instructions and the tools as `functions`; then the turns. An assistant turn's reasoning is its
@@ -93,10 +103,15 @@ def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str
     import openai_harmony as oh
     from openai_harmony import Message, Role
 
-    system = oh.SystemContent.new().with_reasoning_effort(oh.ReasoningEffort[EFFORTS.get(effort or "medium", "MEDIUM")])
+    effort = oh.ReasoningEffort[EFFORTS.get(effort or "medium", "MEDIUM")]
+    system = oh.SystemContent.new().with_reasoning_effort(effort)
+    system = system.with_conversation_start_date(datetime.date.today().isoformat())
+    funcs = [t["function"] for t in tools or () if t.get("type", "function") == "function"]
+    funcs = [] if tool_choice == "none" else funcs
+    if not funcs:
+        system = system.with_required_channels(["analysis", "final"])
     out = [Message.from_role_and_content(Role.SYSTEM, system)]
     instructions = "\n\n".join(_text(m.get("content")) for m in messages if m["role"] in ("system", "developer"))
-    funcs = [t["function"] for t in tools or () if t.get("type", "function") == "function"]
     if instructions or funcs:
         dev = oh.DeveloperContent.new()
         dev = dev.with_instructions(instructions) if instructions else dev
@@ -110,17 +125,21 @@ def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str
         if role == "user":
             out.append(Message.from_role_and_content(Role.USER, _text(m.get("content"))))
         elif role == "assistant":
+            calls = list(m.get("tool_calls") or ())
+            if fc := m.get("function_call"):  # the deprecated single call
+                calls.append({"id": None, "function": fc})
             if why := m.get("reasoning") or m.get("reasoning_content"):
                 out.append(Message.from_role_and_content(Role.ASSISTANT, why).with_channel("analysis"))
-            if text := _text(m.get("content")):
-                out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("final"))
-            for c in m.get("tool_calls") or ():
+            if text := _text(m.get("content")) or m.get("refusal"):
+                out.append(Message.from_role_and_content(Role.ASSISTANT, text)
+                           .with_channel("commentary" if calls else "final"))  # fmt: skip
+            for c in calls:
                 f = c["function"]
                 names[c.get("id")] = f["name"]
                 args = f.get("arguments") if isinstance(f.get("arguments"), str) else json.dumps(f.get("arguments"))
                 out.append(Message.from_role_and_content(Role.ASSISTANT, args or "{}").with_channel("commentary")
                            .with_recipient(f"functions.{f['name']}").with_content_type("json"))  # fmt: skip
-        elif role == "tool":
+        elif role in ("tool", "function"):
             author = oh.Author.new(Role.TOOL, f"functions.{names.get(m.get('tool_call_id'), m.get('name') or 'tool')}")
             out.append(Message.from_author_and_content(author, _text(m.get("content"))).with_channel("commentary")
                        .with_recipient("assistant"))  # fmt: skip
@@ -155,7 +174,10 @@ class HarmonyStream:
         self.calls: list[dict] = []  # per call: id, name, arguments so far
         self.reasoning, self.content = [], []
         self.reasoning_tokens = 0
-        self._open: int | None = None  # messages parsed when the current call began (its index while it runs)
+        self._in_call = False  # the last token was part of a function call's message
+        self._last: str | None = None  # the kind of text the last message routed: "reasoning", "content"
+        self._fresh = False  # a message has begun and routed no text yet
+        self._prev_channel: str | None = None
         self.unparsed: list[int] = []  # ids in no channel: text without harmony markers, or after malformed ones
         self.broken = False  # the parser met a token harmony does not allow there: the rest is plain text
         self.began = False  # a message's channel has opened
@@ -177,23 +199,34 @@ class HarmonyStream:
             text = self.parser.last_content_delta or ""
             if channel is not None and not self.began:  # a message began: what came before was its header
                 self.began, self.unparsed = True, []
-            if channel == "analysis" or (to and not to.startswith("functions.") and channel is not None):
-                self.reasoning_tokens += 1
-                out.reasoning += text
-            elif to and to.startswith("functions."):
+            if channel is not None and self._prev_channel is None:  # a message's header has just ended
+                self._fresh = True
+            self._prev_channel = channel
+            calling = bool(to and to.startswith("functions.") and channel is not None)
+            if calling:  # in any channel: GPT-OSS also writes calls in `analysis` (as vLLM reads them)
                 self._call(to.removeprefix("functions."), text, out)
+            elif channel == "analysis" or (to and channel is not None):  # a built-in tool's message too
+                self.reasoning_tokens += 1
+                out.reasoning += self._sep("reasoning", text)
             elif channel is not None:  # final, or a commentary preamble
-                out.content += text
+                out.content += self._sep("content", text)
             elif not self.began and t not in self.stops:
                 self.unparsed.append(t)  # a header so far; text, should no channel ever come
+            self._in_call = calling
         self.reasoning.append(out.reasoning)
         self.content.append(out.content)
         return out
 
+    def _sep(self, kind: str, text: str) -> str:
+        """A message's text, after a newline when it follows another message of the same kind (as vLLM joins them)."""
+        if not text:
+            return ""
+        joined = "\n" if self._fresh and self._last == kind else ""
+        self._last, self._fresh = kind, False
+        return joined + text
+
     def _call(self, name: str, text: str, out: Delta) -> None:
-        started = len(self.parser.messages)  # a call is one message: it starts anew once the last one ended
-        if self._open != started:
-            self._open = started
+        if not self._in_call:  # a call is one message: a new one starts after any token outside it
             self.calls.append({"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "name": name, "sent": ""})
             head = {"name": name, "arguments": ""}
             out.calls.append({"index": len(self.calls) - 1, "id": self.calls[-1]["id"], "type": "function",

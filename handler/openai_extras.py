@@ -60,7 +60,7 @@ async def chat_prompt(ctx: JobContext, req: ChatCompletionRequest, max_tokens: i
     custom = req.chat_template or ctx.settings.CUSTOM_CHAT_TEMPLATE
     if custom is None and (enc := harmony.for_model(ctx)) is not None:  # GPT-OSS: openai-harmony renders it
         turns = [m.model_dump(exclude_none=True) for m in req.messages]
-        ids = harmony.render_chat(enc, turns, req.tools, req.reasoning_effort)
+        ids = harmony.render_chat(enc, turns, req.tools, req.reasoning_effort, req.tool_choice)
         echo = messages.last_text(turns, "assistant") if req.echo else ""
         return prompt_ids(ctx, req, {"prompt_token_ids": ids}, f"{WHERE}.messages", max_tokens, always=True), echo
     template = messages.pick_template(ctx.engine.tok.chat_template, custom, req.tools)

@@ -151,6 +151,8 @@ async def _chat(ctx: JobContext, req: ChatCompletionRequest, rid: str, lora, siz
         in_content = reasoning.starts_in_content(parser, tail, req.chat_template_kwargs)
         # a grammar (structured output, a forced tool call) constrains the answer, not the thinking (as vLLM)
         after = None if in_content else tuple(ctx.engine.tok.encode(reasoning.END, add_special_tokens=False))
+    if enc is not None:  # a grammar constrains GPT-OSS's answer: what follows its final channel's header
+        after = harmony.answer_start(enc)
     if tool_mode == "auto:mistral":  # its [TOOL_CALLS] is a special token: keep it in the text (as vLLM)
         req = req.model_copy(update={"skip_special_tokens": False})
     params = _params(req, top_n, max_tokens, req.prompt_logprobs, tool_grammar, after)

@@ -232,3 +232,13 @@ def test_chunked_prefill_with_preemption_keeps_hf_tokens(model):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert llm.engine.scheduler.num_preemptions > 0  # the window's and the full layers' blocks freed and recomputed
+
+
+def test_the_spelled_out_prefill_in_query_slices_keeps_hf_tokens(model, ref, monkeypatch):
+    """Sinks take the spelled-out attention on CPU, a slice of queries at a time (so a long chunk's scores never
+    take gigabytes): slices of a few rows give the same tokens."""
+    from engine.layers import attention
+
+    monkeypatch.setattr(attention, "EXPLICIT_SCORES", 6 * 40)  # a few query rows a slice at these contexts
+    llm = LLM(model=str(model), dtype="float32", log_stats_interval=0)
+    assert _tokens(llm) == ref

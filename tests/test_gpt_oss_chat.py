@@ -97,3 +97,15 @@ def test_the_responses_api_carries_the_channels(workers):
                                                "parameters": {"type": "object"}}])  # fmt: skip
     assert call["type"] == "function_call" and call["name"] == "get_weather"
     assert json.loads(call["arguments"]) == {"city": "Paris"}
+
+
+def test_structured_output_constrains_the_answer_not_the_channel_header(workers):
+    """A grammar starts after `<|channel|>final<|message|>` (vLLM's openai_gptoss reasoning end): the model writes
+    its header freely, and the answer that follows is the schema's, parsed as the final channel's content."""
+    worker = workers["answer"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r, _, c, _, deltas = _chat(worker, stream=True, max_tokens=12, response_format=fmt)
+    assert c is not None and c.startswith("{") and '"a"' in c, c  # the grammar's, not the script's "Blue is..."
+    assert "Blue" not in c and "<|" not in c
+    assert len([d for d in deltas if d.get("content")]) > 1  # streamed from the final channel as it came

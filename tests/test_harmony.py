@@ -52,12 +52,17 @@ def scripts(enc):
                       assistant(json.dumps(CALL_ARGS), "commentary", "functions.get_weather", "json"), end="<|call|>"),
             ("Need the weather; call the tool.", "Checking the forecast.", [("get_weather", CALL_ARGS)]),
         ),
+        "call in analysis": (  # GPT-OSS also addresses calls from its analysis channel: still a tool call
+            reply_ids(enc, assistant("Need the weather.", "analysis"),
+                      assistant(json.dumps(CALL_ARGS), "analysis", "functions.get_weather", "json"), end="<|call|>"),
+            ("Need the weather.", None, [("get_weather", CALL_ARGS)]),
+        ),
         "final only": (reply_ids(enc, assistant("Hello! How can I help?", "final")),
                        (None, "Hello! How can I help?", [])),
         "built-in tool": (  # a browser call this worker does not run: visible as reasoning, not lost
             reply_ids(enc, assistant("Search it.", "analysis"),
                       assistant('{"query": "gpt-oss"}', "analysis", "browser.search", "json"), end="<|call|>"),
-            ('Search it.{"query": "gpt-oss"}', None, []),
+            ('Search it.\n{"query": "gpt-oss"}', None, []),  # messages joined by a newline, as vLLM
         ),
     }  # fmt: skip
 
@@ -67,7 +72,7 @@ def parsed(st: HarmonyStream):
     return r, c, [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in calls]
 
 
-@pytest.mark.parametrize("name", ["answer", "tool call", "final only", "built-in tool"])
+@pytest.mark.parametrize("name", ["answer", "tool call", "call in analysis", "final only", "built-in tool"])
 def test_a_whole_reply(enc, scripts, name):
     ids, want = scripts[name]
     st = HarmonyStream(enc)
@@ -75,7 +80,7 @@ def test_a_whole_reply(enc, scripts, name):
     assert parsed(st) == want
 
 
-@pytest.mark.parametrize("name", ["answer", "tool call", "built-in tool"])
+@pytest.mark.parametrize("name", ["answer", "tool call", "call in analysis", "built-in tool"])
 def test_every_split_point(enc, scripts, name):
     """Two feeds split at every token boundary (across every channel marker and header): the same message."""
     ids, want = scripts[name]
@@ -134,8 +139,9 @@ def test_malformed_replies_lose_nothing(enc, text, want):
 
 
 def test_a_chat_with_tools_and_history_renders_as_harmony(enc):
-    """The request's turns in harmony: the effort in the system message, instructions and tools in the developer
-    one, an earlier tool call and its result, the last turn's reasoning dropped by harmony, the reply opened."""
+    """The request's turns in harmony: the date and effort in the system message, instructions and tools in the
+    developer one, an earlier tool call (its preamble in commentary) and its result, the reply opened; harmony keeps
+    the reasoning of the turn still calling tools and drops that of a turn that answered."""
     from handler.harmony import render_chat
 
     city = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -145,7 +151,7 @@ def test_a_chat_with_tools_and_history_renders_as_harmony(enc):
     turns = [
         {"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
-        {"role": "assistant", "reasoning": "Call the tool.", "tool_calls": [call]},
+        {"role": "assistant", "reasoning": "Call the tool.", "content": "Checking.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'},
     ]
     text = enc.decode(render_chat(enc, turns, tools, "high"))
@@ -156,9 +162,17 @@ def test_a_chat_with_tools_and_history_renders_as_harmony(enc):
     assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
             in text)  # fmt: skip
     assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 20}<|end|>' in text
-    assert text.endswith("<|start|>assistant")
-    low = enc.decode(render_chat(enc, turns[1:2], None, None))
-    assert "Reasoning: medium" in low and "<|start|>developer" not in low  # no instructions, no tools
+    assert text.endswith("<|start|>assistant") and "Current date: " in text
+    assert "<|channel|>analysis<|message|>Call the tool.<|end|>" in text  # this turn is still calling tools
+    assert "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" in text  # the preamble
+    answered = [*turns[1:2], {"role": "assistant", "reasoning": "Easy.", "content": "Sunny."},
+                {"role": "user", "content": "Thanks!"}]  # fmt: skip
+    later = enc.decode(render_chat(enc, answered, None, None))
+    assert "Easy." not in later and "<|channel|>final<|message|>Sunny.<|end|>" in later  # an answered turn's
+    assert "Reasoning: medium" in later and "<|start|>developer" not in later  # no instructions, no tools
+    assert "Valid channels: analysis, final." in later  # no commentary channel without tools, as vLLM
+    none = enc.decode(render_chat(enc, turns, tools, None, tool_choice="none"))
+    assert "namespace functions" not in none  # tool_choice "none": the tools are not shown
 
 
 def test_vllms_gpt_oss_parser_names_are_accepted_and_say_what_they_do():

@@ -27,6 +27,7 @@ from kernels.prefill_attention import prefill_attention
 # A step with a longer query chunk runs the flash-tile prefill kernel (64-128 rows a tile, decodes riding along);
 # up to this, the unified kernel's 16-row tiles and flash-decoding splits fit better.
 PREFILL_TILE_MIN_QUERY = 16
+EXPLICIT_SCORES = 1 << 24  # scores a slice of the spelled-out attention holds at once (64 MiB in fp32)
 
 
 @dataclass
@@ -267,18 +268,22 @@ class TorchAttention(_KVScales):
 
     def _explicit(self, q, k, v, mask, sinks):
         """Soft-capped attention and/or attention with sinks. q: [1, H, n, D]; k, v: [1, KVH, ctx, D]; mask: [n, ctx]
-        bool or None (causal); sinks: [H] or None."""
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale  # [1, H, n, ctx]
-        if self.softcap:
-            s = self.softcap * torch.tanh(s / self.softcap)
-        if mask is None:
-            n, ctx = s.shape[-2:]
-            mask = _chunk_mask(ctx, n, None, q.device)
+        bool or None (causal); sinks: [H] or None. In query slices whose scores stay under EXPLICIT_SCORES values:
+        a long chunk's [H, n, ctx] fp32 scores (and their softmax's copies) would take gigabytes."""
+        h, n, ctx = q.shape[1], q.shape[2], k.shape[2]
+        rep = h // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
+        mask = _chunk_mask(ctx, n, None, q.device) if mask is None else mask
         rows = None if sinks is None else sinks.view(1, -1, 1, 1)
-        probs = softmax_with_sinks(s.masked_fill(~mask, float("-inf")), rows)
-        return torch.matmul(probs, v.float()).to(q.dtype)
+        step = max(1, EXPLICIT_SCORES // (h * ctx))
+        out = torch.empty_like(q)
+        for r in range(0, n, step):
+            s = torch.matmul(q[:, :, r : r + step].float(), k.transpose(-1, -2)) * self.scale  # [1, H, rows, ctx]
+            if self.softcap:
+                s = self.softcap * torch.tanh(s / self.softcap)
+            probs = softmax_with_sinks(s.masked_fill(~mask[r : r + step], float("-inf")), rows)
+            out[:, :, r : r + step] = torch.matmul(probs, v).to(q.dtype)
+        return out
 
     def _decode(self, q, k, v, mask, sinks=None):
         """Grouped-query attention for one query per sequence, as two batched matmuls with an fp32
