@@ -242,3 +242,12 @@ def test_the_spelled_out_prefill_in_query_slices_keeps_hf_tokens(model, ref, mon
     monkeypatch.setattr(attention, "EXPLICIT_SCORES", 6 * 40)  # a few query rows a slice at these contexts
     llm = LLM(model=str(model), dtype="float32", log_stats_interval=0)
     assert _tokens(llm) == ref
+
+
+def test_fp8_kv_calibrates_through_the_sinks(model, ref):
+    """KV_CACHE_DTYPE=fp8 on a checkpoint without KV scales calibrates them in one forward pass, whose attention
+    has the sinks too: it starts, its scales are finite, and the first tokens are HF's."""
+    llm = LLM(model=str(model), dtype="float32", kv_cache_dtype="fp8", log_stats_interval=0)
+    attn = llm.engine.runner.attn
+    assert attn.k_scales is not None and torch.isfinite(attn.k_scales).all() and (attn.k_scales > 0).all()
+    assert [t[:2] for t in _tokens(llm)] == [t[:2] for t in ref]
