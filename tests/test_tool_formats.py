@@ -109,8 +109,9 @@ def test_history_in_each_format_for_a_template_without_tool_calls():
 
 
 def test_every_parser_is_a_setting():
+    """Every text format is a setting; `openai` too, GPT-OSS's harmony calls (handler/harmony.py parses them)."""
     field = Settings.model_fields["TOOL_CALL_PARSER"].annotation
-    assert set(typing.get_args(typing.get_args(field)[0])) == set(PARSERS)
+    assert set(typing.get_args(typing.get_args(field)[0])) == set(PARSERS) | {"openai"}
 
 
 # ---- through the worker ------------------------------------------------------------------------------------------
