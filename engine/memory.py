@@ -41,7 +41,7 @@ def weight_bytes(spec, dtype_bytes: int, quantization: str | None, packed: bool 
     own_layout = q is not None and (q.kind == "int" or q.strategy == "block")
     if own_layout and packed:
         return quantized_bytes(spec, dtype_bytes, q)
-    if getattr(spec, "mxfp4", False) and packed and quantization != "fp8":  # GPT-OSS's experts stay MXFP4
+    if getattr(spec, "mxfp4", False) and spec.keeps_mxfp4(packed, quantization):  # GPT-OSS's experts, 4-bit
         moe_layers = sum(spec.is_moe(layer) for layer in range(spec.num_layers))
         experts = moe_layers * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
         return experts * 17 // 32 + (spec.num_params() - experts) * dtype_bytes  # 4 bits + an 8-bit scale per 32

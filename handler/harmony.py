@@ -26,9 +26,11 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from handler import tool_calls
+from handler.messages import text_of
 
 VOCAB = "o200k_base.tiktoken"
 GPT_OSS = "GptOssForCausalLM"
@@ -54,10 +56,9 @@ def tool_plan(tools: list[dict] | None, tool_choice, where: str) -> None:
     parser): tool_choice "auto" (the default) or "none". Forcing a call ("required", a named function) needs a
     grammar over its channels, which is not built: refused, naming the field. Bad tool schemas are refused too."""
     from handler.schemas import JobError
-    from handler.tool_calls import schemas
 
     if tools:
-        schemas(tools, where)
+        tool_calls.schemas(tools, where)
     if tool_choice not in (None, "auto", "none"):
         raise JobError(f"{where}.tool_choice: {tool_choice!r} is not supported for GPT-OSS yet (its calls are not "
                        'constrained); send "auto" or "none"', param=f"{where}.tool_choice")  # fmt: skip
@@ -111,7 +112,7 @@ def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str
     if not funcs:
         system = system.with_required_channels(["analysis", "final"])
     out = [Message.from_role_and_content(Role.SYSTEM, system)]
-    instructions = "\n\n".join(_text(m.get("content")) for m in messages if m["role"] in ("system", "developer"))
+    instructions = "\n\n".join(text_of(m.get("content")) for m in messages if m["role"] in ("system", "developer"))
     if instructions or funcs:
         dev = oh.DeveloperContent.new()
         dev = dev.with_instructions(instructions) if instructions else dev
@@ -123,14 +124,14 @@ def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str
     for m in messages:
         role = m["role"]
         if role == "user":
-            out.append(Message.from_role_and_content(Role.USER, _text(m.get("content"))))
+            out.append(Message.from_role_and_content(Role.USER, text_of(m.get("content"))))
         elif role == "assistant":
             calls = list(m.get("tool_calls") or ())
             if fc := m.get("function_call"):  # the deprecated single call
                 calls.append({"id": None, "function": fc})
             if why := m.get("reasoning") or m.get("reasoning_content"):
                 out.append(Message.from_role_and_content(Role.ASSISTANT, why).with_channel("analysis"))
-            if text := _text(m.get("content")) or m.get("refusal"):
+            if text := text_of(m.get("content")) or m.get("refusal"):
                 out.append(Message.from_role_and_content(Role.ASSISTANT, text)
                            .with_channel("commentary" if calls else "final"))  # fmt: skip
             for c in calls:
@@ -141,16 +142,9 @@ def render_chat(enc, messages: list[dict], tools: list[dict] | None, effort: str
                            .with_recipient(f"functions.{f['name']}").with_content_type("json"))  # fmt: skip
         elif role in ("tool", "function"):
             author = oh.Author.new(Role.TOOL, f"functions.{names.get(m.get('tool_call_id'), m.get('name') or 'tool')}")
-            out.append(Message.from_author_and_content(author, _text(m.get("content"))).with_channel("commentary")
+            out.append(Message.from_author_and_content(author, text_of(m.get("content"))).with_channel("commentary")
                        .with_recipient("assistant"))  # fmt: skip
     return enc.render_conversation_for_completion(oh.Conversation.from_messages(out), Role.ASSISTANT)
-
-
-def _text(content) -> str:
-    """A message's content as text: a string, or the text of its parts."""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
 
 
 @dataclass
@@ -227,13 +221,11 @@ class HarmonyStream:
 
     def _call(self, name: str, text: str, out: Delta) -> None:
         if not self._in_call:  # a call is one message: a new one starts after any token outside it
-            self.calls.append({"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "name": name, "sent": ""})
-            head = {"name": name, "arguments": ""}
-            out.calls.append({"index": len(self.calls) - 1, "id": self.calls[-1]["id"], "type": "function",
-                              "function": head})  # fmt: skip
+            self.calls.append({"id": tool_calls.call_id("openai"), "name": name, "sent": ""})
+            out.calls.append(tool_calls.head(len(self.calls) - 1, self.calls[-1]))
         if text:
             self.calls[-1]["sent"] += text
-            out.calls.append({"index": len(self.calls) - 1, "function": {"arguments": text}})
+            out.calls.append(tool_calls.fragment(len(self.calls) - 1, text))
 
     def finish(self) -> str:
         """At the end of the reply: content that no channel carried (a reply without harmony markers, or what
@@ -249,6 +241,4 @@ class HarmonyStream:
     def message(self) -> tuple[str | None, str | None, list[dict]]:
         """The whole reply so far: (reasoning or None, content or None, tool_calls in OpenAI's shape)."""
         r, c = "".join(self.reasoning), "".join(self.content)
-        calls = [{"id": x["id"], "type": "function", "function": {"name": x["name"], "arguments": x["sent"]}}
-                 for x in self.calls]  # fmt: skip
-        return r or None, c or None, calls
+        return r or None, c or None, tool_calls.whole_calls(self.calls)

@@ -129,7 +129,7 @@ def for_template(messages: list[dict], template: str) -> list[dict]:
             m["content"] = "\n".join(p["text"] for p in m["content"])
         refusal = m.pop("refusal", None)
         if refusal is not None:  # what the assistant said when it refused
-            m["content"] = refusal if not m.get("content") else f"{_text(m['content'])}\n{refusal}"
+            m["content"] = refusal if not m.get("content") else f"{text_of(m['content'])}\n{refusal}"
         if fc := m.pop("function_call", None):
             call_ids[fc["name"]] = cid = f"call_fn_{i}"
             fn = {"name": fc["name"], "arguments": fc.get("arguments", "{}")}
@@ -146,8 +146,9 @@ def for_template(messages: list[dict], template: str) -> list[dict]:
 def last_text(messages: list[dict], role: str) -> str:
     """vLLM's chat `echo`: the last message's text when it has `role` (what the new message continues), else ""."""
     m = messages[-1]
-    return _text(m.get("content") or "") if m.get("role") == role else ""
+    return text_of(m.get("content")) if m.get("role") == role else ""
 
 
-def _text(content: str | list[dict]) -> str:
-    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+def text_of(content: str | list[dict] | None) -> str:
+    """A message's content as text: a string, or its parts' texts a line each ("" for none)."""
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content or ())

@@ -271,17 +271,16 @@ def _choice(ctx: JobContext, reply: _Reply, c, thinking: reasoning.ReasoningStre
     choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp}
     if thinking is not None:
         choice["reasoning"] = why
-    if reply.harmony is not None and calls:
-        choice["tool_calls"] = calls
-        choice["finish_reason"] = "tool_calls" if c.finish_reason != "length" else c.finish_reason
-    elif reply.tools and reply.harmony is None:  # the answer through the same parser a stream uses
+    if reply.tools and reply.harmony is None:  # the answer through the same parser a stream uses
         st = tool_calls.ToolCallStream(*reply.tools)
         st.feed(text or "")
         st.pending_content()
         choice["text"], choice["tool_calls"] = st.message()
-        # "length": cut off, whatever was parsed (a call may be partial), as OpenAI reports it
-        ended = choice["tool_calls"] and c.finish_reason != "length"
-        choice["finish_reason"] = "tool_calls" if ended else c.finish_reason
+        calls = choice["tool_calls"]
+    elif calls:  # GPT-OSS's, from its channels
+        choice["tool_calls"] = calls
+    if calls and c.finish_reason != "length":  # "length": cut off, whatever was parsed, as OpenAI reports it
+        choice["finish_reason"] = "tool_calls"
     if reply.echo:
         choice["text"] = reply.echo + (choice["text"] or "")
     return choice | {"token_ids": c.token_ids}
@@ -314,19 +313,16 @@ async def _stream(ctx: JobContext, outputs, reply: _Reply, sizer: BatchSizer) ->
                 ids_due.add(c.index, c.delta_token_ids)
                 if not (c.delta_text or c.finish_reason or c.delta_token_ids):
                     continue
-                lp, text, finish, calls = None, c.delta_text, c.finish_reason, []
-                if reply.harmony is not None:  # GPT-OSS: its channels, from the token ids
+                lp, text, finish, calls, called = None, c.delta_text, c.finish_reason, [], False
+                if reply.splits:  # the reasoning apart: both of vLLM's names for it
                     st = thinking.setdefault(c.index, reply.reasoning())
-                    d = st.feed(c.delta_token_ids)
-                    why, text, calls = d.reasoning, d.content + (st.finish() if finish else ""), d.calls
-                    if why:
-                        events.append(event(shapes.chunk(c.index, {"reasoning": why, "reasoning_content": why})))
-                    events += [event(shapes.chunk(c.index, {"tool_calls": [x]})) for x in calls]
-                    finish = "tool_calls" if finish and finish != "length" and st.calls else finish
-                elif reply.in_content is not None:  # the reasoning apart: both of vLLM's names for it
-                    st = thinking.setdefault(c.index, reply.reasoning())
-                    why, text = st.feed(text, len(c.delta_token_ids))
-                    why += st.finish()[0] if c.finish_reason else ""
+                    if reply.harmony is not None:  # GPT-OSS: its channels, from the token ids
+                        d = st.feed(c.delta_token_ids)
+                        why, text, calls = d.reasoning, d.content + (st.finish() if finish else ""), d.calls
+                        called = bool(st.calls)
+                    else:
+                        why, text = st.feed(text, len(c.delta_token_ids))
+                        why += st.finish()[0] if finish else ""
                     if why:
                         events.append(event(shapes.chunk(c.index, {"reasoning": why, "reasoning_content": why})))
                 if reply.top_n is not None and c.delta_token_ids and c.logprobs:
@@ -335,8 +331,9 @@ async def _stream(ctx: JobContext, outputs, reply: _Reply, sizer: BatchSizer) ->
                     st = parsers.setdefault(c.index, tool_calls.ToolCallStream(*reply.tools))
                     text, calls = st.feed(text)
                     text += st.pending_content() if finish else ""
-                    events += [event(shapes.chunk(c.index, {"tool_calls": [d]})) for d in calls]
-                    finish = "tool_calls" if finish and finish != "length" and st.calls else finish
+                    called = bool(st.calls)
+                events += [event(shapes.chunk(c.index, {"tool_calls": [d]})) for d in calls]
+                finish = "tool_calls" if finish and finish != "length" and called else finish
                 if text or lp is not None:
                     events.append(event(shapes.chunk(c.index, {"content": text}, None, lp)))
                 if finish:

@@ -143,10 +143,10 @@ class ToolCallStream:
         if self.mode == "named":
             out = []
             if not self.calls:
-                self.calls.append({"id": _call_id(self.fmt), "name": self.name, "sent": ""})
-                out.append(self._head(0))
+                self.calls.append({"id": call_id(self.fmt), "name": self.name, "sent": ""})
+                out.append(head(0, self.calls[0]))
             if delta:
-                out.append(self._args(0, delta))
+                out.append(fragment(0, delta))
                 self.calls[0]["sent"] += delta
             return "", out
         out = [] if self.plain or self.closed else self._calls()
@@ -167,23 +167,15 @@ class ToolCallStream:
             if self.max_calls is not None and i >= self.max_calls:
                 break
             if i == len(self.calls):
-                self.calls.append({"id": _call_id(self.fmt), "name": c.name, "sent": ""})
-                out.append(self._head(i))
+                self.calls.append({"id": call_id(self.fmt), "name": c.name, "sent": ""})
+                out.append(head(i, self.calls[i]))
             args = c.args or ("{}" if c.end is not None else "")  # a call without arguments: an empty object
             if new := args[len(self.calls[i]["sent"]) :]:
-                out.append(self._args(i, new))
+                out.append(fragment(i, new))
                 self.calls[i]["sent"] = args
             if c.end is not None and i == self.done:
                 self.done, self.cursor = i + 1, c.end
         return out
-
-    def _head(self, i: int) -> dict:
-        c = self.calls[i]
-        return {"index": i, "id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": ""}}
-
-    @staticmethod
-    def _args(i: int, fragment: str) -> dict:
-        return {"index": i, "function": {"arguments": fragment}}
 
     def pending_content(self) -> str:
         """At the end: held-back text (a partial tag that never completed) is content after all."""
@@ -196,17 +188,29 @@ class ToolCallStream:
 
     def message(self) -> tuple[str | None, list[dict]]:
         """The whole message: (content, tool_calls in OpenAI's shape, arguments as JSON text)."""
-        calls = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["sent"]}}
-            for c in self.calls
-        ]
+        calls = whole_calls(self.calls)
         content = self.text[: self.content_sent] if self.mode.startswith("auto") else None
         if self.mode.startswith("auto") and not calls:
             content = self.text
         return (content.strip() or None) if content is not None else None, calls
 
 
-def _call_id(fmt: str) -> str:
+def head(i: int, call: dict) -> dict:
+    """Call i's first delta: its index, id, type and name (call: {"id", "name", "sent"})."""
+    return {"index": i, "id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": ""}}
+
+
+def fragment(i: int, text: str) -> dict:
+    """A piece of call i's arguments' JSON."""
+    return {"index": i, "function": {"arguments": text}}
+
+
+def whole_calls(calls: list[dict]) -> list[dict]:
+    """The message's tool_calls in OpenAI's shape, from the streams' {"id", "name", "sent"} records."""
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["sent"]}} for c in calls]
+
+
+def call_id(fmt: str) -> str:
     if fmt == "mistral":  # Mistral's templates take 9 letters and digits, nothing else
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"

@@ -61,9 +61,9 @@ class Worker:
         self.on_fatal: Callable[[], None] | None = None
         if engine is not None:
             engine.on_fault = self._on_fault
-            engine.warm_later(_openai_routes)  # after ready: a native first job does not wait for these imports
-            if getattr(engine, "architecture", None) == "GptOssForCausalLM":  # its harmony encoding: ~0.6 s
-                engine.warm_later(lambda: _harmony(self.ctx))
+            # after ready: a native first job does not wait for these imports, nor GPT-OSS's first chat for its
+            # harmony encoding (~0.6 s; None for any other model)
+            engine.warm_later(_openai_routes, lambda: _harmony(self.ctx))
         self.max_in_flight = 0
         self._ids = itertools.count()
         self._running: dict[str, str] = {}  # engine request id -> job id, for jobs in flight

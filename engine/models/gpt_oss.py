@@ -113,8 +113,7 @@ class GptOssForCausalLM(MoEForCausalLM):
     LOADERS = MoEForCausalLM.LOADERS | {"mx_scale": load_mx_scale}
 
     def __init__(self, spec, dtype, device, max_positions: int, quantization=None, shard=None, tp=None, packed=False):
-        # MXFP4 experts stay 4-bit where the Triton kernels run (packed), unless fp8 was asked for
-        object.__setattr__(self, "mxfp4", bool(spec.mxfp4 and packed and quantization != "fp8"))
+        object.__setattr__(self, "mxfp4", spec.keeps_mxfp4(packed, quantization))  # before super() builds layers
         super().__init__(spec, dtype, device, max_positions, quantization, shard, tp, packed)
 
     def make_layer(self, i: int, dtype, device, fp8: bool) -> MoELayer:

@@ -77,6 +77,10 @@ class ModelSpec:
         idle = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
         return self.num_params() - idle * sum(self.is_moe(i) for i in range(self.num_layers))
 
+    def keeps_mxfp4(self, packed: bool, quantization: str | None) -> bool:
+        """GPT-OSS's MXFP4 experts stay 4-bit where the Triton kernels run (packed), unless fp8 was asked for."""
+        return self.mxfp4 and packed and quantization != "fp8"
+
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
