@@ -27,7 +27,7 @@ def allocate(
     # [layers, K/V, kv_heads, blocks, block_size, head_dim]: head-major, so a gather of blocks lands
     # as [kv_heads, seqs, ctx, head_dim] and feeds batched matmuls without a copy. Zeros: stale slots
     # are finite.
-    shape = (spec.num_layers, 2, spec.num_kv_heads, plan.num_blocks, plan.block_size, spec.head_dim)
+    shape = (spec.num_kv_layers, 2, spec.num_kv_heads, plan.num_blocks, plan.block_size, spec.head_dim)
     if device.type == "cpu":
         return (prefault or Prefaulter(plan.num_blocks)).zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -204,8 +204,9 @@ def kv_scales(model, calibration_ids: list[int] | None, device) -> tuple[torch.T
         return calibrate_kv_scales(model, calibration_ids, device)
     log.info("fp8 KV scales from the checkpoint")
     ck, n = model.checkpoint_kv_scales, model.spec.num_layers
-    k = torch.tensor([ck[i]["k"] for i in range(n)], device=device)
-    v = torch.tensor([ck[i]["v"] for i in range(n)], device=device)
+    # by layer index: a hybrid's linear layers have none (and no KV to scale)
+    k = torch.tensor([ck[i]["k"] if i in ck else 1.0 for i in range(n)], device=device)
+    v = torch.tensor([ck[i]["v"] if i in ck else 1.0 for i in range(n)], device=device)
     return k, v
 
 

@@ -19,6 +19,7 @@ from engine.parallel.group import start_ranks
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import start_speculation
+from engine.state_slots import StateSlots
 from engine.step_runner import EMPTY, StepInput, StepRunner
 from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
@@ -59,6 +60,7 @@ class LLMEngine:
             self.scheduler = Scheduler(
                 self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len,
                 cfg.long_prefill_token_threshold, admission=self.lora, lookahead=self.speculator.lookahead,
+                state_slots=StateSlots(cfg.max_num_seqs) if facts.spec.hybrid else None,
             )  # fmt: skip
             self.intake = Intake(self.tok, facts.spec.vocab_size, plan.max_model_len, cfg, model.generates)  # each once
             self.structured = StructuredOutputs(self.tok, facts.spec.vocab_size, self.eos_token_ids)  # imports nothing
@@ -85,12 +87,12 @@ class LLMEngine:
     def graphs_enabled(self) -> bool:
         """CUDA graphs for decode and verify steps (and a draft model's): ENFORCE_EAGER=false, on CUDA, with the Triton
         kernels, on one GPU."""
-        return memory.cuda_graphs(self.cfg, self.device.type, self.kernel_backend)  # the planner's rule too
+        return memory.cuda_graphs(self.cfg, self.device.type, self.kernel_backend, self.spec)  # the planner's rule
 
     @property
     def graphs_unusable(self) -> str | None:
         """Why CUDA graphs cannot run on this engine (None: they can)."""
-        return memory.graphs_unusable(self.cfg, self.device.type, self.kernel_backend)
+        return memory.graphs_unusable(self.cfg, self.device.type, self.kernel_backend, self.spec)
 
     @property
     def weights_source(self) -> str:
@@ -147,6 +149,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:  # every prompt token is computed (cached KV has no logits)
             key = ()
         if params.pooling is not None and pooling.needs_every_position(params.pooling):  # ... or hidden states
+            key = ()
+        if self.facts.spec.hybrid:  # no KV sharing at all: a linear layer's state is per sequence (state_cache.py)
             key = ()
         seqs = []
         for i in range(params.n):

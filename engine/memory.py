@@ -28,8 +28,8 @@ TP_COMM_BYTES = 1 << 30
 
 
 def kv_bytes_per_token(spec, kv_dtype_bytes: int) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes
+    """2 (K and V) x layers x kv_heads x head_dim x bytes (a hybrid's attention layers only)."""
+    return 2 * spec.num_kv_layers * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes
 
 
 def weight_bytes(spec, dtype_bytes: int, quantization: str | None, packed: bool = True) -> int:
@@ -160,9 +160,9 @@ class GPU:
     name: str = "GPU"
 
 
-def graphs_unusable(cfg, device_type: str, kernel_backend: str) -> str | None:
+def graphs_unusable(cfg, device_type: str, kernel_backend: str, spec=None) -> str | None:
     """Why CUDA graphs cannot run with this configuration on this device (None: they can). kernel_backend "auto"
-    is Triton on CUDA, as the engine resolves it."""
+    is Triton on CUDA, as the engine resolves it. spec: the model's, where known."""
     if kernel_backend == "auto":
         kernel_backend = "triton" if device_type == "cuda" else "torch"
     if device_type != "cuda":
@@ -171,13 +171,16 @@ def graphs_unusable(cfg, device_type: str, kernel_backend: str) -> str | None:
         return "the graphs capture the Triton kernels, and KERNEL_BACKEND=torch runs the torch references"
     if cfg.tensor_parallel_size > 1:
         return "graphs are captured on one GPU only, and TENSOR_PARALLEL_SIZE > 1"
+    if spec is not None and spec.hybrid:
+        return f"{spec.architecture}'s linear-attention state updates are not captured in graphs yet"
     return None
 
 
-def cuda_graphs(cfg, device_type: str, kernel_backend: str) -> bool:
+def cuda_graphs(cfg, device_type: str, kernel_backend: str, spec=None) -> bool:
     """Whether decode and verify steps (and a draft model's steps) run from CUDA graphs (LLMEngine.graphs_enabled),
-    and so whether their pools are planned: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
-    return not cfg.enforce_eager and graphs_unusable(cfg, device_type, kernel_backend) is None
+    and so whether their pools are planned: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU, not
+    a hybrid model."""
+    return not cfg.enforce_eager and graphs_unusable(cfg, device_type, kernel_backend, spec) is None
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class Needs:
     # activations, verified logits rows, LoRA slots, the CUDA graph pool, TP's logits and NCCL, the draft's step
     reserve_bytes: int
     graph_pool_bytes: int  # the target's graph pool and the draft model's (in reserve_bytes already)
+    state_bytes: int = 0  # a hybrid model's state pool: max_num_seqs slots (engine/state_cache.py)
 
 
 def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None, packed: bool = True) -> Needs:
@@ -217,7 +221,8 @@ def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None, 
         reserve += activation_reserve(draft_spec, tokens, seqs, dtype_bytes, graph_pool_bytes=draft_pool)
         reserve += seqs * k * draft_spec.vocab_size * 4  # sampled drafts' q rows, kept until they are verified
         graph_pool += draft_pool
-    return Needs(weights + draft_w, draft_w, per_token, reserve, graph_pool)
+    state = seqs * local.state_bytes_per_seq(dtype_bytes)
+    return Needs(weights + draft_w, draft_w, per_token, reserve, graph_pool, state)
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,8 @@ class MemoryPlan:
     num_blocks: int
     max_model_len: int
     sized_by: str = ""  # CPU: how an automatic pool was sized (engine/host_memory.py), for the start-up log
+    state_bytes: int = 0  # a hybrid model's state pool (fixed: state_slots sequences), set aside before the KV
+    state_slots: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -257,6 +264,11 @@ class MemoryPlan:
             f"{self.kv_bytes_per_token} B/token ({self.kv_bytes / 2**20:.0f} MiB), {self.max_concurrent_seqs:.1f} "
             f"concurrent sequences at max_model_len={self.max_model_len}"
             + (f"; activation reserve {_gib(self.activation_reserve_bytes)}" if self.activation_reserve_bytes else "")
+            + (
+                f"; state pool {self.state_bytes / 2**20:.0f} MiB for {self.state_slots} sequences"
+                if self.state_bytes
+                else ""
+            )  # fmt: skip
             + (f"; {self.sized_by}" if self.sized_by else "")
         )
 
@@ -319,12 +331,14 @@ def plan_gpu(
     max_model_len: int | None = None,
     num_blocks: int | None = None,
     quantized: bool = False,
+    also: str = "",
 ) -> MemoryPlan:
     """The pool on a GPU once the weights are resident: `used` = total - free, measured now. quantized: the
-    weights are fp8 or a quantized checkpoint already (QUANTIZATION=fp8 is not suggested)."""
+    weights are fp8 or a quantized checkpoint already (QUANTIZATION=fp8 is not suggested). also: another fix to
+    suggest when nothing fits."""
     budget = int(total * utilization)
     fix = " It would fit with " + ("" if quantized else "QUANTIZATION=fp8, ")
-    fix += "KV_CACHE_DTYPE=fp8, a larger GPU_MEMORY_UTILIZATION, or more GPUs."
+    fix += "KV_CACHE_DTYPE=fp8, a larger GPU_MEMORY_UTILIZATION, or more GPUs." + also
     return plan(
         kv_budget=budget - used - reserve,
         kv_bytes_per_token=kv_bytes_per_token,
@@ -353,11 +367,12 @@ def plan_gpu_start(
     model_max_len: int,
     max_model_len: int | None = None,
     num_blocks: int | None = None,
+    also: str = "",
 ) -> MemoryPlan:
     """Before the load (the engine's start, and `python -m warmup.plan`): refuse weights that cannot fit, then
     predict the pool with the weights and the CUDA context counted as in use."""
     check_weights_fit(total=total, free=free, utilization=utilization, weights=weights, reserve=reserve,
-                      quantized=quantized)  # fmt: skip
+                      quantized=quantized, also=also)  # fmt: skip
     return plan_gpu(
         total=total,
         utilization=utilization,
@@ -370,11 +385,12 @@ def plan_gpu_start(
         max_model_len=max_model_len,
         num_blocks=num_blocks,
         quantized=quantized,
+        also=also,
     )
 
 
 def check_weights_fit(
-    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantized: bool
+    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantized: bool, also: str = ""
 ) -> None:
     """Before anything is allocated: refuse a model whose weights, with the activation reserve and the CUDA
     context, cannot fit the budget. The error names the numbers and what would fit."""
@@ -390,7 +406,7 @@ def check_weights_fit(
         f"the model does not fit: its weights take {_gib(weights)}, plus {_gib(reserve)} kept for "
         f"activations and {_gib(CUDA_CONTEXT_BYTES)} for the CUDA context, with {_gib(in_use)} of the "
         f"device already in use, against a budget of {_gib(budget)} (GPU_MEMORY_UTILIZATION="
-        f"{utilization:g} x {_gib(total)}). What would fit: {'; '.join(hints)}."
+        f"{utilization:g} x {_gib(total)}). What would fit: {'; '.join(hints)}.{also}"
     )
 
 

@@ -29,6 +29,7 @@ class FlatBatch:
     seq_lens: list[int]  # [B] each sequence's context length after this step
     block_tables: list[list[int]]  # [B] each sequence's KV block ids
     token_slot: tuple[int, ...] | list[int] = ()  # [T] each token's LoRA slot (-1: none); () when no token has one
+    state_slots: tuple[int, ...] | list[int] = ()  # [B] a hybrid model's state slot per sequence; () for others
 
     @property
     def tokens_per_seq(self) -> list[int]:
@@ -40,6 +41,7 @@ def flat_batch(items, block_size: int, token_slot=()) -> FlatBatch:
     """items: (request, first position, its token ids) per sequence -> their flat batch (cache slots from each
     request's block table)."""
     input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+    state = [req.state_slot for req, _, _ in items] if items and items[0][0].state_slot >= 0 else ()
     for req, start, ids in items:
         end = start + len(ids)
         input_ids += ids
@@ -49,7 +51,7 @@ def flat_batch(items, block_size: int, token_slot=()) -> FlatBatch:
         qsl.append(qsl[-1] + len(ids))
         seq_lens.append(end)
         tables.append(table)
-    return FlatBatch(input_ids, positions, slots, qsl, seq_lens, tables, token_slot)
+    return FlatBatch(input_ids, positions, slots, qsl, seq_lens, tables, token_slot, state)
 
 
 class ModelRunner:
@@ -66,11 +68,14 @@ class ModelRunner:
         max_model_len: int = 2048,
         new_graph=None,
         graph_query_lens: tuple[int, ...] = (1,),
+        state=None,
     ):
         """lora: this rank's LoRASlots (None: LoRA off). new_graph: make steps replay CUDA graphs, captured
         after ready by IdleWork, idle or busy (engine/cuda_graphs.py); None: every step runs eagerly.
-        graph_query_lens: the query lengths graphs are captured for (memory.graph_query_lens)."""
+        graph_query_lens: the query lengths graphs are captured for (memory.graph_query_lens). state: a hybrid
+        model's StatePool (engine/state_cache.py), None for the others."""
         self.model = model
+        self.state = state
         self.kernel_backend = kernel_backend
         self.kv_caches = kv_caches
         self.attn = attn
@@ -123,8 +128,11 @@ class ModelRunner:
         meta = self.attn.build(layout, dev)
         # a step without adapters pays nothing for LoRA
         lora = self.lora.delta(h2d(batch.token_slot, torch.int64, dev)) if batch.token_slot else None
+        state = {}  # a hybrid's: each sequence's state slot
+        if self.state is not None:
+            state["state"] = self.state.batch(batch.query_start_loc, batch.positions, batch.state_slots)
         with kernels.backend(self.kernel_backend):
-            return self.model(ids_t, pos_t, self.kv_caches, self.attn, meta, lora)  # [T, hidden]
+            return self.model(ids_t, pos_t, self.kv_caches, self.attn, meta, lora, **state)  # [T, hidden]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:

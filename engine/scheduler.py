@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.block_manager import BlockManager
+from engine.state_slots import StateSlots
 from engine.types import Request, RequestStatus, SchedulerOutput
 
 log = logging.getLogger("engine")
@@ -53,7 +54,10 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         admission: Admission | None = None,
         lookahead: Callable[[Request], int] | None = None,
+        state_slots: StateSlots | None = None,
     ):
+        """state_slots: a hybrid model's (one per running request, taken at admission, given back when it stops
+        running)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -67,6 +71,7 @@ class Scheduler:
         # A request the gate cannot start yet stays queued without blocking the others
         self.admission = admission
         self.lookahead = lookahead  # speculative decoding: the drafts a decoding request would verify
+        self.state_slots = state_slots
         # After a step ran out of device memory (halve()): at most this many tokens and running requests per step,
         # doubling back every OOM_RECOVERY_S without another (None: the configured limits)
         self.oom_limits: tuple[int, int] | None = None
@@ -145,6 +150,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
+            if self.state_slots is not None:
+                self.state_slots.take(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.requests.append(req)
@@ -191,16 +198,20 @@ class Scheduler:
             self.bm.roll_back(req)
         stepped = set(out.requests)
         ran = [r for r in self.running if r in stepped]  # admission order
-        for req in reversed(ran[(len(ran) + 1) // 2 :] if preempt else ()):
+        # a hybrid model's state slots may hold some layers' update of the failed step: every request of it
+        # recomputes from its prompt
+        victims = ran if self.state_slots is not None else ran[(len(ran) + 1) // 2 :] if preempt else ()
+        for req in reversed(victims):
             self.running.remove(req)
             self._preempt(req)
         tokens, seqs = self._limits()
-        self.oom_limits = (max(1, min(tokens, out.total_tokens) // 2), max(1, min(seqs, len(self.running))))
+        kept = len(self.running) + ((len(ran) + 1) // 2 if self.state_slots is not None else 0)  # as if halved
+        self.oom_limits = (max(1, min(tokens, out.total_tokens) // 2), max(1, min(seqs, kept)))
         self.oom_at = time.monotonic()
         log.warning("out of memory: steps now take at most %d tokens and %d requests", *self.oom_limits)
 
     def _preempt(self, req: Request) -> None:
-        self.bm.free(req)
+        self._release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -264,9 +275,15 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self.bm.free(req)
+        self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+    def _release(self, req: Request) -> None:
+        """Its blocks, and a hybrid's state slot, back to their pools."""
+        self.bm.free(req)
+        if self.state_slots is not None:
+            self.state_slots.give_back(req)
 
 
 def _advance_grammar(req: Request, token: int) -> None:

@@ -32,6 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.models.spec import ModelSpec
 from engine.parallel import shard
 from engine.parallel.rank import rank_model
+from engine.state_cache import StatePool
 from engine.tokenizer import Tokenizer
 from engine.weights import LoadedWeights, load_model, read_json, resolve_model_path, safetensors_files
 
@@ -63,6 +64,12 @@ def resolve(cfg: EngineConfig, rank: int = 0) -> ModelFacts:
     safetensors_files(path)  # refuse pickle-only checkpoints before anything else
     hf_cfg = read_json(path / "config.json")
     spec = ModelSpec.from_hf(hf_cfg, read_json(path / "generation_config.json"), cfg.quantization)
+    if spec.hybrid and cfg.speculative_config is not None:  # a rejected draft would have to roll the state back
+        raise ConfigError(
+            f"{spec.architecture} is a hybrid (linear-attention) model: speculative decoding is not supported for it "
+            "(its recurrent state cannot roll back a rejected draft yet); unset SPECULATIVE_CONFIG",
+            field="speculative_config",
+        )
     cuda = device.type == "cuda"
     shard.check(spec, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None)
     if cuda and rank == 0:  # configs read, nothing loaded yet
@@ -160,8 +167,11 @@ def _say_what_is_ignored(cfg: EngineConfig, facts: ModelFacts) -> None:
         log.warning("GPU_MEMORY_UTILIZATION is ignored on %s: the KV pool is KV_CACHE_MEMORY (or automatic)", kind)
     if kind == "cuda" and cfg.kv_cache_memory is not None:
         log.warning("KV_CACHE_MEMORY is ignored on CUDA: the pool is sized by GPU_MEMORY_UTILIZATION")
-    if not cfg.enforce_eager and (why := memory.graphs_unusable(cfg, kind, facts.kernel_backend)):
+    if not cfg.enforce_eager and (why := memory.graphs_unusable(cfg, kind, facts.kernel_backend, facts.spec)):
         log.warning("ENFORCE_EAGER=false is ignored: %s; decode steps run eagerly", why)
+    if facts.spec.hybrid and cfg.enable_prefix_caching:
+        log.info("prefix caching is off for %s: a hybrid model's linear layers keep a state per sequence, not per "
+                 "block (docs/decisions.md, \"Hybrid models\")", facts.spec.architecture)  # fmt: skip
 
 
 def load_rank(
@@ -180,7 +190,7 @@ def calibration_ids(facts: ModelFacts, model, tok: Tokenizer, max_len: int) -> l
     """The tokens fp8 KV scales are calibrated on; None when the checkpoint has every layer's (or KV is 16-bit)."""
     ck = model.checkpoint_kv_scales
     if facts.kv_dtype != torch.float8_e4m3fn or (
-        len(ck) == facts.spec.num_layers and all(set(v) == {"k", "v"} for v in ck.values())
+        len(ck) == facts.spec.num_kv_layers and all(set(v) == {"k", "v"} for v in ck.values())
     ):
         return None
     return tok.encode(CALIBRATION_TEXT)[:max_len]
@@ -250,10 +260,11 @@ def build_rank(
     lora = None
     if cfg.enable_lora:
         lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, facts.rank_spec, facts.dtype, facts.device)
-    graphs = cuda_graph_factory() if memory.cuda_graphs(cfg, facts.device.type, facts.kernel_backend) else None
+    graphs = memory.cuda_graphs(cfg, facts.device.type, facts.kernel_backend, facts.spec)
+    state = StatePool(facts.rank_spec, cfg.max_num_seqs, facts.dtype, facts.device) if facts.spec.hybrid else None
     return ModelRunner(
         model, kv, attn, cfg.block_size, facts.device, facts.kernel_backend, lora, cfg.max_num_seqs,
-        plan.max_model_len, graphs, memory.graph_query_lens(cfg),
+        plan.max_model_len, cuda_graph_factory() if graphs else None, memory.graph_query_lens(cfg), state,
     )  # fmt: skip
 
 
@@ -297,7 +308,7 @@ def memory_needs(
     """One rank's weights, KV bytes per token and reserve (memory.engine_needs), with the CUDA graph pool counted
     by the rule build_rank follows. kernel_backend: the engine's (None: cfg.kernel_backend)."""
     backend = kernel_backend or cfg.kernel_backend
-    graphs = memory.cuda_graphs(cfg, device_type, backend)
+    graphs = memory.cuda_graphs(cfg, device_type, backend, spec)
     # a quantized checkpoint stays packed where the Triton kernels run it (engine/models/llama.py)
     packed = backend == "triton" or (backend == "auto" and device_type == "cuda")
     return memory.engine_needs(cfg, spec, dtype.itemsize, graphs=graphs, draft_spec=draft_spec, packed=packed)
@@ -332,25 +343,32 @@ def plan_memory(
     )
     # what a plan that does not fit may suggest: QUANTIZATION=fp8 only for a 16-bit checkpoint
     quantized = cfg.quantization == "fp8" or spec.quant is not None
+    state = dict(state_bytes=needs.state_bytes, state_slots=cfg.max_num_seqs if needs.state_bytes else 0)
+    if needs.state_bytes:  # a hybrid's state pool: fixed by max_num_seqs, set aside before the KV pool
+        per_seq = needs.state_bytes / cfg.max_num_seqs / 2**20
+        kv["also"] = f" Or lower MAX_NUM_SEQS: each sequence's linear-attention state takes {per_seq:.0f} MiB."
     if gpu is None:
         budget, why = cpu_kv_budget(cfg, spec, needs, host)
+        kv.pop("also", None)
         fix = " Or set KV_CACHE_MEMORY (unset, the pool is at most half the memory at start)." if why else ""
         plan = memory.plan(kv_budget=budget, budget=budget, model_max_len=spec.max_position_embeddings, fix=fix, **kv)
-        return dataclasses.replace(plan, sized_by=why)
+        return dataclasses.replace(plan, sized_by=why, **state)  # CPU: the state pool is its own map, beside
     kv |= dict(total=gpu.total, utilization=cfg.gpu_memory_utilization)
     if loaded_len is not None:
-        reserve = needs.reserve_bytes + needs.draft_weight_bytes
-        return memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len,
+        reserve = needs.reserve_bytes + needs.draft_weight_bytes + needs.state_bytes
+        plan = memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len,
                                quantized=quantized, **kv)  # fmt: skip
+        return dataclasses.replace(plan, **state)
     if gpu.capability is not None:
         check_fp8_support(cfg, spec.fp8_checkpoint, gpu.name, gpu.capability)
-    return memory.plan_gpu_start(
+    plan = memory.plan_gpu_start(
         free=gpu.free,
-        reserve=needs.reserve_bytes,
+        reserve=needs.reserve_bytes + needs.state_bytes,
         quantized=quantized,
         model_max_len=spec.max_position_embeddings,
         **kv,
     )
+    return dataclasses.replace(plan, **state)
 
 
 def cpu_kv_budget(cfg: EngineConfig, spec: ModelSpec, needs: memory.Needs, host: HostMemory | None) -> tuple[int, str]:

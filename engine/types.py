@@ -261,6 +261,7 @@ class Request:
     cache_key: tuple = ()
     lora_key: str | None = None  # the adapter's identity (sha256 of its URI); None = the base model
     lora_slot: int = -1  # its device slot, set at admission
+    state_slot: int = -1  # a hybrid model's state slot while it runs (engine/state_slots.py)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
     num_registered_blocks: int = 0
     # Set by the scheduler at first admission (output-side metrics live in engine/output.py's SeqStats)

@@ -1,5 +1,6 @@
-"""Gated DeltaNet's per-sequence state updates (Qwen3-Next, Qwen3.5 linear-attention layers), as torch references over
-the engine's varlen batch: groundwork for the [hybrid] issue's state pool (no model uses them yet).
+"""Gated DeltaNet's per-sequence state updates (Qwen3-Next and Qwen3.5's linear-attention layers, in
+engine/models/qwen3_next.py) over the engine's varlen batch, and the gated RMSNorm after them. Torch references on
+every device for now: the GPU kernels (flash-linear-attention's chunked rule and fused recurrent update) are not in yet.
 
 A linear layer keeps, per running sequence, a fixed-size state in a slot of a pool (whatever the context length):
 - a **conv state** [C, W - 1]: the last W - 1 inputs of the short causal depthwise conv1d (channels C, width W);
@@ -61,3 +62,17 @@ def causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, slots, activ
         y = F.silu(y) if activation == "silu" else y
         out[starts[b] : starts[b + 1]] = y.T.to(x.dtype)
     return out
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3-Next's gated RMSNorm over the last dim of x [..., D]: normalized in fp32, times the weight in x's dtype,
+    times SiLU(gate) in fp32 (transformers' Qwen3NextRMSNormGated, rounding included)."""
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+# what the model calls: the references on every device until GPU kernels land beside them
+causal_conv1d = causal_conv1d_ref
+gated_delta_rule = gated_delta_rule_ref
+gated_rms_norm = gated_rms_norm_ref

@@ -28,23 +28,27 @@ log = logging.getLogger("engine")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelSpec, dtype, device, fp8: bool = False, mlp: bool = True, packed=None):
+    def __init__(
+        self, s: ModelSpec, dtype, device, fp8: bool = False, mlp: bool = True, packed=None, attention: bool = True
+    ):
         """fp8: e4m3 linears with per-channel scales; packed: a QuantScheme whose layout the linears keep
-        (engine/quant/linear.py), None for 16-bit or fp8 ones."""
+        (engine/quant/linear.py), None for 16-bit or fp8 ones. mlp False: a mixture-of-experts layer, whose MLP
+        weights are the experts' (engine/models/moe.py); attention False: a hybrid's linear-attention layer, whose
+        mixer is its own (engine/models/qwen3_next.py)."""
         super().__init__()
-        if not mlp:  # a mixture-of-experts layer: its MLP weights are the experts' (engine/models/moe.py)
-            self.LINEARS = ("qkv", "o_proj")
+        self.LINEARS = (("qkv", "o_proj") if attention else ()) + (("gate_up", "down") if mlp else ())
         kw = dict(dtype=dtype, device=device)
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q_rows = 2 * self.q_size if s.attn_gate else self.q_size  # Qwen3-Next: each head's query, then its gate
         # fp8 (a quantized checkpoint, or QUANTIZATION=fp8): the linears never exist in 16 bits, so a model that
         # fits only as fp8 loads; online quantization writes each streamed tensor straight into them
         lin = dict(dtype=torch.float8_e4m3fn, device=device) if fp8 else kw
         lin = dict(dtype=dtype, device="meta") if packed is not None else lin  # shapes only: replaced below
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, s.hidden_size, **lin), False)
-        self.qkv_bias = (
-            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), False) if s.attention_bias else None
-        )
-        self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **lin), False)
+        att = attention
+        self.qkv = nn.Parameter(torch.empty(q_rows + 2 * self.kv_size, s.hidden_size, **lin), False) if att else None
+        bias = att and s.attention_bias
+        self.qkv_bias = nn.Parameter(torch.zeros(q_rows + 2 * self.kv_size, **kw), False) if bias else None
+        self.o_proj = nn.Parameter(torch.empty(s.hidden_size, self.q_size, **lin), False) if att else None
         self.o_proj_bias = nn.Parameter(torch.empty(s.hidden_size, **kw), False) if s.o_bias else None
         # GPT-OSS: a logit per query head that joins each softmax's denominator (fp32, as the kernels read it)
         sinks = dict(dtype=torch.float32, device=device)
@@ -53,8 +57,8 @@ class DecoderLayer(nn.Module):
         self.down = nn.Parameter(torch.empty(s.hidden_size, s.intermediate_size, **lin), False) if mlp else None
         self.input_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
         self.post_norm = nn.Parameter(torch.empty(s.hidden_size, **kw), False)
-        self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
-        self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if s.qk_norm else None
+        self.q_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if att and s.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(s.head_dim, **kw), False) if att and s.qk_norm else None
         self.quant_linears = None  # a quantized checkpoint's own layout (engine/quant/linear.py)
         if packed is not None:
             shapes = {n: tuple(getattr(self, n).shape) for n in self.LINEARS}
@@ -67,13 +71,11 @@ class DecoderLayer(nn.Module):
         if fp8:  # filled from the checkpoint's weight_scale tensors, or by quantizing while loading
             self.fp8_scales = {n: torch.ones(getattr(self, n).shape[0], 1, device=device) for n in self.LINEARS}
         # fused parameter -> its parts as the checkpoint stores them: (first row, rows)
-        q, kv, inter = self.q_size, self.kv_size, s.intermediate_size
+        q, kv, inter = q_rows, self.kv_size, s.intermediate_size
         self.parts = {
             "qkv": {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)},
             "gate_up": {0: (0, inter), 1: (inter, inter)},
         }
-
-    LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
     def quant_scales(self, name: str) -> torch.Tensor | None:
         """The fp8 scales of parameter `name`, None for a 16-bit one."""
@@ -159,7 +161,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             self.embed if s.tie_word_embeddings else nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, **kw), False)
         )
-        self.rotary = RotaryCache(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
+        # partial rotary (rotary_dim < head_dim): the first rotary_dim of each head turn, the rest pass
+        self.rotary = RotaryCache(s.rotary_dim or s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
+        # layer -> its index in the KV pool, which a hybrid's linear layers are not in (engine/models/qwen3_next.py)
+        self.kv_index = [sum(not s.is_linear(j) for j in range(i)) for i in range(s.num_layers)]
         # fp8 KV scales found in the checkpoint (self_attn.k_scale / v_scale): {layer: {"k": s, "v": s}}
         self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
         self.shard, self.tp = shard, tp
@@ -205,16 +210,23 @@ class LlamaForCausalLM(nn.Module):
         qkv = layer.linear("qkv", x, layer.qkv_bias)  # [T, q + 2 kv]
         if lora is not None:
             lora(i, "qkv", x, qkv)
-        q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+        q, k, v = qkv.split([qkv.shape[-1] - 2 * layer.kv_size, layer.kv_size, layer.kv_size], dim=-1)
+        gate = None
+        if s.attn_gate:  # [T, H, 2D]: each head's query, then its output gate
+            q, gate = q.view(-1, s.num_heads, 2 * s.head_dim).split(s.head_dim, dim=-1)
+            q = q.contiguous()
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
-        q, k = self.rotary_for(i).apply(q, k, positions)
-        o = attn.forward(q, k, v, kv_caches[i, 0], kv_caches[i, 1], meta, i, layer.sinks)  # [T, H, D]
+        q, k = self.rope(i, q, k, positions)
+        kv = kv_caches[self.kv_index[i]]
+        o = attn.forward(q, k, v, kv[0], kv[1], meta, i, layer.sinks)  # [T, H, D]
         o = o.reshape(-1, layer.q_size)  # [T, q]
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(-1, layer.q_size))
         h = layer.linear("o_proj", o, layer.o_proj_bias)
         if lora is not None:
             lora(i, "o_proj", o, h)
@@ -233,6 +245,15 @@ class LlamaForCausalLM(nn.Module):
 
     def rotary_for(self, i: int) -> RotaryCache:
         return self.rotary
+
+    def rope(self, i: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """Layer i's rotary embedding on q [T, H, D] and k [T, KVH, D]; with partial rotary on the first rotary_dim
+        of each head only (the Triton kernel turns those views in place)."""
+        rd = self.spec.rotary_dim
+        if not rd or rd == q.shape[-1]:
+            return self.rotary_for(i).apply(q, k, positions)
+        qr, kr = self.rotary_for(i).apply(q[..., :rd], k[..., :rd], positions)
+        return torch.cat([qr, q[..., rd:]], -1), torch.cat([kr, k[..., rd:]], -1)
 
     act_and_mul = staticmethod(silu_and_mul)
 
@@ -286,6 +307,7 @@ class LlamaForCausalLM(nn.Module):
         filled = Counter()  # (layer, parameter) -> elements written
         if self.converter is not None:  # a quantized checkpoint: its tensors in our layout, or dequantized
             weights = self.converter(weights)
+        weights = self.arrange(weights)
         if self.shard is not None:  # tensor parallelism: this rank's rows and columns of each tensor
             weights = self.shard.weights(weights)
         for name, t in weights:
@@ -298,6 +320,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.spec.tie_word_embeddings and filled[None, "lm_head"] == 0:
             self._headless()  # a base model's checkpoint (an embedding model's): nothing to generate with
         loading.check_complete(self, filled, table)
+
+    def arrange(self, weights):
+        """The checkpoint's (name, tensor) stream as WEIGHTS reads it: a family that renames or splits rewrites it."""
+        return weights
 
     def _headless(self) -> None:
         """No LM head: the model serves embeddings only (engine/pooling.py); generation is refused at intake. The

@@ -27,9 +27,9 @@ FP8 = torch.float8_e4m3fn
 
 
 class MoELayer(DecoderLayer):
-    def __init__(self, s, dtype, device, fp8: bool, moe: bool, packed=None, mxfp4: bool = False):
+    def __init__(self, s, dtype, device, fp8: bool, moe: bool, packed=None, mxfp4: bool = False, attention=True):
         """mxfp4: GPT-OSS's experts kept as the checkpoint packs them (engine/models/gpt_oss.py)."""
-        super().__init__(s, dtype, device, fp8, mlp=not moe, packed=packed)
+        super().__init__(s, dtype, device, fp8, mlp=not moe, packed=packed, attention=attention)
         # a block-fp8 checkpoint's experts are requantized per channel while loading (engine/quant/convert.py)
         fp8 = fp8 or (packed is not None and packed.kind == "fp8")
         self.moe = moe

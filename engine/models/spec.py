@@ -21,10 +21,46 @@ ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
+# a vision-language checkpoint whose text model we serve (its vision tower is not loaded: images are refused)
+_TEXT_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # a family's base model (AutoModel's class, no LM head: how embedding models such as Qwen3-Embedding ship) loads as
 # its causal LM without a head (engine/models/llama.py _headless)
-_BASE = {a.replace("ForCausalLM", "Model"): a for a in ARCHITECTURES}
+_BASE = {a.replace("ForCausalLM", "Model"): a for a in ARCHITECTURES} | _TEXT_OF
+
+
+@dataclass(frozen=True)
+class GatedDeltaShape:
+    """A Gated DeltaNet layer's shapes (engine/models/qwen3_next.py): key / value heads and their dims, the short
+    conv's width. Per sequence it keeps a conv state [conv_channels, conv_width - 1] (model dtype) and a recurrent
+    state [v_heads, k_dim, v_dim] (fp32), whatever the context length."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_width: int
+
+    @property
+    def conv_channels(self) -> int:  # q, k and v go through the conv
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """One sequence's state in one layer."""
+        return self.conv_channels * (self.conv_width - 1) * dtype_bytes + self.v_heads * self.k_dim * self.v_dim * 4
+
+    def params(self, hidden: int) -> int:
+        """in_proj (q, k, v, z, b, a), the conv, dt_bias, A_log, the gated norm and out_proj."""
+        kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        in_rows = 2 * kd + 2 * vd + 2 * self.v_heads
+        return in_rows * hidden + self.conv_channels * self.conv_width + 2 * self.v_heads + self.v_dim + vd * hidden
 
 
 @dataclass(frozen=True)
@@ -71,6 +107,30 @@ class ModelSpec:
     expert_bias: bool = False
     swiglu: tuple[float, float] | None = None
     mxfp4: bool = False
+    # hybrid linear attention (Qwen3-Next, Qwen3.5: engine/models/qwen3_next.py): per layer True for a Gated
+    # DeltaNet layer (a fixed-size state per sequence, engine/state_cache.py), the rest attending over the paged KV
+    # cache with an output gate (attn_gate) and rope on the first rotary_dim of each head
+    linear_layers: tuple[bool, ...] = ()
+    linear_attn: GatedDeltaShape | None = None
+    attn_gate: bool = False
+    rotary_dim: int = 0  # 0: all of head_dim
+
+    @property
+    def hybrid(self) -> bool:
+        return any(self.linear_layers)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV in the paged pool (a hybrid's linear layers keep a state instead)."""
+        return self.num_layers - sum(self.linear_layers)
+
+    def state_bytes_per_seq(self, dtype_bytes: int) -> int:
+        """A hybrid's per-sequence state over all its linear layers (0 for other models)."""
+        la = self.linear_attn
+        return sum(self.linear_layers) * la.state_bytes(dtype_bytes) if la is not None else 0
 
     def num_active_params(self) -> int:
         """Parameters one token runs through: all of them, less the experts its router did not pick."""
@@ -89,13 +149,18 @@ class ModelSpec:
         attn = h * (q + 2 * kv) + q * h + (4 if self.gemma else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         attn += (q + 2 * kv) if self.attention_bias else 0
         attn += (h if self.o_bias else 0) + (self.num_heads if self.attention_sinks else 0)
+        attn += h * q if self.attn_gate else 0  # q_proj's gate rows
         dense = 3 * h * self.intermediate_size
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and the router's rows
         moe += self.num_experts * (2 * self.moe_intermediate_size + h + 1) if self.expert_bias else 0
         moe += (3 * h * self.shared_expert_intermediate_size + h) if self.shared_expert_intermediate_size else 0
         mlps = sum(moe if self.is_moe(i) else dense for i in range(self.num_layers))
         embeds = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * attn + mlps + embeds + h
+        linear = sum(self.linear_layers)
+        mixers = (self.num_layers - linear) * attn
+        if linear:  # a Gated DeltaNet layer's own weights, and its two norms
+            mixers += linear * (self.linear_attn.params(h) + 2 * h)
+        return mixers + mlps + embeds + h
 
     @property
     def prequantized(self) -> bool:
@@ -111,6 +176,9 @@ class ModelSpec:
     def from_hf(cls, cfg: dict, generation_cfg: dict | None = None, quantization: str | None = None) -> ModelSpec:
         """quantization: QUANTIZATION, checked against the checkpoint's quantization_config."""
         archs = cfg.get("architectures") or []
+        if any(a in _TEXT_OF for a in archs) and "text_config" in cfg:  # the language model's own config
+            tie = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))
+            cfg = {**cfg["text_config"], "architectures": archs, "tie_word_embeddings": tie}
         arch = next((_BASE.get(a, a) for a in archs if _BASE.get(a, a) in ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
@@ -132,9 +200,10 @@ class ModelSpec:
             scaling = {**scaling, "original_max_position_embeddings": orig}
             scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", orig)
         partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
-        if partial not in (None, 1, 1.0):
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if partial not in (None, 1, 1.0) and arch not in HYBRIDS:
             raise UnsupportedModelError(f"{arch}: partial_rotary_factor={partial} is not supported (1.0 is)")
-        extra = {}
+        extra = _hybrid_fields(cfg, head_dim, partial) if arch in HYBRIDS else {}
         if arch.startswith("Gemma"):
             extra = _gemma_fields(cfg, arch)
             theta, scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
@@ -143,18 +212,18 @@ class ModelSpec:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # Qwen3.5-MoE has no dense MLP
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(cfg, arch),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *HYBRIDS),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             quant=_quant(cfg, arch, quantization),
             layer_windows=_layer_windows(cfg | {"layer_types": types}, arch),
@@ -187,6 +256,31 @@ def _gpt_oss_fields(cfg: dict) -> dict:
     )
 
 
+def _hybrid_fields(cfg: dict, head_dim: int, partial) -> dict:
+    """Qwen3-Next / Qwen3.5: `layer_types` (or every full_attention_interval-th layer) attend with an output gate and
+    rope on partial_rotary_factor of each head; the others are Gated DeltaNet layers."""
+    n = cfg["num_hidden_layers"]
+    every = cfg.get("full_attention_interval", 4)
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
+    ]
+    shape = GatedDeltaShape(
+        k_heads=cfg["linear_num_key_heads"],
+        v_heads=cfg["linear_num_value_heads"],
+        k_dim=cfg["linear_key_head_dim"],
+        v_dim=cfg["linear_value_head_dim"],
+        conv_width=cfg["linear_conv_kernel_dim"],
+    )
+    if shape.v_heads % shape.k_heads:
+        raise UnsupportedModelError(f"{shape.v_heads} linear value heads: not a multiple of {shape.k_heads}")
+    return dict(
+        linear_layers=tuple(t == "linear_attention" for t in types),
+        linear_attn=shape,
+        attn_gate=True,
+        rotary_dim=int(head_dim * (partial or 1.0)),
+    )
+
+
 def _moe_fields(cfg: dict, arch: str) -> dict:
     """Mixtral: every layer routes over num_local_experts experts of intermediate_size, top-k renormalized.
     Qwen2/3-MoE: num_experts (transformers 5 writes num_local_experts) of moe_intermediate_size on the layers
@@ -203,7 +297,16 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
             norm_topk_prob=True,
             moe_layers=(True,) * n,
         )
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch == "Qwen3_5MoeForCausalLM":  # every layer routes, the top-k always renormalized
+        return dict(
+            num_experts=cfg["num_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            moe_layers=(True,) * n,
+        )
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         e = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
         return dict(
@@ -273,7 +376,8 @@ def _quant(cfg: dict, arch: str, setting: str | None) -> QuantScheme | None:
     if arch == "GptOssForCausalLM" and str((qc or {}).get("quant_method", "")).lower() == "mxfp4":
         qc = None  # its MXFP4 experts are dequantized as they load (engine/models/gpt_oss.py); the rest is 16-bit
     q = scheme.parse(qc, scheme.method_setting(setting))
-    moe = arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+    moe = arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+                   "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # fmt: skip
     if q is not None and q.kind == "int" and moe:
         raise UnsupportedModelError(f"{arch} with {q.source} int{q.bits} weights: quantized mixture-of-experts "
                                     "experts are not supported yet in int formats (fp8 ones are)")  # fmt: skip
