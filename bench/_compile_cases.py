@@ -252,6 +252,25 @@ def grammar_mask(vocab: int, sms: int) -> None:
         )  # fmt: skip
 
 
+def gated_delta(t: int = 64) -> None:
+    """Qwen3-Next-80B's Gated DeltaNet layer (engine/models/qwen3_next.py) as the model calls it: the causal conv
+    (width 4) over q, k, v's 8192 channels, the gated delta rule (16 key heads, 32 value heads, 128 each; q, k, v views
+    of the conv's output, b of in_proj's) and the gated norm, sequences in slots of a pool of eight. No size depends
+    on the token count (the kernels walk each sequence's rows), so one t."""
+    from kernels.gated_delta import causal_conv1d, gated_delta_rule, gated_rms_norm
+
+    hk, hv, d, w = 16, 32, 128, 4
+    c = 2 * hk * d + hv * d
+    qkv, z, b, _ = torch.empty(t, c + hv * d + 2 * hv, dtype=BF16).split([c, hv * d, hv, hv], dim=-1)  # in_proj's
+    qsl, slots = [0, t - 1, t], [5, 2]  # a prefill chunk and a decode
+    x = causal_conv1d(qkv, torch.empty(c, w, dtype=BF16), None, torch.empty(8, c, w - 1, dtype=BF16), qsl, slots)
+    q, k, v = x.split([hk * d, hk * d, hv * d], dim=-1)
+    state = torch.empty(8, hv, d, d)
+    o = gated_delta_rule(q.reshape(t, hk, d), k.reshape(t, hk, d), v.reshape(t, hv, d), torch.empty(t, hv), b, state,
+                         qsl, slots)  # fmt: skip
+    gated_rms_norm(o, z.reshape(t, hv, d), torch.empty(d, dtype=BF16), 1e-6)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -271,6 +290,7 @@ def cases(models: dict[str, Path], sms: int) -> list[Case]:
             out.append(Case(f"{m.name} MoE bf16", lambda m=m: moe(m, False)))
             out.append(Case(f"{m.name} MoE fp8", lambda m=m: moe(m, True), fp8=True))
     out.append(Case("gpt-oss-20b MoE MXFP4", lambda: moe_mxfp4(GPT_OSS_20B)))
+    out.append(Case("Qwen3-Next-80B Gated DeltaNet bf16", gated_delta))
     out.append(Case("Llama-3.1-8B fp16 norms, act, LoRA", lambda: dense(MODELS[0], torch.float16)))
     out.append(Case("grammar masks (xgrammar)", lambda: grammar_mask(MODELS[0].vocab, sms)))
     return out

@@ -57,7 +57,7 @@ from bench._common import (
     write_section,
 )
 from bench.peers import SERVERS, run_servers
-from bench.synthetic_model import write_tiny_moe  # noqa: E402
+from bench.synthetic_model import write_tiny_hybrid, write_tiny_moe  # noqa: E402
 from engine.models.spec import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
 
@@ -318,6 +318,7 @@ def main() -> None:
     ap.add_argument("--docs-dir", type=Path, default=None, help="where to write (default docs/, none with --quick)")
     ap.add_argument("--ab", choices=sorted(AB), help="ours with a switch on and off, alternated (bench/_common.py)")
     ap.add_argument("--moe", action="store_true", help="a small random Mixtral (8 experts, top-2) instead of SmolLM2")
+    ap.add_argument("--hybrid", action="store_true", help="a small random Qwen3-Next (linear attention) instead")
     args = ap.parse_args()
     oh_n, oh_out = 64, 128
     if args.quick:
@@ -334,7 +335,9 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype]
 
-    path = write_tiny_moe(Path(tempfile.mkdtemp(prefix="tiny-moe-"))) if args.moe else default_model_path()
+    kind = "moe" if args.moe else "hybrid" if args.hybrid else None  # a small random model, or SmolLM2
+    write = {"moe": write_tiny_moe, "hybrid": write_tiny_hybrid}.get(kind)
+    path = write(Path(tempfile.mkdtemp(prefix=f"tiny-{kind}-"))) if write else default_model_path()
     spec = ModelSpec.from_hf(read_json(path / "config.json"), read_json(path / "generation_config.json"))
     # the work per token (a MoE token runs only its top-k experts)
     p_ne = spec.num_active_params() - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
@@ -388,9 +391,10 @@ def main() -> None:
     md = md.replace("\n\n![Offline", "\n" + "".join(s + "\n" for s in skipped) + "\n![Offline", 1)
     print("\n" + md)
     if docs is not None:
-        key = "throughput-moe" if args.moe else "throughput"
-        if args.moe:
-            md = md.replace("## ", "## Mixture of experts: ", 1).replace("throughput.png", "throughput-moe.png")
+        key = f"throughput-{kind}" if kind else "throughput"
+        if kind:
+            title = {"moe": "Mixture of experts", "hybrid": "Hybrid linear attention (Qwen3-Next)"}[kind]
+            md = md.replace("## ", f"## {title}: ", 1).replace("throughput.png", f"{key}.png")
         write_section(docs / "benchmarks.md", key, md)
         plot(rows, wl, flops / (peak * 1e9), docs / f"{key}.png")
         print(f"\nwrote {docs / 'benchmarks.md'} and {docs / f'{key}.png'}")

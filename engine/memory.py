@@ -368,17 +368,19 @@ def plan_gpu_start(
     max_model_len: int | None = None,
     num_blocks: int | None = None,
     also: str = "",
+    state: tuple[int, int] = (0, 0),
 ) -> MemoryPlan:
     """Before the load (the engine's start, and `python -m warmup.plan`): refuse weights that cannot fit, then
-    predict the pool with the weights and the CUDA context counted as in use."""
+    predict the pool with the weights and the CUDA context counted as in use. state: a hybrid's state pool (bytes,
+    sequences), set aside before the KV pool."""
     check_weights_fit(total=total, free=free, utilization=utilization, weights=weights, reserve=reserve,
-                      quantized=quantized, also=also)  # fmt: skip
+                      quantized=quantized, state=state)  # fmt: skip
     return plan_gpu(
         total=total,
         utilization=utilization,
         used=total - free + weights + CUDA_CONTEXT_BYTES,
         weights=weights,
-        reserve=reserve,
+        reserve=reserve + state[0],
         kv_bytes_per_token=kv_bytes_per_token,
         block_size=block_size,
         model_max_len=model_max_len,
@@ -390,23 +392,28 @@ def plan_gpu_start(
 
 
 def check_weights_fit(
-    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantized: bool, also: str = ""
+    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantized: bool, state=(0, 0)
 ) -> None:
-    """Before anything is allocated: refuse a model whose weights, with the activation reserve and the CUDA
-    context, cannot fit the budget. The error names the numbers and what would fit."""
+    """Before anything is allocated: refuse a model whose weights, with the activation reserve, a hybrid's state
+    pool (state: bytes, sequences) and the CUDA context, cannot fit the budget. The error names the numbers and
+    what would fit."""
     budget, in_use = int(total * utilization), total - free
-    need = in_use + weights + reserve + CUDA_CONTEXT_BYTES
+    need = in_use + weights + reserve + state[0] + CUDA_CONTEXT_BYTES
     if need <= budget:
         return
     hints = [] if quantized else ["QUANTIZATION=fp8 (about half the weight bytes)"]
+    per_seq = state[0] // state[1] if state[0] else 0
+    if per_seq and (seqs := (budget - need + state[0]) // per_seq) >= 1:  # the states of fewer sequences fit
+        hints.append(f"MAX_NUM_SEQS={seqs} or fewer (each sequence's state takes {per_seq / 2**20:.0f} MiB)")
     if need <= 0.98 * total:
         hints.append(f"GPU_MEMORY_UTILIZATION={-(-100 * need // total) / 100:.2f} or more")
     hints.append("a GPU with more memory, or more GPUs")
     raise ConfigError(
-        f"the model does not fit: its weights take {_gib(weights)}, plus {_gib(reserve)} kept for "
-        f"activations and {_gib(CUDA_CONTEXT_BYTES)} for the CUDA context, with {_gib(in_use)} of the "
+        f"the model does not fit: its weights take {_gib(weights)}, plus {_gib(reserve)} kept for activations"
+        + (f", {_gib(state[0])} for {state[1]} sequences' linear-attention state" if state[0] else "")
+        + f" and {_gib(CUDA_CONTEXT_BYTES)} for the CUDA context, with {_gib(in_use)} of the "
         f"device already in use, against a budget of {_gib(budget)} (GPU_MEMORY_UTILIZATION="
-        f"{utilization:g} x {_gib(total)}). What would fit: {'; '.join(hints)}.{also}"
+        f"{utilization:g} x {_gib(total)}). What would fit: {'; '.join(hints)}."
     )
 
 

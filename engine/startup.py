@@ -363,7 +363,8 @@ def plan_memory(
         check_fp8_support(cfg, spec.fp8_checkpoint, gpu.name, gpu.capability)
     plan = memory.plan_gpu_start(
         free=gpu.free,
-        reserve=needs.reserve_bytes + needs.state_bytes,
+        reserve=needs.reserve_bytes,
+        state=(needs.state_bytes, cfg.max_num_seqs),
         quantized=quantized,
         model_max_len=spec.max_position_embeddings,
         **kv,

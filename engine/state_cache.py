@@ -25,8 +25,8 @@ class StateBatch:
 
     conv: torch.Tensor  # [linear layers, slots, C, W - 1]
     rec: torch.Tensor  # [linear layers, slots, Hv, Dk, Dv] fp32
-    query_start_loc: list[int]  # [B + 1]
-    slots: list[int]  # [B]
+    query_start_loc: list[int] | torch.Tensor  # [B + 1]; int32 on the device where the kernels are Triton's
+    slots: list[int] | torch.Tensor  # [B]
 
 
 def state_shapes(spec: ModelSpec, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -49,6 +49,7 @@ class StatePool:
         self.conv = _zeros(conv, dtype, device)
         self.rec = _zeros(rec, torch.float32, device)
         self.nbytes = self.conv.nbytes + self.rec.nbytes
+        self.on_device = device.type != "cpu"  # hand the kernels device indices, copied once a step (not per layer)
 
     def batch(self, query_start_loc: list[int], positions: list[int], slots: list[int]) -> StateBatch:
         """This step's view of the pool; the slots of sequences starting at position 0 are cleared first."""
@@ -57,6 +58,9 @@ class StatePool:
             idx = torch.tensor(fresh, device=self.conv.device)
             self.conv.index_fill_(1, idx, 0)
             self.rec.index_fill_(1, idx, 0)
+        if self.on_device:
+            index = torch.tensor([*query_start_loc, *slots], dtype=torch.int32).to(self.conv.device, non_blocking=True)
+            query_start_loc, slots = index[: len(query_start_loc)], index[len(query_start_loc) :]
         return StateBatch(self.conv, self.rec, query_start_loc, slots)
 
 

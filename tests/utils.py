@@ -11,6 +11,8 @@ import torch
 
 TINY_VOCAB = 384
 
+HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4)  # fmt: skip
 # name -> (transformers config class name, extra config)
 TINY_ARCHS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
@@ -112,6 +114,19 @@ TINY_ARCHS = {
             },
         ),
     ),
+    # hybrids: three Gated DeltaNet layers per gated full-attention layer, two value heads per key head, rope on a
+    # quarter of head_dim; Qwen3-Next's MoE with a shared expert, Qwen3.5 dense, Qwen3.5-MoE (norms randomized below)
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[], **HYBRID),
+    ),  # fmt: skip
+    "qwen3.5": ("Qwen3_5TextConfig", dict(tie_word_embeddings=False, **HYBRID)),
+    "qwen3.5-moe": (
+        "Qwen3_5MoeTextConfig",
+        dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48, **HYBRID),
+    ),  # fmt: skip
     "gemma3": (
         "Gemma3TextConfig",
         dict(
@@ -175,6 +190,8 @@ def build_tiny_model(out: Path, arch: str, *, seed: int = 0, init_range: float =
         pad_token_id=2,
         attention_bias=arch == "qwen2",
     )
+    if cls_name == "Qwen3_5MoeTextConfig":  # no dense MLP at all
+        del base["intermediate_size"]
     cfg = getattr(transformers, cls_name)(**{**base, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -188,6 +205,11 @@ def build_tiny_model(out: Path, arch: str, *, seed: int = 0, init_range: float =
             for name, p in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     p.normal_(0, 1.0 if name.endswith("sinks") else 0.3)
+    if arch.startswith("qwen3.5") or arch == "qwen3-next":  # HF's norms start as (1 + 0), dt_bias as 1
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias")):
+                    p.uniform_(-0.5, 0.5)
     if arch == "qwen3":
         with torch.no_grad():
             for layer in model.model.layers:

@@ -111,6 +111,8 @@ def make_plan(
         "kv_bytes_per_token": needs.kv_bytes_per_token,
         "activation_reserve_bytes": needs.reserve_bytes,
         "graph_pool_bytes": needs.graph_pool_bytes,
+        "state_bytes": needs.state_bytes,  # a hybrid's state pool: max_num_seqs slots (0 for other models)
+        "state_slots": cfg.max_num_seqs if needs.state_bytes else 0,
         "gpu_bytes": gpu_bytes,
         "gpu_free_bytes": free,
         "budget_bytes": int(gpu_bytes * cfg.gpu_memory_utilization),
@@ -159,6 +161,10 @@ def render(spec, plan: dict, gpu_bytes: int, utilization: float, requests: int |
     ]
     extras = [f"LoRA: {plan['lora'][0]} slots of rank {plan['lora'][1]}"] if plan["lora"] else []
     extras += [f"CUDA graph pool {plan['graph_pool_bytes'] / gib:.2f} GiB"] if plan["graph_pool_bytes"] else []
+    if plan.get("state_bytes"):  # a hybrid model's linear-attention state: fixed per sequence, beside the KV
+        per_seq = plan["state_bytes"] / plan["state_slots"] / 2**20
+        extras.append(f"state pool {plan['state_bytes'] / gib:.2f} GiB ({plan['state_slots']} sequences x "
+                      f"{per_seq:.1f} MiB)")  # fmt: skip
     extras += [f"speculative decoding: {plan['speculative']}"] if plan["speculative"] else []
     lines += [f"in the reserve and KV: {'; '.join(extras)}"] if extras else []
     if plan["fits"]:

@@ -28,7 +28,7 @@ def check(spec: ModelSpec, tp: int, devices: int | None = None) -> None:
     """Refuse a size that cannot shard this model, with the reason."""
     if tp == 1:
         return
-    why = []
+    why = ["hybrid (linear-attention) models are not sharded yet"] if spec.hybrid else []
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(spec, name) % tp:
             why.append(f"{name} {getattr(spec, name)} is not divisible by {tp}")

@@ -11,6 +11,7 @@ import torch
 import kernels  # noqa: F401 - registers the operators
 import kernels.fp8_block  # noqa: F401 - and those of the modules the package does not import itself
 import kernels.fused_moe  # noqa: F401
+import kernels.gated_delta  # noqa: F401
 import kernels.grammar_mask  # noqa: F401
 import kernels.int_gemm  # noqa: F401
 from kernels._common import FP8
@@ -45,7 +46,19 @@ def _bitmask():
     return torch.tensor([[-1, 0x0F0F0F0F], [7, -1]], dtype=torch.int32, device=DEVICE)
 
 
+def _state_batch():  # two sequences (2 and 3 rows) in slots 2 and 0 of 3
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    return qsl, torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+
+
 CASES = {
+    "gated_delta_rule": lambda: (
+        ops.gated_delta_rule,
+        (_g(T, KVH, D), _g(T, KVH, D), _g(T, H, D), -_g(T, H).abs(), _g(T, H).sigmoid(), _g(3, H, D, D),
+         *_state_batch()),
+    ),  # fmt: skip
+    "causal_conv1d": lambda: (ops.causal_conv1d, (_g(T, 32), _g(32, 4), None, _g(3, 32, 3), *_state_batch())),
+    "gated_rms_norm": lambda: (ops.gated_rms_norm, (_g(T, H, D), _g(T, H, D), _g(D), 1e-6)),
     "rms_norm": lambda: (ops.rms_norm, (_g(T, 32), _g(32), 1e-6)),
     "add_rms_norm": lambda: (ops.add_rms_norm, (_g(T, 32), _g(T, 32), _g(32), 1e-6)),
     "act_and_mul": lambda: (ops.act_and_mul, (_g(T, 64), True)),
