@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.block_table import h2d_rows
 from engine.models.spec import ModelSpec
 
 
@@ -54,13 +55,14 @@ class StatePool:
     def batch(self, query_start_loc: list[int], positions: list[int], slots: list[int]) -> StateBatch:
         """This step's view of the pool; the slots of sequences starting at position 0 are cleared first."""
         fresh = [s for s, start in zip(slots, query_start_loc) if positions[start] == 0]
-        if fresh:
-            idx = torch.tensor(fresh, device=self.conv.device)
-            self.conv.index_fill_(1, idx, 0)
-            self.rec.index_fill_(1, idx, 0)
-        if self.on_device:
-            index = torch.tensor([*query_start_loc, *slots], dtype=torch.int32).to(self.conv.device, non_blocking=True)
-            query_start_loc, slots = index[: len(query_start_loc)], index[len(query_start_loc) :]
+        if self.on_device:  # one pinned, asynchronous copy a step
+            qsl, at, fresh = h2d_rows([list(query_start_loc), list(slots), fresh], torch.int64, self.conv.device)
+            query_start_loc, slots = qsl.int(), at.int()
+        elif fresh:
+            fresh = torch.tensor(fresh)
+        if len(fresh):
+            self.conv.index_fill_(1, fresh, 0)
+            self.rec.index_fill_(1, fresh, 0)
         return StateBatch(self.conv, self.rec, query_start_loc, slots)
 
 

@@ -165,10 +165,11 @@ def test_quantized_checkpoints_steps_read_the_device_once(llama64, tmp_path, fmt
 
 
 @SLOW
-@pytest.mark.parametrize("arch", ["mixtral", "gemma2", "gpt-oss", "gpt-oss-mxfp4"])
+@pytest.mark.parametrize("arch", ["mixtral", "gemma2", "gpt-oss", "gpt-oss-mxfp4", "qwen3-next", "qwen3.5"])
 def test_moe_and_gemma_steps_read_the_device_once(models, arch, tmp_path):
     """The fused MoE (its prefill-sized blocks too: 20 tokens x 2 of 4 experts), Gemma-2's soft-cap, sliding
-    window and GeGLU, GPT-OSS's sinks, biases and clamped SwiGLU, and its MXFP4 experts kept 4-bit."""
+    window and GeGLU, GPT-OSS's sinks, biases and clamped SwiGLU, and its MXFP4 experts kept 4-bit; a hybrid's
+    Gated DeltaNet kernels over its state pool (the step's slot indices copied once, not per layer)."""
     model = models(arch.removesuffix("-mxfp4"))
     if arch.endswith("mxfp4"):
         import json

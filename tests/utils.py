@@ -118,14 +118,28 @@ TINY_ARCHS = {
     # quarter of head_dim; Qwen3-Next's MoE with a shared expert, Qwen3.5 dense, Qwen3.5-MoE (norms randomized below)
     "qwen3-next": (
         "Qwen3NextConfig",
-        dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-             shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[], **HYBRID),
+        dict(
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **HYBRID,
+        ),
     ),  # fmt: skip
     "qwen3.5": ("Qwen3_5TextConfig", dict(tie_word_embeddings=False, **HYBRID)),
     "qwen3.5-moe": (
         "Qwen3_5MoeTextConfig",
-        dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-             shared_expert_intermediate_size=48, **HYBRID),
+        dict(
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            **HYBRID,
+        ),
     ),  # fmt: skip
     "gemma3": (
         "Gemma3TextConfig",

@@ -54,8 +54,15 @@ def _state_batch():  # two sequences (2 and 3 rows) in slots 2 and 0 of 3
 CASES = {
     "gated_delta_rule": lambda: (
         ops.gated_delta_rule,
-        (_g(T, KVH, D), _g(T, KVH, D), _g(T, H, D), -_g(T, H).abs(), _g(T, H).sigmoid(), _g(3, H, D, D),
-         *_state_batch()),
+        (
+            _g(T, KVH, D),
+            _g(T, KVH, D),
+            _g(T, H, D),
+            -_g(T, H).abs(),
+            _g(T, H).sigmoid(),
+            _g(3, H, D, D),
+            *_state_batch(),
+        ),
     ),  # fmt: skip
     "causal_conv1d": lambda: (ops.causal_conv1d, (_g(T, 32), _g(32, 4), None, _g(3, 32, 3), *_state_batch())),
     "gated_rms_norm": lambda: (ops.gated_rms_norm, (_g(T, H, D), _g(T, H, D), _g(D), 1e-6)),
