@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import (
+from bench._common import (  # noqa: I001
     AB,
     Workload,
     ab,
@@ -77,14 +77,8 @@ def build_llm(path, spec, args, workloads):
 
     blocks = max(sum(math.ceil((len(p) + o) / 16) for p, o in zip(w.prompts, w.out_lens)) for w in workloads)
     mem = (blocks + 16) * 16 * kv_bytes_per_token(spec, DTYPES[args.dtype].itemsize)
-    return LLM(
-        model=str(path),
-        dtype=args.dtype,
-        max_num_seqs=64,
-        max_num_batched_tokens=args.max_batched_tokens,
-        kv_cache_memory=mem,
-        log_stats_interval=0,
-    )
+    kw = dict(dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=args.max_batched_tokens)
+    return LLM(model=str(path), kv_cache_memory=mem, log_stats_interval=0, **kw)
 
 
 def ours_generate(llm, wl: Workload) -> None:
