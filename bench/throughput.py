@@ -385,7 +385,7 @@ def main() -> None:
     md = md.replace("\n\n![Offline", "\n" + "".join(s + "\n" for s in skipped) + "\n![Offline", 1)
     print("\n" + md)
     if docs is not None:
-        key = f"throughput-{kind}" if kind else "throughput"
+        key = {"moe": "throughput-moe", "hybrid": "throughput-hybrid"}.get(kind, "throughput")
         if kind:
             title = {"moe": "Mixture of experts", "hybrid": "Hybrid linear attention (Qwen3-Next)"}[kind]
             md = md.replace("## ", f"## {title}: ", 1).replace("throughput.png", f"{key}.png")

@@ -32,10 +32,7 @@ import torch.nn.functional as F
 
 from kernels._common import cdiv, jit, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+from kernels.gated_delta_chunked import gated_delta_rule_chunked, l2norm
 
 
 def gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, slots, l2norm_qk: bool = True) -> torch.Tensor:
@@ -282,8 +279,6 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, slots, l2norm_qk:
     if not use_triton(v) and not l2norm_qk:
         return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, slots, l2norm_qk)
     if not use_triton(v):  # the torch path: batched decodes, prefill in 64-token chunks (the reference's math)
-        from kernels.gated_delta_chunked import gated_delta_rule_chunked
-
         return gated_delta_rule_chunked(q, k, v, g, beta, state, query_start_loc, slots)
     qsl, slots = _index(query_start_loc, slots, v.device)
     return gated_delta_rule_triton(q, k, v, g, beta, state, qsl, slots, l2norm_qk)

@@ -15,9 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.gated_delta import l2norm
-
 CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Over the last dim, as flash-linear-attention (and transformers' l2norm) compute it."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def _unit_lower_inverse(n: torch.Tensor) -> torch.Tensor:
