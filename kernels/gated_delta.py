@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kernels._common import cdiv, jit, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
-from kernels.gated_delta_chunked import gated_delta_rule_chunked, l2norm
+from kernels.gated_delta_torch import causal_conv1d_torch, gated_delta_rule_torch, l2norm
 
 
 def gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, slots, l2norm_qk: bool = True) -> torch.Tensor:
@@ -279,7 +279,7 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, slots, l2norm_qk:
     if not use_triton(v) and not l2norm_qk:
         return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, slots, l2norm_qk)
     if not use_triton(v):  # the torch path: batched decodes, prefill in 64-token chunks (the reference's math)
-        return gated_delta_rule_chunked(q, k, v, g, beta, state, query_start_loc, slots)
+        return gated_delta_rule_torch(q, k, v, g, beta, state, query_start_loc, slots)
     qsl, slots = _index(query_start_loc, slots, v.device)
     return gated_delta_rule_triton(q, k, v, g, beta, state, qsl, slots, l2norm_qk)
 
@@ -287,8 +287,8 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, slots, l2norm_qk:
 def causal_conv1d(x, weight, bias, conv_state, query_start_loc, slots, activation: str | None = "silu"):
     """As causal_conv1d_ref: [T, C] in x's dtype; conv_state [S, C, W - 1] updated in place."""
     assert activation in ("silu", None), activation
-    if not use_triton(x):
-        return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, slots, activation)
+    if not use_triton(x):  # the torch path: every sequence at once
+        return causal_conv1d_torch(x, weight, bias, conv_state, query_start_loc, slots, activation)
     qsl, slots = _index(query_start_loc, slots, x.device)
     return causal_conv1d_triton(x, weight, bias, conv_state, qsl, slots, activation == "silu")
 

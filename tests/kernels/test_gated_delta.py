@@ -195,7 +195,7 @@ def test_gated_rms_norm_triton_is_the_reference(dtype, wdtype):
 
 
 def test_cpu_tensors_take_the_torch_paths_by_default(monkeypatch):
-    """The conv and the norm: their references; the rule: the chunked torch path (equal to its reference below)."""
+    """The norm: its reference; the conv and the rule: the torch paths (equal to their references below)."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a Triton launcher on the default backend's CPU path")
@@ -217,10 +217,11 @@ def test_cpu_tensors_take_the_torch_paths_by_default(monkeypatch):
 
 
 @pytest.mark.parametrize("lens", [[1], [1, 1, 1], [5, 1, 70, 1, 130], [64, 3]])
-def test_the_chunked_torch_path_is_the_reference(lens):
-    """kernels/gated_delta_chunked.py (what CPU runs): one-token sequences batched, longer ones in 64-token chunks
-    (padded, several chunks), each from its own slot in a pool whose other slots stay as they were."""
-    from kernels.gated_delta_chunked import gated_delta_rule_chunked
+def test_the_torch_paths_are_the_references(lens):
+    """kernels/gated_delta_torch.py (what CPU runs): the rule's one-token sequences batched, longer ones in 64-token
+    chunks (padded, several chunks), and the conv over every sequence at once (shorter ones than its width too), each
+    from its own slot in a pool whose other slots stay as they were."""
+    from kernels.gated_delta_torch import causal_conv1d_torch, gated_delta_rule_torch
 
     q, k, v, decay, beta = inputs(sum(lens), seed=len(lens))
     qsl = [0]
@@ -230,7 +231,14 @@ def test_the_chunked_torch_path_is_the_reference(lens):
     pool = torch.randn(2 * len(lens) + 1, HV, DK, DV, generator=torch.Generator().manual_seed(3))
     want_state, got_state = pool.clone(), pool.clone()
     want = gated_delta_rule_ref(q, k, v, decay, beta, want_state, qsl, slots)
-    got = gated_delta_rule_chunked(q, k, v, decay, beta, got_state, qsl, slots)
+    got = gated_delta_rule_torch(q, k, v, decay, beta, got_state, qsl, slots)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=2e-5)
     assert torch.equal(got_state[0::2], pool[0::2])
+    x, weight = torch.randn(sum(lens), 10, dtype=torch.float64).float(), torch.randn(10, 4)
+    conv = torch.randn(2 * len(lens) + 1, 10, 3, generator=torch.Generator().manual_seed(4))
+    want_conv, got_conv = conv.clone(), conv.clone()
+    want = causal_conv1d_ref(x, weight, None, want_conv, qsl, slots)
+    torch.testing.assert_close(causal_conv1d_torch(x, weight, None, got_conv, qsl, slots), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_conv, want_conv, rtol=0, atol=0)  # the saved inputs are copies
+    assert torch.equal(got_conv[0::2], conv[0::2])
