@@ -220,14 +220,15 @@ def calibrate_kv_scales(model, token_ids: list[int], device) -> tuple[torch.Tens
     k_scales = (cal.k_amax / FP8_MAX).clamp(min=1e-6)
     v_scales = (cal.v_amax / FP8_MAX).clamp(min=1e-6)
     blind = cal.over_448 / max(cal.count, 1)
+    seen = cal.k_amax > 0  # layers with attention (a hybrid's linear layers have none)
     log.info(
         "fp8 KV scales calibrated on %d tokens: k %.3g..%.3g, v %.3g..%.3g; clipped 0 %% of calibration "
         "values (a scale of 1.0 would clip %.4f %%)",
         len(token_ids),
-        k_scales.min(),
-        k_scales.max(),
-        v_scales.min(),
-        v_scales.max(),
+        k_scales[seen].min(),
+        k_scales[seen].max(),
+        v_scales[seen].min(),
+        v_scales[seen].max(),
         100 * blind,
     )
     return k_scales.to(device), v_scales.to(device)

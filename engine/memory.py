@@ -58,7 +58,7 @@ def weight_bytes(spec, dtype_bytes: int, quantization: str | None, packed: bool 
     linear = scales = 0
     for layer in range(spec.num_layers):
         moe = getattr(spec, "is_moe", lambda _: False)(layer)
-        shapes = linear_shapes(spec)[:2] if moe else linear_shapes(spec)  # a MoE layer's MLP is its experts
+        shapes = linear_shapes(spec, layer)[:2] if moe else linear_shapes(spec, layer)  # a MoE layer's: its experts
         linear += sum(i * o for i, o, _ in shapes)
         scales += sum(o for _, o, _ in shapes) * 4
         if moe:  # every expert's gate, up and down in fp8, with per-expert per-channel scales
@@ -330,11 +330,12 @@ def plan_gpu_start(
     max_model_len: int | None = None,
     num_blocks: int | None = None,
     also: str = "",
-    state: tuple[int, int] = (0, 0),
+    state: tuple[int, int, int] = (0, 0, 0),
 ) -> MemoryPlan:
     """Before the load (the engine's start, and `python -m warmup.plan`): refuse weights that cannot fit, then
     predict the pool with the weights and the CUDA context counted as in use. state: a hybrid's state pool (bytes,
-    sequences), set aside before the KV pool."""
+    sequences, and the KV of one full context: what a smaller MAX_NUM_SEQS must still leave), set aside before the
+    KV pool."""
     check_weights_fit(total=total, free=free, utilization=utilization, weights=weights, reserve=reserve,
                       quantized=quantized, state=state)  # fmt: skip
     return plan_gpu(
@@ -354,7 +355,7 @@ def plan_gpu_start(
 
 
 def check_weights_fit(
-    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantized: bool, state=(0, 0)
+    *, total: int, free: int, utilization: float, weights: int, reserve: int, quantized: bool, state=(0, 0, 0)
 ) -> None:
     """Before anything is allocated: refuse a model whose weights, with the activation reserve, a hybrid's state
     pool (state: bytes, sequences) and the CUDA context, cannot fit the budget. The error names the numbers and
@@ -365,7 +366,7 @@ def check_weights_fit(
         return
     hints = [] if quantized else ["QUANTIZATION=fp8 (about half the weight bytes)"]
     per_seq = state[0] // state[1] if state[0] else 0
-    if per_seq and (seqs := (budget - need + state[0]) // per_seq) >= 1:  # the states of fewer sequences fit
+    if per_seq and (seqs := (budget - need + state[0] - state[2]) // per_seq) >= 1:  # fewer states, and one context
         hints.append(f"MAX_NUM_SEQS={seqs} or fewer (each sequence's state takes {per_seq / 2**20:.0f} MiB)")
     if need <= 0.98 * total:
         hints.append(f"GPU_MEMORY_UTILIZATION={-(-100 * need // total) / 100:.2f} or more")

@@ -70,6 +70,9 @@ def resolve(cfg: EngineConfig, rank: int = 0) -> ModelFacts:
             "(its recurrent state cannot roll back a rejected draft yet); unset SPECULATIVE_CONFIG",
             field="speculative_config",
         )
+    if spec.hybrid and cfg.enable_lora:  # its fused q rows carry the output gate: adapters' rows would not line up
+        raise ConfigError(f"{spec.architecture} is a hybrid (linear-attention) model: LoRA is not supported for it "
+                          "yet; unset ENABLE_LORA", field="enable_lora")  # fmt: skip
     cuda = device.type == "cuda"
     shard.check(spec, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None)
     if cuda and rank == 0:  # configs read, nothing loaded yet
@@ -364,7 +367,11 @@ def plan_memory(
     plan = memory.plan_gpu_start(
         free=gpu.free,
         reserve=needs.reserve_bytes,
-        state=(needs.state_bytes, cfg.max_num_seqs),
+        state=(
+            needs.state_bytes,
+            cfg.max_num_seqs,
+            needs.kv_bytes_per_token * (cfg.max_model_len or spec.max_position_embeddings),
+        ),
         quantized=quantized,
         model_max_len=spec.max_position_embeddings,
         **kv,

@@ -1,7 +1,8 @@
 """The state pool of a hybrid model (Qwen3-Next, Qwen3.5: engine/models/qwen3_next.py), beside the paged KV pool:
 per linear-attention layer and per slot, a conv state [C, W - 1] (model dtype) and a recurrent state
-[Hv, Dk, Dv] (fp32). A running sequence owns one slot (engine/state_slots.py) for its whole life, so the pool's
-size is fixed by max_num_seqs, whatever the context length; the planner counts it (engine/memory.py).
+[Hv, Dk, Dv] (fp32). A running sequence owns one slot (engine/state_slots.py) while it runs (a preempted one gives
+it back and recomputes), so the pool's size is fixed by max_num_seqs, whatever the context length; the planner
+counts it (engine/memory.py).
 
 A step's rows of a sequence continue from its slot and leave the state after their last token there
 (kernels/gated_delta.py). A sequence whose rows start at position 0 (its first chunk, or its recompute after a

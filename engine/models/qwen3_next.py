@@ -136,7 +136,8 @@ class HybridForCausalLM(MoEForCausalLM):
     def arrange(self, weights):
         """The checkpoint's names and layouts as WEIGHTS reads them: a vision-language checkpoint's language model
         under `model.`, its vision tower and the MTP head skipped; Qwen3-Next's per-key-head in_proj_qkvz / in_proj_ba
-        split into our row order; dt_bias and A_log as weights."""
+        split into our row order; dt_bias and A_log as weights; fused experts (`mlp.experts.gate_up_proj` [E, 2I, H],
+        `down_proj` [E, H, I]: transformers 5's layout, Qwen3.5-MoE's) as per-expert tensors."""
         la = self.spec.linear_attn
         r = la.v_heads // la.k_heads
         for name, t in weights:
@@ -146,6 +147,14 @@ class HybridForCausalLM(MoEForCausalLM):
             module, _, suffix = name.rpartition(".")
             if suffix in ("dt_bias", "A_log"):
                 yield f"{name}.weight", t
+            elif module.endswith("mlp.experts") and suffix in ("gate_up_proj", "down_proj"):  # fused, [E, N, K]
+                inter = self.spec.moe_intermediate_size  # gate_up: each expert's gate rows, then its up rows
+                for e in range(t.shape[0]):
+                    if suffix == "down_proj":
+                        yield f"{module}.{e}.down_proj.weight", t[e]
+                    else:
+                        yield f"{module}.{e}.gate_proj.weight", t[e, :inter]
+                        yield f"{module}.{e}.up_proj.weight", t[e, inter:]
             elif module.endswith("linear_attn.in_proj_qkvz"):  # [Hk, (2 Dk + 2 r Dv)] rows
                 head = t.reshape(la.k_heads, -1, *t.shape[1:])
                 q, k, v, z = head.split([la.k_dim, la.k_dim, r * la.v_dim, r * la.v_dim], dim=1)

@@ -178,7 +178,8 @@ class ModelSpec:
         archs = cfg.get("architectures") or []
         if any(a in _TEXT_OF for a in archs) and "text_config" in cfg:  # the language model's own config
             tie = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))
-            cfg = {**cfg["text_config"], "architectures": archs, "tie_word_embeddings": tie}
+            top = {k: cfg[k] for k in ("quantization_config", "torch_dtype", "dtype") if k in cfg}  # the checkpoint's
+            cfg = {**cfg["text_config"], **top, "architectures": archs, "tie_word_embeddings": tie}
         arch = next((_BASE.get(a, a) for a in archs if _BASE.get(a, a) in ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
@@ -200,6 +201,7 @@ class ModelSpec:
             scaling = {**scaling, "original_max_position_embeddings": orig}
             scaling["max_position_embeddings"] = cfg.get("max_position_embeddings", orig)
         partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+        partial = partial or (0.25 if arch in HYBRIDS else None)  # transformers' default for them
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         if partial not in (None, 1, 1.0) and arch not in HYBRIDS:
             raise UnsupportedModelError(f"{arch}: partial_rotary_factor={partial} is not supported (1.0 is)")
@@ -272,7 +274,8 @@ def _hybrid_fields(cfg: dict, head_dim: int, partial) -> dict:
         conv_width=cfg["linear_conv_kernel_dim"],
     )
     if shape.v_heads % shape.k_heads:
-        raise UnsupportedModelError(f"{shape.v_heads} linear value heads: not a multiple of {shape.k_heads}")
+        raise UnsupportedModelError(f"{cfg['architectures']}: {shape.v_heads} linear value heads, not a multiple of "
+                                    f"{shape.k_heads} key heads")  # fmt: skip
     return dict(
         linear_layers=tuple(t == "linear_attention" for t in types),
         linear_attn=shape,
@@ -313,7 +316,7 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
             num_experts=e,
             num_experts_per_tok=cfg["num_experts_per_tok"],
             moe_intermediate_size=cfg["moe_intermediate_size"],
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3NextForCausalLM")),  # transformers' defaults
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             moe_layers=tuple(e > 0 and i not in dense and (i + 1) % step == 0 for i in range(n)),
         )

@@ -5,10 +5,18 @@ against the tensors a loaded model allocates."""
 from __future__ import annotations
 
 
-def linear_shapes(spec) -> list[tuple[int, int, int]]:
-    """(in, out, projections) of each layer's fused linears: qkv, o_proj, gate_up, down."""
+def linear_shapes(spec, layer: int | None = None) -> list[tuple[int, int, int]]:
+    """(in, out, projections) of a layer's fused linears: qkv (with a hybrid's gate rows), o_proj, gate_up, down; a
+    hybrid's linear-attention layer (`layer` given) has in_proj (q, k, v, z, b, a) and out_proj instead."""
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    return [(h, (spec.num_heads + 2 * spec.num_kv_heads) * d, 3), (spec.num_heads * d, h, 1), (h, 2 * i, 2), (i, h, 1)]
+    la = getattr(spec, "linear_attn", None)
+    if layer is not None and la is not None and spec.is_linear(layer):
+        kd, vd = la.k_heads * la.k_dim, la.v_heads * la.v_dim
+        mixer = [(h, 2 * kd + 2 * vd + 2 * la.v_heads, 4), (vd, h, 1)]
+    else:
+        q = spec.num_heads * d * (2 if getattr(spec, "attn_gate", False) else 1)
+        mixer = [(h, q + 2 * spec.num_kv_heads * d, 3), (spec.num_heads * d, h, 1)]
+    return mixer + [(h, 2 * i, 2), (i, h, 1)]
 
 
 def quantized_bytes(spec, dtype_bytes: int, q) -> int:
