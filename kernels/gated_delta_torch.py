@@ -4,11 +4,12 @@ loop over sequences and tokens in Python. Equal to them up to fp32 rounding (tes
 
 - The conv: each sequence's saved inputs and its rows laid side by side in one [C, T + B (W - 1)] buffer, the W taps
   as W shifted multiply-adds over all of it, the outputs and the new states gathered back.
-- The rule: a step's one-token sequences (decodes) in one batched update; the longer ones padded into chunks of 64
-  tokens and batched over (sequence, head, chunk) in the WY / UT-transform form of flash-linear-attention's chunked
-  kernels and transformers' torch_chunk_gated_delta_rule; only the state's walk from chunk to chunk is a loop.
+- The rule: a step's one-token sequences (decodes) in one batched update; the longer ones cut into chunks of 64
+  tokens (each one's last padded) and batched over (chunk, head) in the WY / UT-transform form of
+  flash-linear-attention's chunked kernels and transformers' torch_chunk_gated_delta_rule; only the state's walk
+  from chunk to chunk is a loop.
   Within a chunk of L tokens, with c = cumsum(g) and D[i, j] = exp(c_i - c_j) for j <= i (0 above):
-    A = I + tril(diag(beta) K K^T * D, -1)        (unit lower triangular, inverted by forward substitution)
+    A = I + tril(diag(beta) K K^T * D, -1)        (unit lower triangular)
     U = A^-1 diag(beta) V,  W = A^-1 diag(beta exp(c)) K
     o = (Q * exp(c)) S + (Q K^T * D) (U - W S)
     S' = exp(c_L) S + (K * exp(c_L - c))^T (U - W S)
@@ -51,33 +52,34 @@ def causal_conv1d_torch(x, weight, bias, conv_state, query_start_loc, slots, act
     return y[:, row_cols - (w - 1)].T.to(x.dtype)
 
 
-def _unit_lower_inverse(n: torch.Tensor) -> torch.Tensor:
-    """(I + n)^-1 for strictly lower triangular n [..., L, L], by forward substitution one row at a time (batched
-    over the leading dims): torch's batched solve_triangular on CPU took 2 s for 256 blocks of 64 here."""
-    inv = -n.clone()
-    for i in range(1, n.shape[-1]):  # row i of the inverse from the rows above it
-        row = inv[..., i, :i].clone()
-        inv[..., i, :i] = row + (row.unsqueeze(-1) * inv[..., :i, :i]).sum(-2)
-    return inv + torch.eye(n.shape[-1], dtype=n.dtype, device=n.device)
-
-
-def _chunked(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences padded to C chunks: q (l2-normed, scaled), k (l2-normed) [B, H, C, L, Dk]; v [B, H, C, L, Dv];
-    g, beta [B, H, C, L]; state [B, H, Dk, Dv]; fp32. Returns (o [B, H, C, L, Dv], the states after them)."""
+def _chunked(q, k, v, g, beta, state, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """N chunks of L rows (a sequence's last one padded): q (l2-normed, scaled), k (l2-normed) [N, H, L, Dk];
+    v [N, H, L, Dv]; g, beta [N, H, L]; state [B, H, Dk, Dv]; fp32. chunks[b]: sequence b's chunk indices, in order.
+    Everything within a chunk is batched over all N; only the state's walk from chunk to chunk is a loop, over the
+    i-th chunks of every sequence that has one. Returns (o [N, H, L, Dv], the states after each sequence's last)."""
     c = g.cumsum(-1)
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
-    decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, H, C, L, L]
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [N, H, L, L]
     kb = k * beta[..., None]
-    inv = _unit_lower_inverse(((kb @ k.transpose(-1, -2)) * decay).tril(-1))  # A^-1
-    u, w = inv @ (v * beta[..., None]), inv @ (kb * c.exp()[..., None])
+    a = ((kb @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(CHUNK, device=q.device)  # unit lower triangular
+    eye = torch.eye(CHUNK, device=q.device).expand_as(a)
+    inv = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)  # A^-1 (fast with a contiguous
+    u, w = inv @ (v * beta[..., None]), inv @ (kb * c.exp()[..., None])  # identity; 100x slower on strided rhs)
     attn = (q @ k.transpose(-1, -2)) * decay
     qd = q * c.exp()[..., None]
     kd = k * (c[..., -1:] - c).exp()[..., None]
     out = torch.empty_like(v)
-    for i in range(q.shape[2]):
-        fresh = u[:, :, i] - w[:, :, i] @ state  # [B, H, L, Dv]: what the state does not predict
-        out[:, :, i] = qd[:, :, i] @ state + attn[:, :, i] @ fresh
-        state = state * c[:, :, i, -1].exp()[..., None, None] + kd[:, :, i].transpose(-1, -2) @ fresh
+    for i in range(max(len(ids) for ids in chunks)):
+        seqs = [b for b, ids in enumerate(chunks) if len(ids) > i]
+        at = torch.tensor([chunks[b][i] for b in seqs], device=q.device)
+        s = state if len(seqs) == len(chunks) else state[seqs]
+        fresh = u[at] - w[at] @ s  # [b, H, L, Dv]: what the state does not predict
+        out[at] = qd[at] @ s + attn[at] @ fresh
+        s = s * c[at, :, -1].exp()[..., None, None] + kd[at].transpose(-1, -2) @ fresh
+        if len(seqs) == len(chunks):
+            state = s
+        else:
+            state[seqs] = s
     return out, state
 
 
@@ -106,19 +108,23 @@ def gated_delta_rule_torch(q, k, v, g, beta, state, query_start_loc, slots) -> t
         s = state[at]  # a gathered copy
         out[rows] = _one_token(qf[rows], kf[rows], vf[rows], gf[rows], bf[rows], s)
         state[at] = s
-    if longer:
-        span = -(-max(n for _, n, _ in longer) // CHUNK) * CHUNK  # every sequence padded to this many rows
-        src = torch.tensor([r for start, n, _ in longer for r in range(start, start + n)], device=dev)
-        dst = torch.tensor([b * span + j for b, (_, n, _) in enumerate(longer) for j in range(n)], device=dev)
+    if longer:  # each sequence's rows in chunks of CHUNK (its last one padded), all chunks side by side
+        src, dst, chunks = [], [], []
+        for start, n, _ in longer:
+            first = len(dst) and dst[-1] // CHUNK + 1  # this sequence's first chunk
+            chunks.append(list(range(first, first + -(-n // CHUNK))))
+            src += range(start, start + n)
+            dst += range(first * CHUNK, first * CHUNK + n)
+        src, dst = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        rows = (chunks[-1][-1] + 1) * CHUNK
 
-        def padded(x):  # [T, H, ...] -> [B, H, C, L, ...]
-            buf = x.new_zeros(len(longer) * span, *x.shape[1:])
+        def padded(x):  # [T, H, ...] -> [N, H, L, ...]
+            buf = x.new_zeros(rows, *x.shape[1:])
             buf[dst] = x[src]
-            buf = buf.view(len(longer), span // CHUNK, CHUNK, *x.shape[1:])
-            return buf.permute(0, 3, 1, 2, *range(4, buf.dim()))
+            return buf.view(-1, CHUNK, *x.shape[1:]).transpose(1, 2).contiguous()
 
         at = torch.tensor([s for *_, s in longer], device=dev)
-        o, s = _chunked(*(padded(x) for x in (qf, kf, vf, gf, bf)), state[at])
-        out[src] = o.permute(0, 2, 3, 1, 4).reshape(-1, *v.shape[1:])[dst]
+        o, s = _chunked(*(padded(x) for x in (qf, kf, vf, gf, bf)), state[at], chunks)
+        out[src] = o.transpose(1, 2).reshape(-1, *v.shape[1:])[dst]
         state[at] = s
     return out.to(v.dtype)
