@@ -185,8 +185,9 @@ def test_what_hybrids_refuse(tiny_models):
     from engine.parallel import shard
 
     spec = ModelSpec.from_hf(json.loads((path / "config.json").read_text()))
-    with pytest.raises(ConfigError, match="hybrid"):
-        shard.check(spec, 2)
+    shard.check(spec, 2)  # one key head a rank (TP=2 parity: tests/test_tp.py)
+    with pytest.raises(ConfigError, match="2 linear-attention key heads are not divisible by 4"):
+        shard.check(spec, 4)
     from engine import memory
     from engine.config import EngineConfig
 
@@ -262,7 +263,8 @@ def test_the_planner_on_qwen3_next_80b():
     """fp8 weights (QUANTIZATION=fp8) at max_model_len 32768: 79.7 B parameters (3.9 B active); each sequence's
     state is 36 linear layers x (32 x 128 x 128 fp32 + 8192 x 3 bf16) = 73.7 MiB. An 80 GiB card cannot hold the
     weights (75.3 GiB of its 72 GiB budget); a 141 GB one holds them with 128 sequences' states (9.2 GiB) and KV
-    for 43 contexts; 256 sequences' states leave KV for 30."""
+    for 43 contexts; 256 sequences' states leave KV for 30. Two 80 GiB cards (TENSOR_PARALLEL_SIZE=2) hold half of
+    everything each (the state pool too: each rank's heads), with KV for 73 contexts."""
     from warmup.plan import make_plan, render
 
     spec = ModelSpec.from_hf(QWEN3_NEXT_80B)
@@ -278,6 +280,8 @@ def test_the_planner_on_qwen3_next_80b():
     more = make_plan(spec, 141 * 10**9, max_num_seqs=256, **plan)
     assert 30 <= more["max_concurrent_seqs"] < 31 and more["kv_tokens"] < big["kv_tokens"]
     assert "state pool 9.21 GiB (128 sequences x 73.7 MiB)" in render(spec, big, 141 * 10**9, 0.9)
+    two = make_plan(spec, 80 * 2**30, max_num_seqs=128, tensor_parallel_size=2, **plan)  # each rank: half the heads
+    assert two["fits"] and two["state_bytes"] == big["state_bytes"] // 2 and 73 <= two["max_concurrent_seqs"] < 74
 
 
 @pytest.mark.slow  # a whole engine under the Triton interpreter

@@ -379,17 +379,23 @@ def moe_models(tmp_path_factory):
         "mixtral": build_tiny_model(root / "mixtral", "mixtral", **wide, intermediate_size=128),
         "qwen2-moe": build_tiny_model(root / "qwen2-moe", "qwen2-moe", **wide),  # a shared expert, a dense layer
         "gpt-oss": build_tiny_model(root / "gpt-oss", "gpt-oss", **wide),  # sinks, biases, the clamped SwiGLU
+        # hybrids: Gated DeltaNet layers (2 key heads, 4 value heads: one and two a rank) and gated attention
+        "qwen3-next": build_tiny_model(root / "qwen3-next", "qwen3-next", **wide),
+        "qwen3.5": build_tiny_model(root / "qwen3.5", "qwen3.5", **wide),
     }
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "gpt-oss"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "gpt-oss", "qwen3-next", "qwen3.5"])
 def test_mixtures_of_experts_under_tp2(moe_models, name):
     """Every rank holds every expert's intermediate slice (and the shared expert's); GPT-OSS's sinks follow their
-    heads and its o_proj / down biases are added once: TP=1's tokens and logprobs."""
+    heads and its o_proj / down biases are added once; a hybrid's linear layers by heads, each rank's state pool
+    holding its heads' states: TP=1's tokens and logprobs."""
     with engine(moe_models[name]) as one:
         ref = generate(one)
     with engine(moe_models[name], 2) as llm:
         assert llm.engine.rank_spec.moe_intermediate_size == llm.engine.spec.moe_intermediate_size // 2
+        if llm.engine.spec.hybrid:
+            assert llm.engine.runner.state.rec.shape[2] == llm.engine.spec.linear_attn.v_heads // 2
         assert_same(ref, generate(llm))
 
 

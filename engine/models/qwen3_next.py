@@ -88,8 +88,6 @@ class HybridForCausalLM(MoEForCausalLM):
                 "supported yet: hybrid models load 16-bit checkpoints (QUANTIZATION=fp8 quantizes them), and quantized "
                 "ones on CPU"
             )
-        if shard is not None:
-            raise UnsupportedModelError(f"{spec.architecture}: tensor parallelism is not supported yet for hybrids")
         # layer -> its index among the linear layers (the state pool's first dimension)
         self.state_index = [sum(spec.is_linear(j) for j in range(i)) for i in range(spec.num_layers)]
 
@@ -131,14 +129,15 @@ class HybridForCausalLM(MoEForCausalLM):
             g, beta, state.rec[j], state.query_start_loc, state.slots,
         )  # fmt: skip
         o = gated_rms_norm(o, z.reshape(t, hv, la.v_dim), layer.gdn_norm, self.spec.rms_norm_eps)  # [T, Hv, Dv]
-        return layer.linear("out_proj", o.reshape(t, vd))
+        return self.reduce(layer.linear("out_proj", o.reshape(t, vd)))  # row-parallel under TP
 
     def arrange(self, weights):
         """The checkpoint's names and layouts as WEIGHTS reads them: a vision-language checkpoint's language model
         under `model.`, its vision tower and the MTP head skipped; Qwen3-Next's per-key-head in_proj_qkvz / in_proj_ba
         split into our row order; dt_bias and A_log as weights; fused experts (`mlp.experts.gate_up_proj` [E, 2I, H],
         `down_proj` [E, H, I]: transformers 5's layout, Qwen3.5-MoE's) as per-expert tensors."""
-        la = self.spec.linear_attn
+        full = self.shard.spec if self.shard is not None else self.spec  # the checkpoint's shapes, not a rank's
+        la = full.linear_attn
         r = la.v_heads // la.k_heads
         for name, t in weights:
             name = name.replace("model.language_model.", "model.", 1)
@@ -148,7 +147,7 @@ class HybridForCausalLM(MoEForCausalLM):
             if suffix in ("dt_bias", "A_log"):
                 yield f"{name}.weight", t
             elif module.endswith("mlp.experts") and suffix in ("gate_up_proj", "down_proj"):  # fused, [E, N, K]
-                inter = self.spec.moe_intermediate_size  # gate_up: each expert's gate rows, then its up rows
+                inter = full.moe_intermediate_size  # gate_up: each expert's gate rows, then its up rows
                 for e in range(t.shape[0]):
                     if suffix == "down_proj":
                         yield f"{module}.{e}.down_proj.weight", t[e]

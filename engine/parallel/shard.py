@@ -10,7 +10,9 @@
 - mixture of experts: every rank holds every expert, each cut as a dense MLP is (gate / up rows and down columns of
   the expert's intermediate slice; the shared expert's likewise), the router whole; GPT-OSS's sinks follow their
   heads, and MXFP4 down weights are cut in whole 32-column blocks (bytes and scales);
-- a row-parallel bias (o_proj, down: GPT-OSS) lives on rank 0 alone: the all-reduce would add it once per rank.
+- a row-parallel bias (o_proj, down: GPT-OSS) lives on rank 0 alone: the all-reduce would add it once per rank;
+- a hybrid's Gated DeltaNet layers by key heads and the value heads they serve (out_proj row-parallel), so each
+  rank's state pool holds its heads' states; its gated q_proj by whole heads (query and gate rows together).
 
 Shape arithmetic, no torch at import: the memory planner (`python -m warmup.plan --tensor-parallel-size N`) plans
 one rank from `local_spec`."""
@@ -28,7 +30,9 @@ def check(spec: ModelSpec, tp: int, devices: int | None = None) -> None:
     """Refuse a size that cannot shard this model, with the reason."""
     if tp == 1:
         return
-    why = ["hybrid (linear-attention) models are not sharded yet"] if spec.hybrid else []
+    why = []
+    if spec.hybrid and spec.linear_attn.k_heads % tp:
+        why.append(f"{spec.linear_attn.k_heads} linear-attention key heads are not divisible by {tp}")
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(spec, name) % tp:
             why.append(f"{name} {getattr(spec, name)} is not divisible by {tp}")
@@ -76,8 +80,10 @@ def local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     """The shapes one rank's model has: its heads, KV heads, intermediate slice and vocabulary rows."""
     if tp == 1:
         return spec
+    la = spec.linear_attn  # a hybrid's linear layers: their key and value heads (and so their state)
     return dataclasses.replace(
         spec,
+        linear_attn=la and dataclasses.replace(la, k_heads=la.k_heads // tp, v_heads=la.v_heads // tp),
         num_heads=spec.num_heads // tp,
         num_kv_heads=max(1, spec.num_kv_heads // tp),
         intermediate_size=spec.intermediate_size // tp,
@@ -141,6 +147,8 @@ class Shard:
             return t.narrow(0, self.rank * hq, hq)
         if ".experts." in name or "shared_expert." in name:
             return self._expert(name, proj, kind, t)
+        if ".linear_attn." in name:
+            return self._linear_attn(proj, t)
         column = self.column_rows()
         if proj in column:
             return t.narrow(0, *column[proj])
@@ -170,6 +178,24 @@ class Shard:
             return t.narrow(1, self.rank * n // per, n // per)
         return t
 
+    def _linear_attn(self, proj: str, t):
+        """A hybrid's Gated DeltaNet layer (names as engine/models/qwen3_next.py arranges them) by heads: its key heads'
+        q and k rows and the value heads they serve (v, z, b, a, dt_bias, A_log; the conv's channels as in_proj's
+        q | k | v rows); out_proj's input columns; the gated norm (per value dim) whole."""
+        import torch
+
+        la, r = self.spec.linear_attn, self.rank
+        kh, vh = la.k_heads // self.tp, la.v_heads // self.tp
+        keys, values, heads = (r * kh * la.k_dim, kh * la.k_dim), (r * vh * la.v_dim, vh * la.v_dim), (r * vh, vh)
+        if proj in ("in_proj_qkv", "conv1d"):
+            q, k, v = t.split([la.k_heads * la.k_dim] * 2 + [la.v_heads * la.v_dim])
+            return torch.cat([q.narrow(0, *keys), k.narrow(0, *keys), v.narrow(0, *values)])
+        if proj == "in_proj_z":
+            return t.narrow(0, *values)
+        if proj in ("in_proj_b", "in_proj_a", "dt_bias", "A_log"):
+            return t.narrow(0, *heads)
+        return t.narrow(1, *values) if proj == "out_proj" else t
+
     def _quantized(self, proj: str, kind: str, t):
         """A packed or block-scaled tensor (engine/quant/): rows as the weight's for a column-parallel projection
         (block rows for block scales), input columns in words, groups or blocks for a row-parallel one (check()
@@ -198,8 +224,9 @@ class Shard:
         s, D = self.spec, self.spec.head_dim
         hq, inter = s.num_heads // self.tp, s.intermediate_size // self.tp
         kv0, kvn = self.kv_heads()
+        q = 2 * hq * D if s.attn_gate else hq * D  # a hybrid's q_proj: each head's query, then its gate
         return {
-            "q_proj": (self.rank * hq * D, hq * D),
+            "q_proj": (self.rank * q, q),
             "k_proj": (kv0 * D, kvn * D),
             "v_proj": (kv0 * D, kvn * D),
             "gate_proj": (self.rank * inter, inter),
