@@ -213,7 +213,12 @@ def hf_cb_generate_batch(model, wl: Workload, max_batch_tokens: int) -> None:
 
 # ---- report --------------------------------------------------------------------------------------
 def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
-    name = f"a random Mixtral, top-{spec.num_experts_per_tok} of {spec.num_experts} experts" if spec.num_experts else ""
+    kind = (
+        f"Qwen3-Next ({sum(spec.linear_layers)} Gated DeltaNet, {spec.num_kv_layers} attention layers)"
+        if spec.hybrid
+        else "Mixtral"
+    )
+    name = f"a random {kind}, top-{spec.num_experts_per_tok} of {spec.num_experts} experts" if spec.num_experts else ""
     model_line = f"Model: {name or 'SmolLM2-135M-Instruct'} ({p_ne / 1e6:.1f} M non-embedding params per token, "
     model_line += f"vocab {spec.vocab_size})."
     floor_s = flops / (peak * 1e9)
@@ -344,7 +349,7 @@ def main() -> None:
         f"{len(wl.prompts)} requests, {wl.n_prompt} prompt + {wl.n_out} output tokens; matmul {peak:.0f} GFLOP/s",
         flush=True,
     )
-    rows, oh = [], None
+    rows, oh, notes = [], None, []
 
     def record(name, seconds):
         rows.append((name, seconds))
@@ -373,14 +378,14 @@ def main() -> None:
                 record(f"hf-pad{bs}", timed(lambda bs=bs: hf_padded(model, wl, bs, device), device))
         if "hf-cb" in peers and spec.hybrid:  # transformers' continuous batching has no linear-attention cache
             peers = [p for p in peers if not p.startswith("hf-cb")]
-            print("  hf-cb skipped: transformers' continuous batching refuses linear_attention layers")
+            notes.append("- hf-cb: skipped (transformers' continuous batching refuses `linear_attention` layers)")
         if "hf-cb" in peers:
             for mbt in sorted({args.cb_max_batch_tokens, *(TUNE_MBT if args.tune else ())}):
                 record("hf-cb" + (f" mbt={mbt}" if args.tune else ""), hf_cb(model, wl, mbt, device))
         if "hf-cb-gb" in peers:
             record("hf-cb-gb", timed(lambda: hf_cb_generate_batch(model, wl, args.cb_max_batch_tokens), device))
 
-    skipped = run_servers([p for p in peers if p in SERVERS], path, wl, record)
+    skipped = notes + run_servers([p for p in peers if p in SERVERS], path, wl, record)
     md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device))
     md = md.replace("\n\n![Offline", "\n" + "".join(s + "\n" for s in skipped) + "\n![Offline", 1)
     print("\n" + md)

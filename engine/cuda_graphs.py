@@ -90,8 +90,11 @@ class DecodeGraphs:
     the model's forward over those tensors (ModelRunner builds it); block_table is the runner's DeviceBlockTable,
     whose rows the graphs read in place. query_lens: the query lengths captured, 1 first."""
 
-    def __init__(self, forward, block_table, max_num_seqs: int, device: torch.device, new_graph, query_lens=(1,)):
-        self.forward, self.block_table, self.new_graph = forward, block_table, new_graph
+    def __init__(
+        self, forward, block_table, max_num_seqs: int, device: torch.device, new_graph, query_lens=(1,), pad_slot=None
+    ):
+        """pad_slot: a hybrid model's spare state slot, which padding sequences use (None: no state slots)."""
+        self.forward, self.block_table, self.new_graph, self.pad_slot = forward, block_table, new_graph, pad_slot
         self.query_lens = tuple(sorted(query_lens))
         self._sizes = graph_buckets(max_num_seqs)
         # (bucket, query length), smallest bucket first: a step of B sequences can use either once B's are in
@@ -105,9 +108,12 @@ class DecodeGraphs:
         # so each row's pointer is aligned like the eager path's: Triton specializes on it, another alignment
         # would be another compile), then the context lengths (int32, 16-byte aligned too): views of one device
         # buffer, so a replay sends its inputs in one copy
-        self._packed = torch.zeros(32 * w + 4 * b, dtype=torch.uint8, device=device)
+        # (and a hybrid's state slots, int32)
+        self._packed = torch.zeros(32 * w + 8 * b, dtype=torch.uint8, device=device)
         self.inputs = self._packed[: 32 * w].view(torch.int64).view(4, w)
-        self.seq_lens = self._packed[32 * w :].view(torch.int32)
+        self.seq_lens = self._packed[32 * w : 32 * w + 4 * b].view(torch.int32)
+        self.state_slots = self._packed[32 * w + 4 * b :].view(torch.int32)
+        self._max = b
         # q query tokens per sequence: fixed per graph
         qsl = {q: torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=device) for q in self.query_lens}
         self.query_start_loc = qsl
@@ -121,7 +127,8 @@ class DecodeGraphs:
     def _run(self, b: int, q: int) -> torch.Tensor:
         ids, pos, slots = self.inputs[0, : b * q], self.inputs[1, : b * q], self.inputs[2, : b * q]
         bt = self.block_table.table[:b]
-        return self.forward(ids, pos, slots, bt, self.seq_lens[:b], self.query_start_loc[q][: b + 1], q)
+        state = () if self.pad_slot is None else (self.state_slots[:b],)
+        return self.forward(ids, pos, slots, bt, self.seq_lens[:b], self.query_start_loc[q][: b + 1], q, *state)
 
     def capture_next(self) -> tuple[int, int] | None:
         """Capture the next pending graph; returns its (bucket, query length), or None when all are captured."""
@@ -131,6 +138,7 @@ class DecodeGraphs:
         self.inputs[:3, : b * q] = 0
         self.inputs[2, : b * q] = -1  # every row is padding: no KV written, none read
         self.seq_lens[:b] = 0
+        self.state_slots[:b] = -1 if self.pad_slot is None else self.pad_slot
         self._run(b, q)  # eager first: Triton compiles, lazily made buffers come from the normal allocator
         graph = self.new_graph()
         graph.capture(lambda: self._run(b, q))
@@ -178,7 +186,11 @@ class DecodeGraphs:
             at = seq * q + q - m[seq] + torch.arange(t) - qsl_t[seq]  # [T] its padded row
             rows[:3].index_copy_(1, at, values)
             rows[3, :t] = at
-        host[split:].view(torch.int32)[:n] = torch.tensor(batch.seq_lens, dtype=torch.int32)  # padding: context 0
+        small = host[split:].view(torch.int32)  # context lengths (padding: 0), then state slots (padding: the spare)
+        small[:n] = torch.tensor(batch.seq_lens, dtype=torch.int32)
+        if self.pad_slot is not None:
+            small[self._max : self._max + b] = self.pad_slot
+            small[self._max : self._max + n] = torch.tensor(batch.state_slots, dtype=torch.int32)
         self._packed.copy_(host, non_blocking=True)
         at = self.inputs[3, :t]
         if ids is not None and q == 1:  # after the copy above on the same stream: over the host's placeholders

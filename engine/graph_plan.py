@@ -27,9 +27,9 @@ def graph_query_lens(cfg) -> tuple[int, ...]:
     return (1, k + 1) if 0 < k < GRAPH_MAX_QUERY else (1,)
 
 
-def graphs_unusable(cfg, device_type: str, kernel_backend: str, spec=None) -> str | None:
+def graphs_unusable(cfg, device_type: str, kernel_backend: str) -> str | None:
     """Why CUDA graphs cannot run with this configuration on this device (None: they can). kernel_backend "auto"
-    is Triton on CUDA, as the engine resolves it. spec: the model's, where known."""
+    is Triton on CUDA, as the engine resolves it."""
     if kernel_backend == "auto":
         kernel_backend = "triton" if device_type == "cuda" else "torch"
     if device_type != "cuda":
@@ -38,13 +38,10 @@ def graphs_unusable(cfg, device_type: str, kernel_backend: str, spec=None) -> st
         return "the graphs capture the Triton kernels, and KERNEL_BACKEND=torch runs the torch references"
     if cfg.tensor_parallel_size > 1:
         return "graphs are captured on one GPU only, and TENSOR_PARALLEL_SIZE > 1"
-    if spec is not None and spec.hybrid:
-        return f"{spec.architecture}'s linear-attention state updates are not captured in graphs yet"
     return None
 
 
-def cuda_graphs(cfg, device_type: str, kernel_backend: str, spec=None) -> bool:
+def cuda_graphs(cfg, device_type: str, kernel_backend: str) -> bool:
     """Whether decode and verify steps (and a draft model's steps) run from CUDA graphs (LLMEngine.graphs_enabled),
-    and so whether their pools are planned: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU, not
-    a hybrid model."""
-    return not cfg.enforce_eager and graphs_unusable(cfg, device_type, kernel_backend, spec) is None
+    and so whether their pools are planned: ENFORCE_EAGER=false, on CUDA, with the Triton kernels, on one GPU."""
+    return not cfg.enforce_eager and graphs_unusable(cfg, device_type, kernel_backend) is None

@@ -87,12 +87,12 @@ class LLMEngine:
     def graphs_enabled(self) -> bool:
         """CUDA graphs for decode and verify steps (and a draft model's): ENFORCE_EAGER=false, on CUDA, with the Triton
         kernels, on one GPU."""
-        return memory.cuda_graphs(self.cfg, self.device.type, self.kernel_backend, self.spec)  # the planner's rule
+        return memory.cuda_graphs(self.cfg, self.device.type, self.kernel_backend)  # the planner's rule too
 
     @property
     def graphs_unusable(self) -> str | None:
         """Why CUDA graphs cannot run on this engine (None: they can)."""
-        return memory.graphs_unusable(self.cfg, self.device.type, self.kernel_backend, self.spec)
+        return memory.graphs_unusable(self.cfg, self.device.type, self.kernel_backend)
 
     @property
     def weights_source(self) -> str:

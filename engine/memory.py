@@ -183,7 +183,7 @@ def engine_needs(cfg, spec, dtype_bytes: int, *, graphs: bool, draft_spec=None, 
         reserve += activation_reserve(draft_spec, tokens, seqs, dtype_bytes, graph_pool_bytes=draft_pool)
         reserve += seqs * k * draft_spec.vocab_size * 4  # sampled drafts' q rows, kept until they are verified
         graph_pool += draft_pool
-    state = seqs * local.state_bytes_per_seq(dtype_bytes)
+    state = (seqs + graphs) * local.state_bytes_per_seq(dtype_bytes)  # a hybrid's slots (graphs: and a spare)
     return Needs(weights + draft_w, draft_w, per_token, reserve, graph_pool, state)
 
 

@@ -98,8 +98,12 @@ class ModelRunner:
         """Steps may replay CUDA graphs once theirs are captured (engine/cuda_graphs.py)."""
         if self.block_table is None:
             raise ValueError("CUDA graphs need the Triton attention backend")
+        pad = None
+        if self.state is not None:  # a hybrid's padding sequences write their state into a spare slot
+            self.state = self.state.with_spare()
+            pad = self.state.spare
         self.graphs = DecodeGraphs(
-            self._forward, self.block_table, self.max_num_seqs, self.device, new_graph, self.graph_query_lens
+            self._forward, self.block_table, self.max_num_seqs, self.device, new_graph, self.graph_query_lens, pad
         )
         return self.graphs
 
@@ -112,6 +116,8 @@ class ModelRunner:
         graphs = self.graphs
         key = graphs.bucket(batch.tokens_per_seq, bool(batch.token_slot)) if graphs is not None else None
         if key is not None:
+            if self.state is not None:  # the graph reads its static slot indices; a new sequence's slot is cleared
+                self.state.reset(batch.query_start_loc, batch.positions, batch.state_slots)
             return graphs.run(key, batch, ids)
         dev = self.device
         if ids is None:
@@ -148,11 +154,13 @@ class ModelRunner:
         with kernels.backend(self.kernel_backend):
             return self.model.final_norm(hidden)
 
-    def _forward(self, ids, positions, slots, block_tables, seq_lens, query_start_loc, max_query_len=1):
-        """The model over one step's device tensors (what a graph captures): hidden [T, hidden]."""
+    def _forward(self, ids, positions, slots, block_tables, seq_lens, query_start_loc, max_query_len=1, state=None):
+        """The model over one step's device tensors (what a graph captures): hidden [T, hidden]. state: a hybrid's
+        state slot per sequence."""
         meta = TritonAttnMetadata(slots, block_tables, seq_lens, query_start_loc, max_query_len)
+        hybrid = {} if state is None else {"state": self.state.view(query_start_loc, state)}
         with kernels.backend(self.kernel_backend):
-            return self.model(ids, positions, self.kv_caches, self.attn, meta, None)
+            return self.model(ids, positions, self.kv_caches, self.attn, meta, None, **hybrid)
 
     def warm_shapes(self) -> list[tuple]:
         """(tokens, tokens per sequence, block-table width[, LoRA]) of the padding-only steps that compile every

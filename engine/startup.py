@@ -170,7 +170,7 @@ def _say_what_is_ignored(cfg: EngineConfig, facts: ModelFacts) -> None:
         log.warning("GPU_MEMORY_UTILIZATION is ignored on %s: the KV pool is KV_CACHE_MEMORY (or automatic)", kind)
     if kind == "cuda" and cfg.kv_cache_memory is not None:
         log.warning("KV_CACHE_MEMORY is ignored on CUDA: the pool is sized by GPU_MEMORY_UTILIZATION")
-    if not cfg.enforce_eager and (why := memory.graphs_unusable(cfg, kind, facts.kernel_backend, facts.spec)):
+    if not cfg.enforce_eager and (why := memory.graphs_unusable(cfg, kind, facts.kernel_backend)):
         log.warning("ENFORCE_EAGER=false is ignored: %s; decode steps run eagerly", why)
     if facts.spec.hybrid and cfg.enable_prefix_caching:
         log.info("prefix caching is off for %s: a hybrid model's linear layers keep a state per sequence, not per "
@@ -263,8 +263,11 @@ def build_rank(
     lora = None
     if cfg.enable_lora:
         lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, facts.rank_spec, facts.dtype, facts.device)
-    graphs = memory.cuda_graphs(cfg, facts.device.type, facts.kernel_backend, facts.spec)
-    state = StatePool(facts.rank_spec, cfg.max_num_seqs, facts.dtype, facts.device) if facts.spec.hybrid else None
+    graphs = memory.cuda_graphs(cfg, facts.device.type, facts.kernel_backend)
+    # a hybrid's state pool, with a spare slot for CUDA graphs' padding sequences where graphs run
+    state = None
+    if facts.spec.hybrid:
+        state = StatePool(facts.rank_spec, cfg.max_num_seqs, facts.dtype, facts.device, spare=graphs)
     return ModelRunner(
         model, kv, attn, cfg.block_size, facts.device, facts.kernel_backend, lora, cfg.max_num_seqs,
         plan.max_model_len, cuda_graph_factory() if graphs else None, memory.graph_query_lens(cfg), state,
@@ -311,7 +314,7 @@ def memory_needs(
     """One rank's weights, KV bytes per token and reserve (memory.engine_needs), with the CUDA graph pool counted
     by the rule build_rank follows. kernel_backend: the engine's (None: cfg.kernel_backend)."""
     backend = kernel_backend or cfg.kernel_backend
-    graphs = memory.cuda_graphs(cfg, device_type, backend, spec)
+    graphs = memory.cuda_graphs(cfg, device_type, backend)
     # a quantized checkpoint stays packed where the Triton kernels run it (engine/models/llama.py)
     packed = backend == "triton" or (backend == "auto" and device_type == "cuda")
     return memory.engine_needs(cfg, spec, dtype.itemsize, graphs=graphs, draft_spec=draft_spec, packed=packed)

@@ -46,12 +46,20 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class StatePool:
-    def __init__(self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device):
-        conv, rec = state_shapes(spec, num_slots)
+    """`num_slots` slots, plus with `spare` one more (the last) that CUDA graphs' padding sequences write into."""
+
+    def __init__(self, spec: ModelSpec, num_slots: int, dtype: torch.dtype, device: torch.device, spare=False):
+        self.args = spec, num_slots, dtype, device
+        conv, rec = state_shapes(spec, num_slots + spare)
         self.conv = _zeros(conv, dtype, device)
         self.rec = _zeros(rec, torch.float32, device)
         self.nbytes = self.conv.nbytes + self.rec.nbytes
+        self.spare = num_slots if spare else None
         self.on_device = device.type != "cpu"  # hand the kernels device indices, copied once a step (not per layer)
+
+    def with_spare(self) -> StatePool:
+        """This pool with a spare slot (before any step: nothing is copied)."""
+        return self if self.spare is not None else StatePool(*self.args, spare=True)
 
     def batch(self, query_start_loc: list[int], positions: list[int], slots: list[int]) -> StateBatch:
         """This step's view of the pool; the slots of sequences starting at position 0 are cleared first."""
@@ -59,11 +67,23 @@ class StatePool:
         if self.on_device:  # one pinned, asynchronous copy a step
             qsl, at, fresh = h2d_rows([list(query_start_loc), list(slots), fresh], torch.int64, self.conv.device)
             query_start_loc, slots = qsl.int(), at.int()
-        elif fresh:
-            fresh = torch.tensor(fresh)
-        if len(fresh):
-            self.conv.index_fill_(1, fresh, 0)
-            self.rec.index_fill_(1, fresh, 0)
+        self._clear(fresh)
+        return StateBatch(self.conv, self.rec, query_start_loc, slots)
+
+    def reset(self, query_start_loc: list[int], positions: list[int], slots: list[int]) -> None:
+        """Clear the slots of sequences starting at position 0 (a CUDA graph's step: the graph reads its slots)."""
+        fresh = [s for s, start in zip(slots, query_start_loc) if positions[start] == 0]
+        if fresh:
+            self._clear(h2d_rows([fresh], torch.int64, self.conv.device)[0])
+
+    def _clear(self, slots) -> None:
+        if len(slots):
+            slots = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots)
+            self.conv.index_fill_(1, slots, 0)
+            self.rec.index_fill_(1, slots, 0)
+
+    def view(self, query_start_loc: torch.Tensor, slots: torch.Tensor) -> StateBatch:
+        """The pool over a graph's static index buffers."""
         return StateBatch(self.conv, self.rec, query_start_loc, slots)
 
 

@@ -295,3 +295,22 @@ def test_the_triton_path_matches_hf(tiny_models):
     assert llm.engine.runner.state.on_device is False  # CPU tensors: the slot indices stay host lists
     assert_hf(generate(llm, prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=3)), ref, "triton")
     assert_slots_free(llm)
+
+
+@pytest.mark.slow  # a whole engine under the Triton interpreter
+def test_cuda_graph_steps_over_the_state_pool(tiny_models):
+    """Decode steps replayed from graphs (the sync-checking stand-in): each sequence's state slot comes from the
+    graph's static buffer, padding sequences write into the spare slot, and a one-token prompt's first step (at
+    position 0, in a graph) starts from a cleared slot: HF's tokens."""
+    from tests.graph_standin import SyncCheckedGraph
+
+    path = tiny_models["qwen3.5"]
+    prompts = [PROMPTS[5], PROMPTS[0], PROMPTS[2]]  # 1, 3 and 17 tokens
+    ref = hf_greedy(path, prompts, 6)
+    llm = make(path, kernel_backend="triton", max_num_seqs=4)
+    graphs = llm.engine.runner.enable_graphs(SyncCheckedGraph)
+    assert llm.engine.runner.state.spare == 4
+    llm.engine.runner.state.rec[:, :4] = 1.0  # stale states a new sequence must not see
+    assert_hf(generate(llm, prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=3)), ref, "graphs")
+    assert graphs.replays >= 5 and graphs.captured[:3] == [1, 2, 4]
+    assert_slots_free(llm)
