@@ -213,11 +213,8 @@ def hf_cb_generate_batch(model, wl: Workload, max_batch_tokens: int) -> None:
 
 # ---- report --------------------------------------------------------------------------------------
 def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
-    kind = (
-        f"Qwen3-Next ({sum(spec.linear_layers)} Gated DeltaNet, {spec.num_kv_layers} attention layers)"
-        if spec.hybrid
-        else "Mixtral"
-    )
+    layers = f" ({sum(spec.linear_layers)} Gated DeltaNet, {spec.num_kv_layers} attention layers)"
+    kind = f"Qwen3-Next{layers}" if spec.hybrid else "Mixtral"
     name = f"a random {kind}, top-{spec.num_experts_per_tok} of {spec.num_experts} experts" if spec.num_experts else ""
     model_line = f"Model: {name or 'SmolLM2-135M-Instruct'} ({p_ne / 1e6:.1f} M non-embedding params per token, "
     model_line += f"vocab {spec.vocab_size})."
