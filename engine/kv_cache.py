@@ -220,7 +220,7 @@ def calibrate_kv_scales(model, token_ids: list[int], device) -> tuple[torch.Tens
     k_scales = (cal.k_amax / FP8_MAX).clamp(min=1e-6)
     v_scales = (cal.v_amax / FP8_MAX).clamp(min=1e-6)
     blind = cal.over_448 / max(cal.count, 1)
-    seen = cal.k_amax > 0  # layers with attention (a hybrid's linear layers have none)
+    seen = [i for i in range(spec.num_layers) if not spec.is_linear(i)]  # a hybrid's linear layers have no KV
     log.info(
         "fp8 KV scales calibrated on %d tokens: k %.3g..%.3g, v %.3g..%.3g; clipped 0 %% of calibration "
         "values (a scale of 1.0 would clip %.4f %%)",

@@ -311,3 +311,16 @@ def test_cuda_graph_steps_over_the_state_pool(tiny_models):
     assert_hf(generate(llm, prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=3)), ref, "graphs")
     assert graphs.replays >= 5 and graphs.captured[:3] == [1, 2, 4]
     assert_slots_free(llm)
+
+
+def test_fp8_kv_calibrates_the_attention_layers_only(tiny_models, caplog):
+    """KV_CACHE_DTYPE=fp8: the calibration forward runs through the linear layers from a scratch state, and the
+    logged scale range is the attention layers' (the linear layers have no KV)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine.kv_cache"):
+        llm = make(tiny_models["qwen3-next"], kv_cache_dtype="fp8")
+    assert "fp8 KV scales calibrated" in caplog.text and "k 1e-06" not in caplog.text
+    outs = generate(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5, 5]
+    assert_slots_free(llm)
