@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (docs/gpu.md) for a task that is lent a device: one command, under 8 minutes on one H200, installing
+# The GPU check (docs/gpu.md) for a task that is lent a device: one command, under 9 minutes on one H200, installing
 # nothing (the device image has torch, triton, transformers, pytest and pytest-xdist, and cannot fetch anything).
 # Parts, each in its own process under its own cap, so a failing or slow part does not hide the others:
 #   1. the kernel tests on the GPU for real (no interpreter; tensors on cuda), one line per test file;
@@ -7,10 +7,11 @@
 #      how many Triton compiles a 4k-token generation triggers after the warm steps (bench/gpu_engine.py compiles);
 #   3. start: an engine start at GPU_MEMORY_UTILIZATION=0.9 on a Llama-3-8B-shaped checkpoint, 64 requests, then
 #      4. the same with fp8 weights (bench/gpu_engine.py start);
+#   4b. a hybrid (a small random Qwen3-Next) vs HF on the GPU: eager, chunked prefill, CUDA graphs (bench/gpu_hybrid.py);
 #   5. decode steps at batch 1, 8, 64, eager vs CUDA graphs, bf16 and fp8 (bench/decode_step.py);
 #      and the kernel bandwidth tables (bench/kernel_bench.py -> docs/kernels.md);
 #   6. cold start (bench/coldstart_gpu.py) in the time held back for it.
-# The caps below add up to the budget (BUDGET_S, 465 s from the start), so every part gets its whole cap even when
+# The caps below add up to the budget (BUDGET_S, 505 s from the start), so every part gets its whole cap even when
 # each part before it uses all of its own, and the cold start's share is held back from the others.
 # Results: docs/gpu.md (the versions this ran with first) and docs/kernels.md, .gpu-results/ (a log per part,
 # summary.txt), all copied to $OUT when it is set (the logs as gpu-results.tgz). The summary (one PASS / FAIL / SKIP line per check, INFO for the
@@ -21,8 +22,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0 KERNEL_TEST_DEVICE=cuda HF_HUB_OFFLINE=1
-KERNEL_S=90 PARITY_S=55 START_S=115 DECODE_S=50 COMPILES_S=35 BENCH_S=30 COLD_S=90
-BUDGET_S=${BUDGET_S:-$((KERNEL_S + PARITY_S + START_S + DECODE_S + COMPILES_S + BENCH_S + COLD_S))}
+KERNEL_S=90 PARITY_S=55 START_S=115 HYBRID_S=40 DECODE_S=50 COMPILES_S=35 BENCH_S=30 COLD_S=90
+BUDGET_S=${BUDGET_S:-$((KERNEL_S + PARITY_S + START_S + HYBRID_S + DECODE_S + COMPILES_S + BENCH_S + COLD_S))}
 DEADLINE=$((SECONDS + BUDGET_S))
 COLD_FROM=$((DEADLINE - COLD_S))  # the parts before the cold start end by then
 left() {  # min($1, seconds to $2 (default: the cold start's share)), at least 1 (`timeout 0` would mean no limit)
@@ -91,6 +92,7 @@ wait "$VERSIONS"; grep ^INFO "$RES/versions.log" >"$RES/versions.txt" || echo "I
 # in order of importance: when the deadline nears, the later parts are the ones cut (SKIP lines)
 part parity "$PARITY_S" $PY -m bench.gpu_engine parity
 part start "$START_S" $PY -m bench.gpu_engine start
+part hybrid "$HYBRID_S" $PY -m bench.gpu_hybrid
 part decode "$DECODE_S" $PY -m bench.decode_step
 part compiles "$COMPILES_S" $PY -m bench.gpu_engine compiles
 part kernel-bench "$BENCH_S" $PY -m bench.kernel_bench

@@ -165,21 +165,35 @@ def write_tiny_moe(out: Path, experts: int = 8, top_k: int = 2) -> Path:
     return out
 
 
-def write_tiny_hybrid(out: Path) -> Path:
+def write_tiny_hybrid(out: Path, dtype: str = "bfloat16", toy: bool = False) -> Path:
     """A small Qwen3-Next (8 layers: 6 Gated DeltaNet and 2 gated attention, hidden 256, value heads 8 of 32 and
     key heads 4 of 32, experts of 256, top-2 of 8 with a shared expert, vocab 8192) with random weights, saved by
-    transformers itself, plus a tokenizer: bench/throughput.py --hybrid's model."""
+    transformers itself, plus a tokenizer: bench/throughput.py --hybrid's model. toy: 4 layers of hidden 64 and
+    experts of 32 (bench/gpu_hybrid.py --tiny, under the Triton interpreter)."""
     import torch
     import transformers
 
-    cfg = transformers.Qwen3NextConfig(
+    small = (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=4,
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+        if toy
+        else {}
+    )
+    cfg = transformers.Qwen3NextConfig(**{**dict(
         vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
         linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
         shared_expert_intermediate_size=256, max_position_embeddings=2048, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    ), **small})  # fmt: skip
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(out))
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).save_pretrained(str(out))
     _tokenizer(out)
     return out

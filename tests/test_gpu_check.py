@@ -27,6 +27,13 @@ def test_engine_parts(part, tmp_path):
     assert lines and all(line.startswith("PASS") for line in lines), lines
 
 
+def test_hybrid_part(tmp_path):
+    from bench import gpu_hybrid
+
+    (line,) = gpu_hybrid.run(True, tmp_path)
+    assert line.startswith("PASS hybrid (Qwen3-Next): eager, chunked prefill token-equal"), line
+
+
 def test_cold_start(tmp_path):
     """Three engine starts in fresh processes (fp8 online, fp8 from its snapshot, bf16): each must start, read its
     weights from where it should, and be seen by the loader spy; any error recorded makes the line FAIL."""
@@ -53,6 +60,7 @@ case "$*" in
   *"gpu_engine versions"*) echo "INFO versions: torch x" ;;
   *"gpu_engine parity"*) echo "PASS parity: its own line" >>.gpu-results/summary.txt ;;
   *"gpu_engine start"*) echo "FAIL start: its own line" >>.gpu-results/summary.txt; exit 1 ;;
+  *"gpu_hybrid"*) echo "PASS hybrid: its own line" >>.gpu-results/summary.txt ;;
   *"decode_step"*) echo "FAIL decode: printed, exit 0" ;;
   *"gpu_engine compiles"*) exit 3 ;;
   *"kernel_bench"*) echo "| rms_norm | 40% | >= 80% ❌ |" ;;
@@ -82,6 +90,7 @@ def test_check_script_turns_every_recorded_error_into_a_fail(tmp_path):
         "PASS tests/kernels/test_a.py: 1 passed, 0 failed, 0 skipped",
         "PASS parity: its own line",
         "FAIL start: its own line",
+        "PASS hybrid: its own line",
         "FAIL decode: exit 0, 1 FAIL line(s) in .gpu-results/decode.log",
         "FAIL compiles: exit 3, 0 FAIL line(s) in .gpu-results/compiles.log",
         "PASS kernel-bench",
