@@ -28,6 +28,7 @@ from engine.errors import UnsupportedModelError
 from engine.models import loading
 from engine.models.gemma import load_norm
 from engine.models.moe import MoEForCausalLM, MoELayer
+from engine.state_cache import scratch_state
 from kernels.gated_delta import causal_conv1d, gated_delta_rule, gated_rms_norm
 from kernels.rmsnorm import add_rms_norm
 
@@ -98,8 +99,6 @@ class HybridForCausalLM(MoEForCausalLM):
         """As LlamaForCausalLM.forward; `state`: the step's StateBatch (engine/state_cache.py), None for a single
         sequence from a zero state (the fp8 KV calibration, a warm-up step)."""
         if state is None:
-            from engine.state_cache import scratch_state
-
             state = scratch_state(self.spec, input_ids.shape[0], self.embed.dtype, input_ids.device)
         eps = self.spec.rms_norm_eps
         h = self.embed_tokens(input_ids)
