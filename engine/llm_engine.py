@@ -17,9 +17,7 @@ from engine.lora.manager import LoRAManager
 from engine.output import OutputProcessor
 from engine.parallel.group import start_ranks
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler
 from engine.spec_decode.speculator import start_speculation
-from engine.state_slots import StateSlots
 from engine.step_runner import EMPTY, StepInput, StepRunner
 from engine.structured import StructuredOutputs
 from engine.timeline import Timeline
@@ -57,11 +55,7 @@ class LLMEngine:
             self.tp_group.expect("ready", timeout_s=600)
             self.block_manager = startup.block_manager(cfg, plan, self.kv_prefault)  # CPU: an open region, grown
             self.speculator = start_speculation(cfg, facts, plan, self.block_manager, self.tok, tl, self.kv_prefault)
-            self.scheduler = Scheduler(
-                self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len,
-                cfg.long_prefill_token_threshold, admission=self.lora, lookahead=self.speculator.lookahead,
-                state_slots=StateSlots(cfg.max_num_seqs) if facts.spec.hybrid else None,
-            )  # fmt: skip
+            self.scheduler = startup.scheduler(cfg, facts, plan, self.block_manager, self.lora, self.speculator)
             self.intake = Intake(self.tok, facts.spec.vocab_size, plan.max_model_len, cfg, model.generates)  # each once
             self.structured = StructuredOutputs(self.tok, facts.spec.vocab_size, self.eos_token_ids)  # imports nothing
             self.step_runner = StepRunner(self.tp_group.wrap(self.runner), Sampler(facts.spec.vocab_size, facts.device))

@@ -29,10 +29,13 @@ from engine.layers.attention import build_attention
 from engine.lora.manager import LoRASlots
 from engine.memory import MemoryPlan
 from engine.model_runner import ModelRunner
+from engine.models.qwen3_next import refuse_for_hybrid
 from engine.models.spec import ModelSpec
 from engine.parallel import shard
 from engine.parallel.rank import rank_model
+from engine.scheduler import Scheduler
 from engine.state_cache import StatePool
+from engine.state_slots import StateSlots
 from engine.tokenizer import Tokenizer
 from engine.weights import LoadedWeights, load_model, read_json, resolve_model_path, safetensors_files
 
@@ -64,15 +67,8 @@ def resolve(cfg: EngineConfig, rank: int = 0) -> ModelFacts:
     safetensors_files(path)  # refuse pickle-only checkpoints before anything else
     hf_cfg = read_json(path / "config.json")
     spec = ModelSpec.from_hf(hf_cfg, read_json(path / "generation_config.json"), cfg.quantization)
-    if spec.hybrid and cfg.speculative_config is not None:  # a rejected draft would have to roll the state back
-        raise ConfigError(
-            f"{spec.architecture} is a hybrid (linear-attention) model: speculative decoding is not supported for it "
-            "(its recurrent state cannot roll back a rejected draft yet); unset SPECULATIVE_CONFIG",
-            field="speculative_config",
-        )
-    if spec.hybrid and cfg.enable_lora:  # its fused q rows carry the output gate: adapters' rows would not line up
-        raise ConfigError(f"{spec.architecture} is a hybrid (linear-attention) model: LoRA is not supported for it "
-                          "yet; unset ENABLE_LORA", field="enable_lora")  # fmt: skip
+    if spec.hybrid:
+        refuse_for_hybrid(cfg, spec)
     cuda = device.type == "cuda"
     shard.check(spec, cfg.tensor_parallel_size, torch.cuda.device_count() if cuda else None)
     if cuda and rank == 0:  # configs read, nothing loaded yet
@@ -240,6 +236,15 @@ def block_manager(cfg: EngineConfig, plan: MemoryPlan, prefault: Prefaulter | No
     return BlockManager(plan.num_blocks, cfg.block_size, *growth)
 
 
+def scheduler(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan, bm: BlockManager, lora, speculator) -> Scheduler:
+    """The scheduler: LoRA's admission gate, speculation's lookahead, a hybrid's state slots (one a running request)."""
+    return Scheduler(
+        bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.max_model_len, cfg.long_prefill_token_threshold,
+        admission=lora, lookahead=speculator.lookahead,
+        state_slots=StateSlots(cfg.max_num_seqs) if facts.spec.hybrid else None,
+    )  # fmt: skip
+
+
 def build_rank(
     cfg: EngineConfig,
     facts: ModelFacts,
@@ -265,9 +270,8 @@ def build_rank(
         lora = LoRASlots(cfg.max_loras, cfg.max_lora_rank, facts.rank_spec, facts.dtype, facts.device)
     graphs = memory.cuda_graphs(cfg, facts.device.type, facts.kernel_backend)
     # a hybrid's state pool, with a spare slot for CUDA graphs' padding sequences where graphs run
-    state = None
-    if facts.spec.hybrid:
-        state = StatePool(facts.rank_spec, cfg.max_num_seqs, facts.dtype, facts.device, spare=graphs)
+    hybrid = facts.spec.hybrid
+    state = StatePool(facts.rank_spec, cfg.max_num_seqs, facts.dtype, facts.device, spare=graphs) if hybrid else None
     return ModelRunner(
         model, kv, attn, cfg.block_size, facts.device, facts.kernel_backend, lora, cfg.max_num_seqs,
         plan.max_model_len, cuda_graph_factory() if graphs else None, memory.graph_query_lens(cfg), state,
@@ -350,16 +354,15 @@ def plan_memory(
     # what a plan that does not fit may suggest: QUANTIZATION=fp8 only for a 16-bit checkpoint
     quantized = cfg.quantization == "fp8" or spec.quant is not None
     state = dict(state_bytes=needs.state_bytes, state_slots=cfg.max_num_seqs if needs.state_bytes else 0)
-    if needs.state_bytes:  # a hybrid's state pool: fixed by max_num_seqs, set aside before the KV pool
-        per_seq = needs.state_bytes / cfg.max_num_seqs / 2**20
-        kv["also"] = f" Or lower MAX_NUM_SEQS: each sequence's linear-attention state takes {per_seq:.0f} MiB."
     if gpu is None:
         budget, why = cpu_kv_budget(cfg, spec, needs, host)
-        kv.pop("also", None)
         fix = " Or set KV_CACHE_MEMORY (unset, the pool is at most half the memory at start)." if why else ""
         plan = memory.plan(kv_budget=budget, budget=budget, model_max_len=spec.max_position_embeddings, fix=fix, **kv)
         return dataclasses.replace(plan, sized_by=why, **state)  # CPU: the state pool is its own map, beside
     kv |= dict(total=gpu.total, utilization=cfg.gpu_memory_utilization)
+    if needs.state_bytes:  # a hybrid's state pool: fixed by max_num_seqs, set aside before the KV pool
+        per_seq = needs.state_bytes / cfg.max_num_seqs / 2**20
+        kv["also"] = f" Or lower MAX_NUM_SEQS: each sequence's linear-attention state takes {per_seq:.0f} MiB."
     if loaded_len is not None:
         reserve = needs.reserve_bytes + needs.draft_weight_bytes + needs.state_bytes
         plan = memory.plan_gpu(used=gpu.total - gpu.free, reserve=reserve, model_max_len=loaded_len,
@@ -367,14 +370,11 @@ def plan_memory(
         return dataclasses.replace(plan, **state)
     if gpu.capability is not None:
         check_fp8_support(cfg, spec.fp8_checkpoint, gpu.name, gpu.capability)
+    context = cfg.max_model_len or spec.max_position_embeddings  # a smaller MAX_NUM_SEQS must leave one's KV
     plan = memory.plan_gpu_start(
         free=gpu.free,
         reserve=needs.reserve_bytes,
-        state=(
-            needs.state_bytes,
-            cfg.max_num_seqs,
-            needs.kv_bytes_per_token * (cfg.max_model_len or spec.max_position_embeddings),
-        ),
+        state=(needs.state_bytes, cfg.max_num_seqs, needs.kv_bytes_per_token * context),
         quantized=quantized,
         model_max_len=spec.max_position_embeddings,
         **kv,

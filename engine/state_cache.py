@@ -63,7 +63,7 @@ class StatePool:
 
     def batch(self, query_start_loc: list[int], positions: list[int], slots: list[int]) -> StateBatch:
         """This step's view of the pool; the slots of sequences starting at position 0 are cleared first."""
-        fresh = [s for s, start in zip(slots, query_start_loc) if positions[start] == 0]
+        fresh = _fresh(query_start_loc, positions, slots)
         if self.on_device:  # one pinned, asynchronous copy a step
             qsl, at, fresh = h2d_rows([list(query_start_loc), list(slots), fresh], torch.int64, self.conv.device)
             query_start_loc, slots = qsl.int(), at.int()
@@ -72,8 +72,7 @@ class StatePool:
 
     def reset(self, query_start_loc: list[int], positions: list[int], slots: list[int]) -> None:
         """Clear the slots of sequences starting at position 0 (a CUDA graph's step: the graph reads its slots)."""
-        fresh = [s for s, start in zip(slots, query_start_loc) if positions[start] == 0]
-        if fresh:
+        if fresh := _fresh(query_start_loc, positions, slots):
             self._clear(h2d_rows([fresh], torch.int64, self.conv.device)[0])
 
     def _clear(self, slots) -> None:
@@ -85,6 +84,11 @@ class StatePool:
     def view(self, query_start_loc: torch.Tensor, slots: torch.Tensor) -> StateBatch:
         """The pool over a graph's static index buffers."""
         return StateBatch(self.conv, self.rec, query_start_loc, slots)
+
+
+def _fresh(query_start_loc: list[int], positions: list[int], slots: list[int]) -> list[int]:
+    """The slots of sequences whose rows start at position 0 (a first chunk, or a recompute)."""
+    return [s for s, start in zip(slots, query_start_loc) if positions[start] == 0]
 
 
 def scratch_state(spec: ModelSpec, num_tokens: int, dtype: torch.dtype, device: torch.device) -> StateBatch:

@@ -13,6 +13,8 @@ TINY_VOCAB = 384
 
 HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4)  # fmt: skip
+HYBRID_MOE = dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, **HYBRID)  # fmt: skip
 # name -> (transformers config class name, extra config)
 TINY_ARCHS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
@@ -116,31 +118,9 @@ TINY_ARCHS = {
     ),
     # hybrids: three Gated DeltaNet layers per gated full-attention layer, two value heads per key head, rope on a
     # quarter of head_dim; Qwen3-Next's MoE with a shared expert, Qwen3.5 dense, Qwen3.5-MoE (norms randomized below)
-    "qwen3-next": (
-        "Qwen3NextConfig",
-        dict(
-            tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            **HYBRID,
-        ),
-    ),  # fmt: skip
+    "qwen3-next": ("Qwen3NextConfig", dict(decoder_sparse_step=1, mlp_only_layers=[], **HYBRID_MOE)),
     "qwen3.5": ("Qwen3_5TextConfig", dict(tie_word_embeddings=False, **HYBRID)),
-    "qwen3.5-moe": (
-        "Qwen3_5MoeTextConfig",
-        dict(
-            tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            **HYBRID,
-        ),
-    ),  # fmt: skip
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", HYBRID_MOE),
     "gemma3": (
         "Gemma3TextConfig",
         dict(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import UnsupportedModelError
+from engine.errors import ConfigError, UnsupportedModelError
 from engine.models import loading
 from engine.models.gemma import load_norm
 from engine.models.moe import MoEForCausalLM, MoELayer
@@ -33,6 +33,19 @@ from kernels.gated_delta import causal_conv1d, gated_delta_rule, gated_rms_norm
 from kernels.rmsnorm import add_rms_norm
 
 SKIPPED = ("model.visual.", "mtp.", "model.mtp.")
+
+
+def refuse_for_hybrid(cfg, spec) -> None:
+    """What a hybrid cannot run with yet, refused at start naming the setting."""
+    what = f"{spec.architecture} is a hybrid (linear-attention) model:"
+    if cfg.speculative_config is not None:  # a rejected draft would have to roll the recurrent state back
+        raise ConfigError(
+            f"{what} speculative decoding is not supported for it (its recurrent state cannot "
+            "roll back a rejected draft yet); unset SPECULATIVE_CONFIG",
+            field="speculative_config",
+        )
+    if cfg.enable_lora:  # its fused q rows carry the output gate: adapters' rows would not line up
+        raise ConfigError(f"{what} LoRA is not supported for it yet; unset ENABLE_LORA", field="enable_lora")
 
 
 class HybridLayer(MoELayer):
