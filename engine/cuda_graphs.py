@@ -40,6 +40,7 @@ import torch
 
 from engine.layers.dense import pack, pack_pieces
 from engine.memory import graph_buckets
+from kernels.cpu_gemm import ThinGemm
 from kernels.grammar_mask import apply_token_bitmask, new_bitmask
 
 log = logging.getLogger("engine")
@@ -298,6 +299,8 @@ class IdleWork:
         for r in self.runners:
             if (native := getattr(getattr(r, "attn", None), "native", None)) is not None:
                 native.wait()
+        if self.pack and (thin := ThinGemm.current()) is not None:
+            thin.wait()  # so the packing below makes the AMX copies too
         while self.pending and (self.host or self.pack or self.warm_shapes or self.mask_rows or batch is None):
             self.step()
         if batch is not None:
@@ -321,7 +324,8 @@ class IdleWork:
         if not done:
             self.pack.clear()
         elif not self.pack:
-            log.info("CPU linear weights packed for oneDNN: %d MiB", self.packed >> 20)
+            how = "oneDNN, AMX" if ThinGemm.loaded() else "oneDNN"
+            log.info("CPU linear weights packed (%s): %d MiB", how, self.packed >> 20)
 
     def _warm(self) -> None:
         shape = self.warm_shapes.pop(0)

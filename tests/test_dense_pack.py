@@ -9,8 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import dense
+from kernels.cpu_gemm import ThinGemm
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def onednn_alone(monkeypatch):
+    """oneDNN's copy alone (bit for bit F.linear's): the AMX copy is tests/kernels/test_cpu_gemm.py's."""
+    monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: None))
 
 
 @pytest.mark.parametrize("bias", [False, True])

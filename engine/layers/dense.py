@@ -19,6 +19,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_gemm
+
 log = logging.getLogger("engine")
 
 EXACT = 16  # row counts up to this stay as they are (a decode batch; padding would multiply its small GEMMs)
@@ -40,6 +42,8 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     rows = x.shape[0]
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype == torch.float32:
         return F.linear(x, w, bias)
+    if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, AMX, None)) is not None and x.dtype == torch.bfloat16:
+        return amx(x, bias)  # no bucket: the kernel keeps nothing per shape
     linear = F.linear
     if (packed := getattr(w, PACKED, None)) is not None and x.dtype == w.dtype:
         w, linear = packed, _packed_linear
@@ -52,6 +56,7 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy
+AMX = "amx_packed"  # and its copy in AMX's tile layout, for few rows (kernels/cpu_gemm.py), where the CPU has AMX
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -74,10 +79,15 @@ def pack_pieces(model) -> list[list[torch.Tensor]]:
 
 
 def pack(weights: list[torch.Tensor]) -> int:
-    """Give each weight its oneDNN-packed copy (dense() uses it from then on). Returns the bytes packed; 0 when
-    this torch cannot pack (then nothing is, and F.linear goes on as before)."""
+    """Give each weight its oneDNN-packed copy (dense() uses it from then on), and its AMX copy where the thin GEMM
+    is loaded. Returns the bytes packed; 0 when this torch cannot pack (then nothing is, and F.linear goes on as
+    before)."""
     done = 0
+    thin = cpu_gemm.ThinGemm.loaded()
     for w in weights:
+        if thin is not None and cpu_gemm.fits(w):
+            setattr(w, AMX, thin.pack(w))
+            done += w.numel() * w.element_size()
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         except (RuntimeError, AttributeError) as e:  # a build without oneDNN's bf16 linear

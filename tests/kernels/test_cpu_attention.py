@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.layers.attention import StepLayout, TorchAttention
-from kernels import cpu_attention
+from kernels import cpu_build
 from kernels.cpu_attention import NativeDecode, paged_decode_cpu
 from kernels.paged_attention import paged_attention_ref
 from tests.kernels.conftest import TOL, assert_close
@@ -95,15 +95,16 @@ def test_a_build_is_cached_and_shared(kernel_dir, monkeypatch):
     monkeypatch.setattr(NativeDecode, "_all", {})  # an earlier test in this process may hold one from elsewhere
     first = kernel(64, kernel_dir)
     assert NativeDecode.get(64, kernel_dir / "elsewhere") is first  # one per head_dim in a process
-    cc = cpu_attention.compiler()
-    path = cpu_attention.library_path(kernel_dir, 64, cc)
+    cc = cpu_build.compiler()
+    path = cpu_build.library_path(kernel_dir, NativeDecode.SOURCE, ("-DHEAD_DIM=64",), cc)
     mtime = path.stat().st_mtime_ns
-    assert cpu_attention.build(kernel_dir, 64) == path and path.stat().st_mtime_ns == mtime  # not built again
+    assert cpu_build.build(kernel_dir, NativeDecode.SOURCE, ("-DHEAD_DIM=64",)) == path
+    assert path.stat().st_mtime_ns == mtime  # not built again
     assert NativeDecode.get(20, kernel_dir) is None  # head_dim 20: not a multiple of 8
 
 
 def test_without_a_compiler_decodes_keep_the_torch_path_and_the_log_says_why(kernel_dir, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_attention, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
     monkeypatch.setattr(NativeDecode, "_all", {})
     with caplog.at_level(logging.WARNING, logger="engine"):
         k = NativeDecode.get(64, kernel_dir, wait=True)
@@ -116,9 +117,9 @@ def test_without_a_compiler_decodes_keep_the_torch_path_and_the_log_says_why(ker
 
 
 def test_a_failed_compile_names_the_compilers_message(kernel_dir, monkeypatch):
-    monkeypatch.setattr(cpu_attention, "FLAGS", (*cpu_attention.FLAGS, "-include", "/nonexistent.h"))
+    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-include", "/nonexistent.h"))
     with pytest.raises(RuntimeError, match="nonexistent.h"):
-        cpu_attention.build(kernel_dir, 32)
+        cpu_build.build(kernel_dir, NativeDecode.SOURCE, ("-DHEAD_DIM=32",))
 
 
 def test_sinks(kernel_dir):

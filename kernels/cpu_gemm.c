@@ -1,0 +1,113 @@
+/* A bf16 linear for few rows on CPUs with AMX (Intel Sapphire Rapids and later): y = x W^T (+ bias), fp32 sums,
+ * rounded to bf16 once (round to nearest even, as oneDNN). The CPU's answer to a decode step's GEMMs, which are
+ * weight-read-bound: oneDNN's packed GEMM reads the weights at 5-9 GB/s at 1-32 rows on a 2-core Xeon VM, this at
+ * 9-16 (kernels/cpu_gemm.py, bench/cpu_gemm.py). Checked against thin_linear_ref.
+ *
+ *   w        [N, K] bf16, packed once (pack) into AMX's B tiles, each tile's K pairs side by side:
+ *   wp       [N / 16][K / 32][16 (k pairs)][16 (n)][2] bf16: one N block's K tiles are 1 KiB each, in a row, so a
+ *            thread streams its blocks front to back
+ *   x        [M, K] bf16, rows contiguous; y [M, N] bf16; bias [N] fp32 or NULL
+ * Each thread takes whole N blocks. Per block, up to 64 rows at a time: four 16x16 fp32 sums (tiles 0-3), a B tile
+ * (4) loaded once per K step and multiplied with up to four A tiles (5, 6). A last partial 16-row group of x is
+ * copied into a zero-padded buffer first (an A tile always reads 16 rows). Threads: OpenMP, in torch's libgomp. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+#error "this CPU has no AMX-BF16 (kernels/cpu_gemm.py builds it only where /proc/cpuinfo lists amx_bf16)"
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands out AMX's tile data per process on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
+ * 0 on success. oneDNN asks too; asking twice is harmless. */
+int amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+void pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
+    for (int64_t nb = 0; nb < n / 16; nb++)
+        for (int64_t kb = 0; kb < k / 32; kb++) {
+            uint16_t *t = wp + (nb * (k / 32) + kb) * 512;
+            for (int kk = 0; kk < 16; kk++)
+                for (int j = 0; j < 16; j++) {
+                    const uint16_t *src = w + (nb * 16 + j) * k + kb * 32 + 2 * kk;
+                    t[(kk * 16 + j) * 2] = src[0];
+                    t[(kk * 16 + j) * 2 + 1] = src[1];
+                }
+        }
+}
+
+/* 0 on success, 1 when the tail buffer could not be allocated */
+int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
+         int nthreads) {
+    const int64_t kt = k / 32, nbs = n / 16, full = m / 16 * 16;
+    uint16_t *tail = NULL; /* rows full..m-1 of x, then zeros: [16, K] */
+    if (full < m) {
+        tail = calloc(16 * k, sizeof(uint16_t));
+        if (tail == NULL) return 1;
+        memcpy(tail, x + full * k, (m - full) * k * sizeof(uint16_t));
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        tile_config cfg = {0};
+        cfg.palette = 1;
+        for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        float sums[16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nbs; nb++) {
+            const uint16_t *b = wp + nb * kt * 512;
+            const __m512 bv = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
+            for (int64_t m0 = 0; m0 < m; m0 += 64) {
+                const int64_t left = (m - m0 + 15) / 16, mt = left < 4 ? left : 4;
+                /* A tile i: rows m0 + 16 i of x, or the tail buffer */
+                const uint16_t *a[4];
+                for (int i = 0; i < mt; i++) a[i] = m0 + 16 * i < full ? x + (m0 + 16 * i) * k : tail;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < kt; kb++) {
+                    _tile_loadd(4, b + kb * 512, 64);
+                    _tile_loadd(5, a[0] + kb * 32, k * 2);
+                    _tile_dpbf16ps(0, 5, 4);
+                    if (mt > 1) {
+                        _tile_loadd(6, a[1] + kb * 32, k * 2);
+                        _tile_dpbf16ps(1, 6, 4);
+                    }
+                    if (mt > 2) {
+                        _tile_loadd(5, a[2] + kb * 32, k * 2);
+                        _tile_dpbf16ps(2, 5, 4);
+                    }
+                    if (mt > 3) {
+                        _tile_loadd(6, a[3] + kb * 32, k * 2);
+                        _tile_dpbf16ps(3, 6, 4);
+                    }
+                }
+                for (int i = 0; i < mt; i++) {
+                    switch (i) { /* tile numbers are immediates */
+                    case 0: _tile_stored(0, sums, 64); break;
+                    case 1: _tile_stored(1, sums, 64); break;
+                    case 2: _tile_stored(2, sums, 64); break;
+                    default: _tile_stored(3, sums, 64);
+                    }
+                    for (int r = 0; r < 16 && m0 + 16 * i + r < m; r++) {
+                        const __m512 v = _mm512_add_ps(_mm512_load_ps(sums + 16 * r), bv);
+                        _mm256_storeu_si256((__m256i *)(y + (m0 + 16 * i + r) * n + nb * 16),
+                                            (__m256i)_mm512_cvtneps_pbh(v));
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tail);
+    return 0;
+}

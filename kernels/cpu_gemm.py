@@ -1,0 +1,95 @@
+"""A bf16 linear for few rows on CPUs with AMX, in C (kernels/cpu_gemm.c), against thin_linear_ref.
+
+Why: a decode step's linears have a row per sequence, and at 1-32 rows they only read the weights. oneDNN's packed
+GEMM reads them at 5-9 GB/s there on 2 cores of a Xeon VM whose memory gives 10-16; these AMX tiles, fed one weight
+tile per K step and up to four 16-row A tiles, at 9-16 (`python -m bench.cpu_gemm`, docs/benchmarks.md). From about
+64 rows on the GEMM is compute-bound, and oneDNN's blocking wins: dense() hands this kernel only rows <=
+MAX_ROWS.
+
+The weight is packed once into AMX's B-tile layout (`AmxWeight`, an IdleWork piece a layer, as oneDNN's copy),
+beside the parameter, which the engine still reads. Built like the decode attention (kernels/cpu_build.py), and only
+where /proc/cpuinfo lists amx_bf16 and amx_tile; elsewhere the linears stay oneDNN's."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_build import NativeKernel, cpu_flags
+
+MAX_ROWS = 32  # measured crossing with oneDNN's packed GEMM (bench/cpu_gemm.py): this kernel to here
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def thin_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ w[N, K]^T + bias, summed in fp32, in x's dtype."""
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def has_amx() -> bool:
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+
+
+def fits(w: torch.Tensor) -> bool:
+    """Whether a weight has the kernel's shape: bf16 [N, K] with N a multiple of 16 and K of 32 (whole tiles)."""
+    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+
+
+class ThinGemm(NativeKernel):
+    """The compiled kernel (one per process: the key is None)."""
+
+    SOURCE = Path(__file__).with_name("cpu_gemm.c")
+    WHAT, FALLBACK = "CPU thin GEMM (AMX)", "the linears stay oneDNN's"
+
+    def setup(self, lib) -> None:
+        lib.pack.argtypes, lib.pack.restype = [_P, _I64, _I64, _P], None
+        lib.gemm.argtypes, lib.gemm.restype = [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int
+        if lib.amx_init() != 0:
+            raise RuntimeError("the kernel refused AMX's tile data to this process (arch_prctl)")
+
+    @classmethod
+    def get(cls, cache_dir: Path, wait: bool = False) -> ThinGemm | None:
+        """The kernel where this CPU has AMX (None elsewhere), loaded now when it is built, else built by a thread."""
+        return super().get(None, cache_dir, wait) if has_amx() else None
+
+    @classmethod
+    def current(cls) -> ThinGemm | None:
+        """The process's kernel, loaded, in its build, or failed; None when no engine asked for it."""
+        return cls._all.get(None)
+
+    @classmethod
+    def loaded(cls) -> ThinGemm | None:
+        """The process's kernel if it is loaded now (never waits)."""
+        k = cls.current()
+        return k if k is not None and k.lib is not None else None
+
+    def pack(self, w: torch.Tensor) -> AmxWeight:
+        w = w.detach().contiguous()
+        packed = torch.empty(w.numel(), dtype=torch.bfloat16)
+        self.lib.pack(w.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr())
+        return AmxWeight(packed, w.shape[0], w.shape[1], self.lib)
+
+
+class AmxWeight:
+    """A weight [N, K] in AMX's tile layout; called as the linear."""
+
+    __slots__ = ("packed", "n", "k", "lib")
+
+    def __init__(self, packed: torch.Tensor, n: int, k: int, lib):
+        self.packed, self.n, self.k, self.lib = packed, n, k, lib
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] bf16 -> [M, N] bf16."""
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        b = None if bias is None else bias.float().contiguous()
+        failed = self.lib.gemm(
+            x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n, y.data_ptr(),
+            None if b is None else b.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("CPU thin GEMM: out of memory for its tail rows")
+        return y

@@ -1,0 +1,121 @@
+"""The AMX thin GEMM (kernels/cpu_gemm.c) against thin_linear_ref, and dense() handing it a decode's few rows.
+
+Runs where the CPU has AMX-BF16 (Intel Sapphire Rapids and later); elsewhere the kernel cannot execute, and only
+what a CPU without it must do is tested (no build, oneDNN's copy alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import dense
+from kernels import cpu_gemm
+from kernels.cpu_gemm import ThinGemm, thin_linear_ref
+
+needs_amx = pytest.mark.skipif(not cpu_gemm.has_amx(), reason="this CPU has no AMX-BF16 (/proc/cpuinfo)")
+
+
+@pytest.fixture(scope="module")
+def thin(tmp_path_factory):
+    k = ThinGemm.get(tmp_path_factory.mktemp("cpu-kernels"), wait=True)
+    assert k.lib is not None, k.error
+    return k
+
+
+def ulps(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """|got - ref| in units of ref's bf16 spacing, less what fp32 sums in another order may differ by: a few fp32
+    steps of `scale` (the sum of |x w|), which matters where a row's products cancel."""
+    spacing = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30)))
+    order = 0 if scale is None else 8 * torch.finfo(torch.float32).eps * scale
+    return ((got.float() - ref.float()).abs() - order).clamp_min(0) / spacing
+
+
+@needs_amx
+@pytest.mark.parametrize("n, k", [(16, 32), (96, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_matches_its_reference(thin, n, k, bias):
+    """Every row count up to past two 64-row groups (partial 16-row tiles, whole ones, a tail alone), with and
+    without a bias: within one bf16 step of the fp32 reference, and equal to it almost everywhere."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = thin.pack(w)
+    for rows in (1, 2, 7, 15, 16, 17, 31, 32, 33, 64, 65, 130):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        ref, got = thin_linear_ref(x, w, b), packed(x, b)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert ulps(got, ref, x.float().abs() @ w.float().abs().T).max() <= 1, rows
+        assert (got == ref).float().mean() > 0.97, rows
+
+
+@needs_amx
+def test_a_strided_input_and_odd_values(thin):
+    """A non-contiguous x (a slice of a wider one) is read as its values; inf and NaN pass through as in the
+    reference, and a zero row gives zeros."""
+    w = torch.randn(32, 64).bfloat16()
+    wide = torch.randn(5, 128).bfloat16()
+    x = wide[:, ::2]
+    x[1] = 0
+    x[2, 3] = float("inf")
+    x[3, 5] = float("nan")
+    got, ref = thin.pack(w)(x), thin_linear_ref(x, w)
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+    ok = ~(ref.isnan() | ref.isinf())
+    assert ulps(got[ok], ref[ok]).max() <= 1
+    assert not got[1].any()
+
+
+def test_which_weights_fit():
+    assert cpu_gemm.fits(torch.zeros(960, 576, dtype=torch.bfloat16))
+    assert not cpu_gemm.fits(torch.zeros(960, 576))  # fp32: oneDNN's
+    assert not cpu_gemm.fits(torch.zeros(24, 64, dtype=torch.bfloat16))  # N not whole 16-column tiles
+    assert not cpu_gemm.fits(torch.zeros(32, 48, dtype=torch.bfloat16))  # K not whole 32-deep tiles
+
+
+@needs_amx
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_gemm.AmxWeight, "__call__", lambda self, x, b=None: calls.append(len(x)) or
+                        thin_linear_ref(x, torch.zeros(self.n, self.k, dtype=x.dtype), b))  # fmt: skip
+    monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: thin))
+    w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    assert dense.pack([w]) == 2 * w.numel() * 2  # the AMX copy and oneDNN's
+    for rows in (1, 16, cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1, 300):
+        dense.dense(torch.randn(rows, 64, dtype=torch.bfloat16), w)
+    assert calls == [1, 16, cpu_gemm.MAX_ROWS]
+    dense.dense(torch.randn(3, 64), w.float())  # fp32 stays with F.linear
+    assert calls == [1, 16, cpu_gemm.MAX_ROWS]
+
+
+def test_without_amx_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(ThinGemm, "_all", {})
+    assert ThinGemm.get(tmp_path) is None and ThinGemm.loaded() is None
+    assert not list(tmp_path.iterdir())  # nothing compiled
+    w = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16), requires_grad=False)
+    dense.pack([w])
+    assert getattr(w, dense.AMX, None) is None
+
+
+@needs_amx
+def test_an_engine_on_amx_packs_both_copies_and_keeps_its_tokens(tiny_llama):
+    """bf16 greedy with the AMX copies used for decodes gives the tokens it gave before packing, logprobs within
+    bf16 noise (the kernel's sums are fp32 in another order than oneDNN's)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
+    idle, model = llm.engine.idle, llm.engine.runner.model
+    assert ThinGemm.current() is not None and ThinGemm.current().wait()
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 20)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
+    idle.pack, pending = [], idle.pack
+    first = llm.generate(prompts, params)
+    idle.pack = pending
+    second = llm.generate(prompts, params)
+    assert all(hasattr(getattr(layer, n), dense.AMX) for layer in model.layers for n in layer.LINEARS)
+    for a, b in zip(first, second):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 0.05 for t in x)
