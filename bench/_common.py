@@ -245,8 +245,25 @@ def _native_attention(llm, on: bool) -> None:
     attn.native = AB_DEFAULTS.setdefault("native", attn.native) if on else None
 
 
+def _thin_gemm(llm, on: bool) -> None:
+    """A decode's few rows through the AMX kernel (kernels/cpu_gemm.py), or oneDNN's packed GEMM."""
+    from kernels import cpu_gemm
+
+    assert cpu_gemm.ThinGemm.loaded() is not None, "no AMX thin GEMM here (a CPU without AMX-BF16, or no compiler)"
+    cpu_gemm.MAX_ROWS = AB_DEFAULTS.setdefault("max_rows", cpu_gemm.MAX_ROWS) if on else 0
+
+
+def _cpu_norm(llm, on: bool) -> None:
+    """bf16 add + RMSNorm through the C op (kernels/cpu_ops.py), or its torch reference."""
+    from kernels import cpu_ops
+
+    assert cpu_ops.CpuOps.current() is not None and cpu_ops.CpuOps.current().wait(), "no C norm here"
+    cpu_ops.library = AB_DEFAULTS.setdefault("library", cpu_ops.library) if on else (lambda *tensors: None)
+
+
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
-AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention}
+AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "thin-gemm": _thin_gemm,
+      "cpu-norm": _cpu_norm}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

@@ -41,6 +41,7 @@ import torch
 from engine.layers.dense import pack, pack_pieces
 from engine.memory import graph_buckets
 from kernels.cpu_gemm import ThinGemm
+from kernels.cpu_ops import CpuOps
 from kernels.grammar_mask import apply_token_bitmask, new_bitmask
 
 log = logging.getLogger("engine")
@@ -299,8 +300,9 @@ class IdleWork:
         for r in self.runners:
             if (native := getattr(getattr(r, "attn", None), "native", None)) is not None:
                 native.wait()
-        if self.pack and (thin := ThinGemm.current()) is not None:
-            thin.wait()  # so the packing below makes the AMX copies too
+        for native in (ThinGemm.current(), CpuOps.current()):  # the packing below makes the AMX copies too
+            if native is not None:
+                native.wait()
         while self.pending and (self.host or self.pack or self.warm_shapes or self.mask_rows or batch is None):
             self.step()
         if batch is not None:

@@ -39,6 +39,7 @@ from engine.state_slots import StateSlots
 from engine.tokenizer import Tokenizer
 from engine.weights import LoadedWeights, load_model, read_json, resolve_model_path, safetensors_files
 from kernels.cpu_gemm import ThinGemm
+from kernels.cpu_ops import CpuOps
 
 log = logging.getLogger("engine")
 
@@ -264,8 +265,9 @@ def build_rank(
     if kv is None:  # (rank 0 on CPU made it early: early_pool)
         kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend, native_dir(cfg, facts.device))
-    if facts.device.type == "cpu" and facts.dtype == torch.bfloat16:
-        ThinGemm.get(native_dir(cfg, facts.device))  # built or loaded by a thread; the packing uses it once loaded
+    if facts.device.type == "cpu" and facts.dtype == torch.bfloat16:  # each built or loaded by a thread
+        ThinGemm.get(native_dir(cfg, facts.device))  # the packing uses it once loaded
+        CpuOps.get(native_dir(cfg, facts.device))  # the norms, once loaded
     if facts.kv_dtype == torch.float8_e4m3fn:
         attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
     lora = None

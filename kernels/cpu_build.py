@@ -122,6 +122,17 @@ class NativeKernel:
             k.wait()
         return k
 
+    @classmethod
+    def current(cls, key=None):
+        """The kernel for `key` in this process: loaded, in its build, or failed; None when nothing asked for it."""
+        return cls._all.get(key)
+
+    @classmethod
+    def loaded(cls, key=None):
+        """The kernel for `key` if it is loaded now (never waits)."""
+        k = cls._all.get(key)
+        return k if k is not None and k.lib is not None else None
+
     def wait(self) -> bool:
         """Block until the build has ended; True when the kernel is loaded."""
         self._done.wait()

@@ -55,17 +55,6 @@ class ThinGemm(NativeKernel):
         """The kernel where this CPU has AMX (None elsewhere), loaded now when it is built, else built by a thread."""
         return super().get(None, cache_dir, wait) if has_amx() else None
 
-    @classmethod
-    def current(cls) -> ThinGemm | None:
-        """The process's kernel, loaded, in its build, or failed; None when no engine asked for it."""
-        return cls._all.get(None)
-
-    @classmethod
-    def loaded(cls) -> ThinGemm | None:
-        """The process's kernel if it is loaded now (never waits)."""
-        k = cls.current()
-        return k if k is not None and k.lib is not None else None
-
     def pack(self, w: torch.Tensor) -> AmxWeight:
         w = w.detach().contiguous()
         packed = torch.empty(w.numel(), dtype=torch.bfloat16)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_ops
 from kernels._common import jit, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
 
@@ -128,7 +129,11 @@ def add_rms_norm_ref(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., hidden] -> [..., hidden]."""
-    return rms_norm_triton(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)
+    if (lib := cpu_ops.library(x, weight)) is not None:  # bf16 on CPU, once the C op is loaded
+        return cpu_ops.add_rms_norm(lib, x, None, weight, eps)[0]
+    return rms_norm_ref(x, weight, eps)
 
 
 def add_rms_norm(
@@ -137,4 +142,6 @@ def add_rms_norm(
     """Returns (rms_norm(residual + x), residual + x) as new tensors; inputs are not modified."""
     if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)
+    if (lib := cpu_ops.library(x, residual, weight)) is not None:  # bf16 on CPU, once the C op is loaded
+        return cpu_ops.add_rms_norm(lib, x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

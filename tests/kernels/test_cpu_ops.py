@@ -1,0 +1,72 @@
+"""The C add + RMSNorm (kernels/cpu_ops.c) against add_rms_norm_ref / rms_norm_ref, and kernels/rmsnorm.py taking
+it for bf16 on CPU once loaded (the reference for fp32 and fp16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_ops, rmsnorm
+from kernels.cpu_ops import CpuOps
+from kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    k = CpuOps.get(tmp_path_factory.mktemp("cpu-kernels"), wait=True)
+    assert k.lib is not None, k.error
+    return k.lib
+
+
+def steps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| in bf16 steps of ref."""
+    spacing = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30)))
+    return (got.float() - ref.float()).abs() / spacing
+
+
+@pytest.mark.parametrize("n", [576, 64, 40, 7])  # whole 16-lane vectors, and tails
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 576 goes to the threads
+def test_add_rms_norm_matches_its_reference(lib, rows, n):
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    res = torch.randn(rows, n, generator=g).bfloat16()
+    w = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    (out, r), (out_ref, r_ref) = cpu_ops.add_rms_norm(lib, x, res, w, 1e-6), add_rms_norm_ref(x, res, w, 1e-6)
+    assert torch.equal(r, r_ref)  # the residual sum rounds exactly as torch's bf16 add
+    # two roundings (the normalized value, then times w): a step apart in the first can be two in the second
+    assert steps(out, out_ref).max() <= 2 and (out == out_ref).float().mean() > 0.99
+    plain, _ = cpu_ops.add_rms_norm(lib, x, None, w, 1e-6)
+    ref = rms_norm_ref(x, w, 1e-6)
+    assert steps(plain, ref).max() <= 2 and (plain == ref).float().mean() > 0.99
+
+
+def test_strided_inputs_odd_values_and_3d(lib):
+    """q [T, heads, D] from a wider qkv (strided rows), a NaN that stays in its row, an all-zero row."""
+    qkv = torch.randn(4, 3, 96).bfloat16()
+    q = qkv[:, :, :64]
+    q[1, 2] = 0
+    q[2, 0, 5] = float("nan")
+    w = torch.rand(64).bfloat16()
+    got, ref = cpu_ops.add_rms_norm(lib, q, None, w, 1e-6)[0], rms_norm_ref(q, w, 1e-6)
+    assert got.shape == (4, 3, 64)
+    assert torch.equal(got.isnan(), ref.isnan()) and got[2, 0].isnan().all()
+    assert not got[1, 2].any()
+    ok = ~ref.isnan()
+    assert steps(got[ok], ref[ok]).max() <= 2
+
+
+def test_rmsnorm_takes_the_c_op_for_bf16_on_cpu_only(lib, monkeypatch):
+    calls = []
+    real = cpu_ops.add_rms_norm
+    monkeypatch.setattr(cpu_ops, "add_rms_norm", lambda *a: calls.append(a[1].dtype) or real(*a))
+    monkeypatch.setattr(CpuOps, "loaded", classmethod(lambda cls, key=None: type("K", (), {"lib": lib})))
+    with kernels.backend("torch"):  # the CPU path (the kernel tests' default is Triton's interpreter)
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            x, w = torch.randn(3, 32).to(dtype), torch.rand(32).to(dtype)
+            rmsnorm.rms_norm(x, w, 1e-6)
+            rmsnorm.add_rms_norm(x, x, w, 1e-6)
+        assert calls == [torch.bfloat16, torch.bfloat16]
+        monkeypatch.setattr(CpuOps, "loaded", classmethod(lambda cls, key=None: None))  # not loaded (yet)
+        rmsnorm.rms_norm(torch.randn(3, 32).bfloat16(), torch.rand(32).bfloat16(), 1e-6)
+        assert len(calls) == 2
