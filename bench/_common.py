@@ -261,9 +261,22 @@ def _cpu_norm(llm, on: bool) -> None:
     cpu_ops.library = AB_DEFAULTS.setdefault("library", cpu_ops.library) if on else (lambda *tensors: None)
 
 
+def _heap_keep(llm, on: bool) -> None:
+    """malloc keeping freed memory for the next step (engine/host_memory.py keep_freed_memory), or glibc's starting
+    thresholds (128 KiB) held fixed; each switch trims the heap first."""
+    import ctypes
+
+    from engine.host_memory import HEAP_KEEP, HEAP_LARGE
+
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-1, HEAP_KEEP if on else 128 << 10)  # M_TRIM_THRESHOLD
+    libc.mallopt(-3, HEAP_LARGE if on else 128 << 10)  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)
+
+
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
 AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "thin-gemm": _thin_gemm,
-      "cpu-norm": _cpu_norm}  # fmt: skip
+      "cpu-norm": _cpu_norm, "heap-keep": _heap_keep}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

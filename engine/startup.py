@@ -20,6 +20,7 @@ import kernels
 from engine import memory
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_native import native_dir, start_cpu
 from engine.cuda_graphs import IdleWork, cuda_graph_factory
 from engine.device import check_fp8_support, cuda_driver_version, gpu_line, model_dtype
 from engine.errors import ConfigError
@@ -38,8 +39,6 @@ from engine.state_cache import StatePool
 from engine.state_slots import StateSlots
 from engine.tokenizer import Tokenizer
 from engine.weights import LoadedWeights, load_model, read_json, resolve_model_path, safetensors_files
-from kernels.cpu_gemm import ThinGemm
-from kernels.cpu_ops import CpuOps
 
 log = logging.getLogger("engine")
 
@@ -265,9 +264,7 @@ def build_rank(
     if kv is None:  # (rank 0 on CPU made it early: early_pool)
         kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend, native_dir(cfg, facts.device))
-    if facts.device.type == "cpu" and facts.dtype == torch.bfloat16:  # each built or loaded by a thread
-        ThinGemm.get(native_dir(cfg, facts.device))  # the packing uses it once loaded
-        CpuOps.get(native_dir(cfg, facts.device))  # the norms, once loaded
+    start_cpu(cfg, facts.device, facts.dtype)
     if facts.kv_dtype == torch.float8_e4m3fn:
         attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
     lora = None
@@ -281,11 +278,6 @@ def build_rank(
         model, kv, attn, cfg.block_size, facts.device, facts.kernel_backend, lora, cfg.max_num_seqs,
         plan.max_model_len, cuda_graph_factory() if graphs else None, memory.graph_query_lens(cfg), state,
     )  # fmt: skip
-
-
-def native_dir(cfg: EngineConfig, device: torch.device) -> Path | None:
-    """Where CPU kernels in C are built and kept (kernels/cpu_attention.py): beside the other caches, on CPU only."""
-    return Path(cfg.cache_root) / "cpu-kernels" if device.type == "cpu" else None
 
 
 def log_ready(cfg: EngineConfig, facts: ModelFacts, plan: MemoryPlan, seconds: float) -> None:

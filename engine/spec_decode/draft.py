@@ -26,6 +26,7 @@ from engine import memory
 from engine.block_manager import BlockManager
 from engine.block_table import h2d
 from engine.config import EngineConfig
+from engine.cpu_native import native_dir
 from engine.cuda_graphs import cuda_graph_factory
 from engine.errors import ConfigError
 from engine.kv_cache import Prefaulter, allocate
@@ -35,7 +36,7 @@ from engine.model_runner import ModelRunner, flat_batch
 from engine.models import model_class
 from engine.models.spec import ModelSpec
 from engine.sampler import Rows, Sampler
-from engine.startup import ModelFacts, native_dir
+from engine.startup import ModelFacts
 from engine.tokenizer import Tokenizer
 from engine.types import Request
 from engine.weights import iter_weights
