@@ -44,9 +44,28 @@ def read_host_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cg
     return HostMemory(None, "neither /proc/meminfo nor a cgroup limit readable")
 
 
+def memory_room(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process could still take now: MemAvailable, or where lower what its cgroup limits leave (limit
+    less usage); None when neither can be read. For what is allocated after start (the CPU's packed weight
+    copies: engine/layers/dense.py)."""
+    kib = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in _read(proc / "meminfo").splitlines() if ln.split()[1:]}
+    found = [kib["MemAvailable"]] if "MemAvailable" in kib else []
+    for limit, path in _cgroup_limits(proc, cgroup):
+        usage_name = "memory.current" if path.endswith("memory.max") else "memory.usage_in_bytes"
+        if (usage := _read(Path(path).with_name(usage_name)).strip()).isdigit():
+            found.append(max(0, limit - int(usage)))
+    return min(found) if found else None
+
+
 def _cgroup_limit(proc: Path, cgroup: Path) -> tuple[int, str] | None:
-    """The lowest memory limit on this process's cgroup and its ancestors (v2 memory.max, v1 memory.limit_in_bytes),
-    and the file that set it; None: no limit. Inside a container's cgroup namespace its own cgroup shows as /."""
+    """The lowest memory limit on this process's cgroup and its ancestors, and the file that set it; None: none."""
+    found = _cgroup_limits(proc, cgroup)
+    return min(found) if found else None
+
+
+def _cgroup_limits(proc: Path, cgroup: Path) -> list[tuple[int, str]]:
+    """Each memory limit on this process's cgroup and its ancestors (v2 memory.max, v1 memory.limit_in_bytes), and
+    the file that set it. Inside a container's cgroup namespace its own cgroup shows as /."""
     found = []
     for line in _read(proc / "self" / "cgroup").splitlines():
         _, controllers, path = line.split(":", 2)
@@ -63,7 +82,7 @@ def _cgroup_limit(proc: Path, cgroup: Path) -> tuple[int, str] | None:
                 found.append((int(text), str(d / name)))
             if d == root:
                 break
-    return min(found) if found else None
+    return found
 
 
 def cpu_pool_bytes(

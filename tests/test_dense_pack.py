@@ -37,6 +37,18 @@ def test_a_packed_weight_gives_the_unpacked_result_bit_for_bit(bias):
     assert not dense.packable(w.float()) and not dense.packable(torch.zeros(4, dtype=torch.bfloat16))
 
 
+def test_packing_stops_when_the_memory_left_would_not_hold_the_copies(caplog):
+    w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    need = w.numel() * 2
+    with caplog.at_level("WARNING", logger="engine"):
+        assert dense.pack([w], room=lambda: dense.PACK_HEADROOM + need - 1) == 0
+    assert not hasattr(w, dense.PACKED) and "CPU weight packing stopped" in caplog.text
+    assert dense.dense(torch.randn(3, 64, dtype=torch.bfloat16), w).shape == (3, 96)  # F.linear, as before
+    assert dense.pack([w], room=lambda: dense.PACK_HEADROOM + need) == need
+    w2 = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    assert dense.pack([w2], room=lambda: None) == need  # unknown: packed, as before
+
+
 def test_an_engine_packs_its_weights_after_ready_and_its_outputs_do_not_change(tiny_llama):
     from engine import LLM, SamplingParams
 

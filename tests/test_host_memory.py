@@ -98,6 +98,25 @@ def test_reading_meminfo_and_the_cgroup_limit(tmp_path):
     assert read_host_memory().available > 0  # this machine
 
 
+def test_memory_room_is_what_meminfo_and_the_cgroups_leave_now(tmp_path):
+    from engine.host_memory import memory_room
+
+    mem = 8 * 1024 * 1024  # kB: 8 GiB
+    # v2: the parent's 4 GiB limit with 3 GiB used leaves 1 GiB; the child's own (6 GiB, 1 used) leaves more
+    proc, cg = _files(tmp_path / "a", str(mem), "0::/pod/worker", {
+        "pod/worker/memory.max": str(6 * GIB), "pod/worker/memory.current": str(GIB),
+        "pod/memory.max": str(4 * GIB), "pod/memory.current": str(3 * GIB)})  # fmt: skip
+    assert memory_room(proc, cg) == GIB
+    # v1, over its limit: nothing left
+    proc, cg = _files(tmp_path / "b", str(mem), "4:memory:/x", {
+        "memory/x/memory.limit_in_bytes": str(2 * GIB), "memory/x/memory.usage_in_bytes": str(3 * GIB)})  # fmt: skip
+    assert memory_room(proc, cg) == 0
+    # no limit: MemAvailable; a limit whose usage cannot be read counts for nothing
+    assert memory_room(*_files(tmp_path / "c", str(mem), "0::/", {"memory.max": str(GIB)})) == 8 * GIB
+    assert memory_room(*_files(tmp_path / "d", None, "0::/", {})) is None
+    assert memory_room() > 0  # this machine
+
+
 def test_plan_memory_sizes_the_cpu_pool_from_the_host():
     spec = ModelSpec.from_hf(SMOLLM2_135M)
 

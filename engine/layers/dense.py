@@ -19,6 +19,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from engine.host_memory import memory_room
 from kernels import cpu_gemm
 
 log = logging.getLogger("engine")
@@ -78,21 +79,30 @@ def pack_pieces(model) -> list[list[torch.Tensor]]:
     return [p for p in [*pieces, [head] if packable(head) else []] if p]
 
 
-def pack(weights: list[torch.Tensor]) -> int:
+PACK_HEADROOM = 1 << 30  # bytes a piece's copies must leave free: the steps' temporaries, the KV region's growth
+
+
+def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     """Give each weight its oneDNN-packed copy (dense() uses it from then on), and its AMX copy where the thin GEMM
-    is loaded. Returns the bytes packed; 0 when this torch cannot pack (then nothing is, and F.linear goes on as
-    before)."""
-    done = 0
+    is loaded, when the memory left (`room()`: bytes, None when unknown) holds them with PACK_HEADROOM to spare.
+    Returns the bytes packed; 0 when this torch cannot pack or the memory is short (then nothing is, the log says
+    why, and F.linear goes on as before)."""
     thin = cpu_gemm.ThinGemm.loaded()
-    for w in weights:
-        if thin is not None and cpu_gemm.fits(w):
-            setattr(w, AMX, thin.pack(w))
-            done += w.numel() * w.element_size()
+    amx = [thin is not None and cpu_gemm.fits(w) for w in weights]
+    need = sum(w.numel() * w.element_size() * (1 + a) for w, a in zip(weights, amx))
+    if (left := room()) is not None and left < need + PACK_HEADROOM:
+        log.warning("CPU weight packing stopped: %d MiB left, its copies need %d MiB and %d to spare; the rest of "
+                    "the linears stay unpacked", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
+        return 0
+    done = 0
+    for w, a in zip(weights, amx):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         except (RuntimeError, AttributeError) as e:  # a build without oneDNN's bf16 linear
             log.warning("cannot pack CPU weights for oneDNN (%s): the linears stay unpacked", e)
             return 0
         setattr(w, PACKED, packed)
-        done += w.numel() * w.element_size()
+        if a:
+            setattr(w, AMX, thin.pack(w))
+        done += w.numel() * w.element_size() * (1 + a)
     return done
