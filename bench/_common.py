@@ -253,11 +253,11 @@ def _thin_gemm(llm, on: bool) -> None:
     cpu_gemm.MAX_ROWS = AB_DEFAULTS.setdefault("max_rows", cpu_gemm.MAX_ROWS) if on else 0
 
 
-def _cpu_norm(llm, on: bool) -> None:
-    """bf16 add + RMSNorm through the C op (kernels/cpu_ops.py), or its torch reference."""
+def _cpu_ops(llm, on: bool) -> None:
+    """bf16 add + RMSNorm and rotary through the C ops (kernels/cpu_ops.py), or their torch references."""
     from kernels import cpu_ops
 
-    assert cpu_ops.CpuOps.current() is not None and cpu_ops.CpuOps.current().wait(), "no C norm here"
+    assert cpu_ops.CpuOps.current() is not None and cpu_ops.CpuOps.current().wait(), "no C ops here"
     cpu_ops.library = AB_DEFAULTS.setdefault("library", cpu_ops.library) if on else (lambda *tensors: None)
 
 
@@ -276,7 +276,7 @@ def _heap_keep(llm, on: bool) -> None:
 
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
 AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "thin-gemm": _thin_gemm,
-      "cpu-norm": _cpu_norm, "heap-keep": _heap_keep}  # fmt: skip
+      "cpu-ops": _cpu_ops, "heap-keep": _heap_keep}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

@@ -1,6 +1,6 @@
-/* A CPU layer's add + RMSNorm in bf16, fused, rounding where its torch reference rounds (kernels/rmsnorm.py
- * add_rms_norm_ref, rms_norm_ref): one pass over memory where the reference makes 9 torch ops, each a dispatch and
- * a pass. fp32 arithmetic, 16 lanes (GCC / Clang vector extensions: one AVX-512 register, or two AVX2 ones).
+/* A CPU layer's add + RMSNorm and rotary embedding in bf16, fused, rounding where their torch references round
+ * (kernels/rmsnorm.py add_rms_norm_ref, rms_norm_ref; kernels/rotary.py rotate_ref): one pass over memory where a
+ * reference makes 5-9 torch ops, each a dispatch and a pass. fp32 arithmetic, 16 lanes (GCC / Clang vector extensions: one AVX-512 register, or two AVX2 ones).
  * Called through kernels/cpu_ops.py.
  *
  *   add_rms_norm: x, res [rows, n] -> res_out = bf16(x + res); out = bf16(w * bf16(res_out * rsqrt(mean(res_out^2)
@@ -99,4 +99,24 @@ void add_rms_norm(const uint16_t *x, const uint16_t *res, const uint16_t *w, uin
             o[j] = bits1(round1(ld1(w + j) * round1(ld1(s + j) * inv)));
         }
     }
+}
+
+/* rotate_ref (kernels/rotary.py) in bf16: out = x * c + rotate_half(x) * s, each product and the sum rounded to
+ * bf16 as torch rounds them (a bf16 product is exact in fp32, so this is bit for bit torch's).
+ *   x   [rows, heads, D], rows `sr` and heads `sh` elements apart (q or k, views of the fused qkv)
+ *   c, s [rows, D] (rotary_rows, `sc` elements a row); out [rows, heads, D] contiguous. D / 2 a multiple of 16. */
+void rope(const uint16_t *x, int64_t rows, int64_t heads, int64_t sr, int64_t sh, const uint16_t *c,
+          const uint16_t *s, int64_t sc, int64_t d, uint16_t *out, int nthreads) {
+    const int64_t half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * heads * d >= PAR_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xr = x + r * sr + h * sh, *cr = c + r * sc, *sr_ = s + r * sc;
+            uint16_t *o = out + (r * heads + h) * d;
+            for (int64_t j = 0; j < half; j += 16) {
+                const f16v x1 = ld(xr + j), x2 = ld(xr + half + j);
+                st(o + j, round_bf16(x1 * ld(cr + j)) + round_bf16(-x2 * ld(sr_ + j)));
+                st(o + half + j, round_bf16(x2 * ld(cr + half + j)) + round_bf16(x1 * ld(sr_ + half + j)));
+            }
+        }
 }

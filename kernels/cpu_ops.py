@@ -1,12 +1,12 @@
-"""A CPU layer's add + RMSNorm in C (kernels/cpu_ops.c), bf16 only, against add_rms_norm_ref / rms_norm_ref
-(kernels/rmsnorm.py).
+"""A CPU layer's add + RMSNorm and rotary embedding in C (kernels/cpu_ops.c), bf16 only, against add_rms_norm_ref
+/ rms_norm_ref (kernels/rmsnorm.py) and rotate_ref (kernels/rotary.py).
 
-Why: the reference is 9 torch ops, each a dispatch and a pass over memory, twice a layer: at a 2048-token prefill
-chunk of SmolLM2 on 2 threads of the Xeon VM, 2.8-8.3 ms against the C pass's 1.1, and at a decode step's 16 rows
-71 us against 27. Built like the decode attention (kernels/cpu_build.py) and used once loaded; until then, for
-fp32 (whose greedy output must equal HF's token for token) and for fp16, the reference runs. Not bit-exact with
-it: the mean's sum runs in another order, so an output can differ by a bf16 step (tests/kernels/test_cpu_ops.py
-bounds it)."""
+Why: the norm's reference is 9 torch ops, each a dispatch and a pass over memory, twice a layer: at a 2048-token
+prefill chunk of SmolLM2 on 2 threads of the Xeon VM, 2.8-8.3 ms against the C pass's 1.1, and at a decode step's
+16 rows 71 us against 27. The rotary's is 5 ops for q and 5 for k. Built like the decode attention
+(kernels/cpu_build.py) and used once loaded; until then, for fp32 (whose greedy output must equal HF's token for
+token) and for fp16, the references run. The rotary is bit for bit its reference; the norm is not: the mean's sum
+runs in another order, so an output can differ by a bf16 step or two (tests/kernels/test_cpu_ops.py bounds it)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ class CpuOps(NativeKernel):
     """The compiled ops (one per process: the key is None)."""
 
     SOURCE = Path(__file__).with_name("cpu_ops.c")
-    WHAT, FALLBACK = "CPU add + RMSNorm", "the torch reference stays"
+    WHAT, FALLBACK = "CPU norm and rotary", "the torch references stay"
 
     def setup(self, lib) -> None:
         lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int]
-        lib.add_rms_norm.restype = None
+        lib.rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, ctypes.c_int]
+        lib.add_rms_norm.restype = lib.rope.restype = None
 
     @classmethod
     def get(cls, cache_dir: Path, wait: bool = False) -> CpuOps:
@@ -55,3 +56,15 @@ def add_rms_norm(lib, x: torch.Tensor, residual: torch.Tensor | None, weight: to
         out.data_ptr(), None if res is None else res.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads(),
     )  # fmt: skip
     return out, res
+
+
+def rope(lib, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+    """rotate_ref(x, c, s) for x [T, heads, D] (rows and heads may be strided) and c, s [T, 1, D] (rotary_rows), as a
+    new contiguous tensor; None when the shapes do not suit the kernel (D / 2 not a multiple of 16)."""
+    t, heads, d = x.shape
+    if d % 32 or x.stride(2) != 1 or c.stride(-1) != 1 or c.stride() != s.stride() or c.shape[0] != t:
+        return None
+    out = x.new_empty(t, heads, d)
+    lib.rope(x.data_ptr(), t, heads, x.stride(0), x.stride(1), c.data_ptr(), s.data_ptr(), c.stride(0), d,
+             out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return out

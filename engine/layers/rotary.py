@@ -7,6 +7,7 @@ import math
 import torch
 
 from engine.errors import UnsupportedModelError
+from kernels import cpu_ops
 from kernels._common import use_triton
 from kernels.rotary import rotary_embedding, rotary_rows, rotate_ref
 
@@ -119,4 +120,8 @@ class RotaryCache:
         if last is None or last[0] is not positions or last[1] != version or last[2] != q.dtype:
             last = self._rows = positions, version, q.dtype, rotary_rows(self.cos, self.sin, positions, q.dtype)
         c, s = last[3]
+        if (lib := cpu_ops.library(q, k, c)) is not None:  # bf16, once the C op is loaded
+            qr, kr = cpu_ops.rope(lib, q, c, s), cpu_ops.rope(lib, k, c, s)
+            if qr is not None and kr is not None:
+                return qr, kr
         return rotate_ref(q, c, s), rotate_ref(k, c, s)

@@ -70,3 +70,37 @@ def test_rmsnorm_takes_the_c_op_for_bf16_on_cpu_only(lib, monkeypatch):
         monkeypatch.setattr(CpuOps, "loaded", classmethod(lambda cls, key=None: None))  # not loaded (yet)
         rmsnorm.rms_norm(torch.randn(3, 32).bfloat16(), torch.rand(32).bfloat16(), 1e-6)
         assert len(calls) == 2
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("t", [1, 7, 300])
+def test_rope_is_bit_for_bit_its_reference(lib, t, d):
+    """q and k as the views of a fused qkv that attention hands over (strided rows), at real positions."""
+    from engine.layers.rotary import RotaryCache
+    from kernels.rotary import rotary_rows, rotate_ref
+
+    g = torch.Generator().manual_seed(t + d)
+    rc = RotaryCache(d, 4096, 10000.0, None, "cpu")
+    qkv = (torch.randn(t, (4 + 2 * 2) * d, generator=g) * 3).bfloat16()
+    q, k = qkv[:, : 4 * d].view(t, 4, d), qkv[:, 4 * d : 6 * d].view(t, 2, d)
+    c, s = rotary_rows(rc.cos, rc.sin, torch.randint(0, 4096, (t,), generator=g), torch.bfloat16)
+    for x in (q, k):
+        got = cpu_ops.rope(lib, x, c, s)
+        assert got.is_contiguous() and torch.equal(got, rotate_ref(x, c, s))
+    assert cpu_ops.rope(lib, qkv[:, :48].view(t, 1, 48), c[..., :48], s[..., :48]) is None  # D / 2 not whole vectors
+
+
+def test_rotary_takes_the_c_op_for_bf16_on_cpu(lib, monkeypatch):
+    from engine.layers.rotary import RotaryCache
+
+    calls = []
+    real = cpu_ops.rope
+    monkeypatch.setattr(cpu_ops, "rope", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(CpuOps, "loaded", classmethod(lambda cls, key=None: type("K", (), {"lib": lib})))
+    rc = RotaryCache(64, 128, 10000.0, None, "cpu")
+    with kernels.backend("torch"):
+        pos = torch.arange(3)
+        for dtype in (torch.bfloat16, torch.float32):
+            q, k = torch.randn(3, 4, 64).to(dtype), torch.randn(3, 2, 64).to(dtype)
+            rc.apply(q, k, pos)
+    assert calls == [(3, 4, 64), (3, 2, 64)]
