@@ -215,26 +215,61 @@ def running(name: str, model: Path, n: int, max_len: int):
         _stop(proc)
 
 
-def serve_and_time(name: str, model: Path, prompts: list[list[int]], out_lens: list[int]) -> float:
-    """Seconds for peer `name` to answer every request, all sent at t=0 (after one untimed warm-up request).
-    Skip when it cannot be installed, started or gives the wrong lengths."""
+def time_requests(name: str, base: str, prompts: list[list[int]], out_lens: list[int]) -> float:
+    """Seconds for the running peer `name` at `base` to answer every request, all sent at t=0 (after one untimed
+    warm-up request). Skip when it gives the wrong lengths."""
     import httpx
 
     request = SERVERS[name][1]
-    with running(name, model, len(prompts), max(len(p) + o for p, o in zip(prompts, out_lens)) + 16) as base:
 
-        async def main() -> float:
-            limits = httpx.Limits(max_connections=len(prompts) + 1)
-            async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-                await request(client, base, prompts[0][:16], 4)  # warm-up
-                t = time.perf_counter()
-                got = await asyncio.gather(*(request(client, base, p, o) for p, o in zip(prompts, out_lens)))
-                seconds = time.perf_counter() - t
-            if list(got) != list(out_lens):
-                raise Skip(f"wrong output lengths: {got[:8]}... against {out_lens[:8]}...")
-            return seconds
+    async def main() -> float:
+        limits = httpx.Limits(max_connections=len(prompts) + 1)
+        async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+            await request(client, base, prompts[0][:16], 4)  # warm-up
+            t = time.perf_counter()
+            got = await asyncio.gather(*(request(client, base, p, o) for p, o in zip(prompts, out_lens)))
+            seconds = time.perf_counter() - t
+        if list(got) != list(out_lens):
+            raise Skip(f"wrong output lengths: {got[:8]}... against {out_lens[:8]}...")
+        return seconds
 
-        return asyncio.run(main())
+    return asyncio.run(main())
+
+
+def _max_len(prompts, out_lens) -> int:
+    return max(len(p) + o for p, o in zip(prompts, out_lens)) + 16
+
+
+def serve_and_time(name: str, model: Path, prompts: list[list[int]], out_lens: list[int]) -> float:
+    """Seconds for peer `name` to answer every request (time_requests), started for them and stopped after. Skip
+    when it cannot be installed, started or gives the wrong lengths."""
+    with running(name, model, len(prompts), _max_len(prompts, out_lens)) as base:
+        return time_requests(name, base, prompts, out_lens)
+
+
+def paired(names: list[str], model: Path, wl, ours, rounds: int) -> list[str]:
+    """Each server peer against `ours()` (seconds for our engine on `wl`) in `rounds` alternating rounds, the
+    server up throughout and idle while ours runs: a note line per peer with each round's ratio (peer seconds /
+    ours) and their median. These machines drift between minutes; a pair run back to back shares the drift."""
+    lines = []
+    for name in names:
+        try:
+            with running(name, model, len(wl.prompts), _max_len(wl.prompts, wl.out_lens)) as base:
+                ratios = []
+                for r in range(rounds):
+                    t = {}
+                    for who in ("ours", name) if r % 2 == 0 else (name, "ours"):
+                        t[who] = ours() if who == "ours" else time_requests(name, base, wl.prompts, wl.out_lens)
+                    ratios.append(t[name] / t["ours"])
+                    print(f"  paired with {name}, round {r + 1}: ours {t['ours']:.2f} s, {name} {t[name]:.2f} s; "
+                          f"ours / {name} {ratios[-1]:.2f}x tok/s", flush=True)  # fmt: skip
+        except Skip as e:
+            lines.append(f"- paired with {name}: skipped: {e}")
+            continue
+        each = ", ".join(f"{x:.2f}×" for x in ratios)
+        lines.append(f"- paired with {name} ({rounds} rounds, alternating which goes first, the server up throughout):"
+                     f" ours ÷ {name} per round {each}; median {sorted(ratios)[len(ratios) // 2]:.2f}×")  # fmt: skip
+    return lines
 
 
 def run_servers(names: list[str], model: Path, wl, record) -> list[str]:

