@@ -222,32 +222,3 @@ def test_the_engine_gives_the_heap_back_under_a_load_that_never_lets_it_go_idle(
     during = [t for t, busy in calls if busy]
     assert took > 0.2 and len(during) >= 2, (took, calls)  # while the request ran
     assert all(b - a >= 0.05 for a, b in zip(during, during[1:]))  # not more often than the interval
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and getrusage's fault count")
-def test_with_freed_memory_kept_a_steps_large_temporaries_reuse_their_pages():
-    """keep_freed_memory (what a CPU engine sets at start): a 12 MiB temporary (a 2048-token chunk's gate_up is
-    that size) freed and made again faults no fresh pages in; with glibc's starting thresholds it faults in every
-    page, each time."""
-    import ctypes
-    import resource
-
-    from engine.host_memory import keep_freed_memory
-
-    def faults_of_a_temporary() -> int:
-        a = torch.empty(12 << 20, dtype=torch.uint8)
-        a.fill_(1)
-        del a
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        b = torch.empty(12 << 20, dtype=torch.uint8)
-        b.fill_(1)
-        del b
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    libc = ctypes.CDLL(None)
-    try:
-        libc.mallopt(-1, 128 << 10), libc.mallopt(-3, 128 << 10)  # glibc's starting M_TRIM_ / M_MMAP_THRESHOLD
-        assert faults_of_a_temporary() >= 3000  # 12 MiB of 4 KiB pages
-    finally:
-        assert keep_freed_memory()
-    assert faults_of_a_temporary() < 100
