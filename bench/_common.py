@@ -147,19 +147,30 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def gemm_gflops(dtype: torch.dtype, device: str = "cpu", n: int = 2048, reps: int = 5) -> float:
-    """Best-of-`reps` dense n x n x n matmul rate: the ceiling the GEMM-bound part of a forward can reach."""
+def gemm_gflops(dtype: torch.dtype, device: str = "cpu", n: int = 2048, reps: int = 5) -> tuple[float, str]:
+    """Best-of-`reps` dense n x n x n GEMM rate, as our linears run it (x @ w.T): the ceiling the GEMM-bound part of a
+    forward can reach; and the dtype it ran in. On a CPU where oneDNN has no bf16 GEMM our bf16 linears run on fp32
+    copies (engine/layers/dense.py), so the roofline there is fp32's: torch's bf16 GEMM ran at 1-20 GFLOP/s on an AVX2
+    EPYC, against 120-170 for fp32."""
+    from engine.layers.dense import onednn_bf16
+
+    label = str(dtype).removeprefix("torch.")
+    if device == "cpu" and dtype == torch.bfloat16 and not onednn_bf16():
+        dtype, label = (
+            torch.float32,
+            "float32 (oneDNN has no bf16 GEMM for this CPU: our bf16 linears run on fp32 copies)",
+        )
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)  # warm up (oneDNN / cuBLAS picks its kernel here)
+    torch.nn.functional.linear(a, b)  # warm up (oneDNN / cuBLAS picks its kernel here)
     best = float("inf")
     for _ in range(reps):
         sync(device)
         t = time.perf_counter()
-        torch.matmul(a, b)
+        torch.nn.functional.linear(a, b)
         sync(device)
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / best / 1e9, label
 
 
 @dataclass
@@ -274,9 +285,18 @@ def _heap_keep(llm, on: bool) -> None:
     libc.malloc_trim(0)
 
 
+def _fp32_copies(llm, on: bool) -> None:
+    """bf16 linears through MKL's fp32 GEMM (engine/layers/dense.py WIDEN: where oneDNN has no bf16 GEMM for this
+    CPU), or torch's own bf16 GEMM."""
+    from engine.layers import dense
+
+    assert not dense.onednn_bf16(), "oneDNN has a bf16 GEMM here: the linears are packed for it, not widened"
+    dense.WIDEN = on
+
+
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
 AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "thin-gemm": _thin_gemm,
-      "cpu-ops": _cpu_ops, "heap-keep": _heap_keep}  # fmt: skip
+      "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "fp32-copies": _fp32_copies}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

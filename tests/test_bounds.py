@@ -105,6 +105,7 @@ def test_cpu_gemm_shapes_are_bounded_and_the_padding_changes_no_row(monkeypatch)
         return real(x, w, bias)
 
     monkeypatch.setattr(dense.F, "linear", record)
+    monkeypatch.setattr(dense, "onednn_bf16", lambda: True)  # not widened to fp32 (a CPU with AVX-512)
     for rows in range(1, 2049):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
         y = dense.dense(x, w, b)
@@ -116,3 +117,6 @@ def test_cpu_gemm_shapes_are_bounded_and_the_padding_changes_no_row(monkeypatch)
     shapes.clear()
     dense.dense(x32, w.float())
     assert shapes == {17}  # fp32 keeps its exact shape (MKL; the parity tests)
+    monkeypatch.setattr(dense, "onednn_bf16", lambda: False)  # AVX2 alone: bf16 widened to MKL's fp32, exact too
+    dense.dense(torch.randn(33, 32, dtype=torch.bfloat16), w, b)
+    assert shapes == {17, 33}

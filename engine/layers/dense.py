@@ -14,6 +14,7 @@ copy is memory of its own, beside the parameter (which the rest of the engine st
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -43,6 +44,11 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     rows = x.shape[0]
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype == torch.float32:
         return F.linear(x, w, bias)
+    if WIDEN and x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # MKL's fp32 GEMM: 5-9x here (FP32)
+        wide = getattr(w, FP32, None)
+        if wide is not None or rows > EXACT:  # before pack(): widened per call, which pays from a few rows on
+            wide = w.float() if wide is None else wide
+            return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, AMX, None)) is not None and x.dtype == torch.bfloat16:
         return amx(x, bias)  # no bucket: the kernel keeps nothing per shape
     linear = F.linear
@@ -58,6 +64,22 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy
 AMX = "amx_packed"  # and its copy in AMX's tile layout, for few rows (kernels/cpu_gemm.py), where the CPU has AMX
+# ... or, where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), an
+# fp32 copy: there torch's bf16 GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every
+# row count from 16 to 2048, against MKL's fp32 GEMM at 96-174 (576 x 1536): 5-9x.
+FP32 = "fp32_copy"
+WIDEN = True  # bench/_common.py's --ab fp32-copies switches it
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN can pack (and run fast) a bf16 linear on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and says so when asked to pack without them."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        return True
+    except (RuntimeError, AttributeError):  # this CPU, or a torch built without oneDNN
+        return False
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,7 +89,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 def packable(w) -> bool:
     return (
         isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.bfloat16
-        and getattr(w, PACKED, None) is None and torch.backends.mkldnn.is_available()
+        and getattr(w, PACKED, None) is None and getattr(w, FP32, None) is None
     )  # fmt: skip
 
 
@@ -84,9 +106,11 @@ PACK_HEADROOM = 1 << 30  # bytes a piece's copies must leave free: the steps' te
 
 def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     """Give each weight its oneDNN-packed copy (dense() uses it from then on), and its AMX copy where the thin GEMM
-    is loaded, when the memory left (`room()`: bytes, None when unknown) holds them with PACK_HEADROOM to spare.
-    Returns the bytes packed; 0 when this torch cannot pack or the memory is short (then nothing is, the log says
-    why, and F.linear goes on as before)."""
+    is loaded; where oneDNN has no bf16 GEMM for this CPU, an fp32 copy instead. Only when the memory left (`room()`:
+    bytes, None when unknown) holds them with PACK_HEADROOM to spare. Returns the bytes packed; 0 when the memory is
+    short (then nothing is, the log says why, and F.linear goes on as before)."""
+    if not onednn_bf16():
+        return _widen(weights, room)
     thin = cpu_gemm.ThinGemm.loaded()
     amx = [thin is not None and cpu_gemm.fits(w) for w in weights]
     need = sum(w.numel() * w.element_size() * (1 + a) for w, a in zip(weights, amx))
@@ -96,13 +120,20 @@ def pack(weights: list[torch.Tensor], room=memory_room) -> int:
         return 0
     done = 0
     for w, a in zip(weights, amx):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        except (RuntimeError, AttributeError) as e:  # a build without oneDNN's bf16 linear
-            log.warning("cannot pack CPU weights for oneDNN (%s): the linears stay unpacked", e)
-            return 0
-        setattr(w, PACKED, packed)
+        setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         if a:
             setattr(w, AMX, thin.pack(w))
         done += w.numel() * w.element_size() * (1 + a)
     return done
+
+
+def _widen(weights: list[torch.Tensor], room) -> int:
+    """pack() where oneDNN has no bf16 GEMM: an fp32 copy of each weight (twice its bytes), for MKL's fp32 GEMM."""
+    need = sum(w.numel() * 4 for w in weights)
+    if (left := room()) is not None and left < need + PACK_HEADROOM:
+        log.warning("CPU weight widening stopped: %d MiB left, the fp32 copies need %d MiB and %d to spare; the "
+                    "rest run torch's slow bf16 GEMM", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
+        return 0
+    for w in weights:
+        setattr(w, FP32, w.detach().float())
+    return need
