@@ -10,7 +10,11 @@ breakdown: anonymous memory outside the heap's free space). Rounding rows up to 
 A bf16 weight packed once into oneDNN's own layout (`pack`: after ready, as IdleWork pieces) runs its GEMM 1.3-2x
 faster at up to 64 rows than the plain weight F.linear hands oneDNN on every call, with the same result bit for bit
 (tests/test_dense_pack.py; 576 x 3072 at 64 rows: 0.64 ms -> 0.46 ms on 2 threads of a Xeon with AMX). The packed
-copy is memory of its own, beside the parameter (which the rest of the engine still reads)."""
+copy is memory of its own, beside the parameter (which the rest of the engine still reads).
+
+Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), a bf16 linear runs MKL's fp32 GEMM instead and rounds its
+result to bf16: on the weight widened per call past 16 rows, and on an fp32 copy once `pack` made one
+(docs/decisions.md, "bf16 linears through MKL's fp32 GEMM")."""
 
 from __future__ import annotations
 
