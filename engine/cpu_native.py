@@ -9,7 +9,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
-from kernels.cpu_gemm import ThinGemm
+from engine.layers import dense
+from kernels.cpu_gemm import Avx2Gemm, ThinGemm
 from kernels.cpu_ops import CpuOps
 
 
@@ -19,12 +20,14 @@ def native_dir(cfg: EngineConfig, device: torch.device) -> Path | None:
 
 
 def start_cpu(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-    """On CPU: malloc keeps a step's freed temporaries; for bf16, the AMX thin GEMM (its copies are packed once it
-    is loaded) and the C add + RMSNorm, each built or loaded by a thread. The decode attention's kernel is started
+    """On CPU: malloc keeps a step's freed temporaries; for bf16, the AMX thin GEMM, or the AVX2 one where oneDNN
+    has no bf16 GEMM (their copies are packed once it is loaded), and the C add + RMSNorm, each built or loaded by a
+    thread. The decode attention's kernel is started
     by build_attention, per head_dim."""
     if device.type != "cpu":
         return
     keep_freed_memory()
     if dtype == torch.bfloat16:
-        ThinGemm.get(native_dir(cfg, device))
+        if ThinGemm.get(native_dir(cfg, device)) is None and not dense.onednn_bf16():
+            Avx2Gemm.get(native_dir(cfg, device))
         CpuOps.get(native_dir(cfg, device))

@@ -6,7 +6,7 @@ tile per K step and up to four 16-row A tiles, at 9-16 (`python -m bench.cpu_gem
 64 rows on the GEMM is compute-bound, and oneDNN's blocking wins: dense() hands this kernel only rows <=
 MAX_ROWS.
 
-The weight is packed once into AMX's B-tile layout (`AmxWeight`, an IdleWork piece a layer, as oneDNN's copy),
+The weight is packed once into AMX's B-tile layout (`ThinWeight`, an IdleWork piece a layer, as oneDNN's copy),
 beside the parameter, which the engine still reads. Built like the decode attention (kernels/cpu_build.py), and only
 where /proc/cpuinfo lists amx_bf16 and amx_tile; elsewhere the linears stay oneDNN's."""
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kernels.cpu_build import NativeKernel, cpu_flags
 
 MAX_ROWS = 32  # measured crossing with oneDNN's packed GEMM (bench/cpu_gemm.py): this kernel to here
+AVX2_ROWS = 16  # ... and the AVX2 kernel's with MKL's fp32 GEMM on fp32 copies
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -31,6 +32,10 @@ def thin_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 def has_amx() -> bool:
     return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+
+
+def has_avx2() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def fits(w: torch.Tensor) -> bool:
@@ -55,15 +60,44 @@ class ThinGemm(NativeKernel):
         """The kernel where this CPU has AMX (None elsewhere), loaded now when it is built, else built by a thread."""
         return super().get(None, cache_dir, wait) if has_amx() else None
 
-    def pack(self, w: torch.Tensor) -> AmxWeight:
+    @staticmethod
+    def fits(w: torch.Tensor) -> bool:
+        return fits(w)
+
+    def pack(self, w: torch.Tensor) -> ThinWeight:
         w = w.detach().contiguous()
         packed = torch.empty(w.numel(), dtype=torch.bfloat16)
         self.lib.pack(w.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr())
-        return AmxWeight(packed, w.shape[0], w.shape[1], self.lib)
+        return ThinWeight(packed, w.shape[0], w.shape[1], self.lib)
 
 
-class AmxWeight:
-    """A weight [N, K] in AMX's tile layout; called as the linear."""
+class Avx2Gemm(NativeKernel):
+    """The same for CPUs with AVX2 and FMA where oneDNN has no bf16 GEMM (kernels/cpu_thin_avx2.c): a decode's few
+    rows read the bf16 weights, packed in 8-column blocks, where MKL's fp32 GEMM reads fp32 copies, twice the bytes.
+    The engine starts it only on such a CPU (engine/cpu_native.py)."""
+
+    SOURCE = Path(__file__).with_name("cpu_thin_avx2.c")
+    WHAT, FALLBACK = "CPU thin GEMM (AVX2)", "the linears stay MKL's fp32 GEMM"
+
+    def setup(self, lib) -> None:
+        lib.pack.argtypes, lib.pack.restype = [_P, _I64, _I64, _P], None
+        lib.gemm.argtypes, lib.gemm.restype = [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int
+
+    @classmethod
+    def get(cls, cache_dir: Path, wait: bool = False) -> Avx2Gemm | None:
+        return super().get(None, cache_dir, wait) if has_avx2() else None
+
+    @staticmethod
+    def fits(w: torch.Tensor) -> bool:
+        """bf16 [N, K] with N a multiple of 16 (whole column blocks)."""
+        return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0
+
+    pack = ThinGemm.pack  # the same call; the C pack makes this kernel's layout
+
+
+class ThinWeight:
+    """A weight [N, K] in a thin GEMM's layout (AMX's tiles, or the AVX2 kernel's column blocks); called as the
+    linear."""
 
     __slots__ = ("packed", "n", "k", "lib")
 
@@ -80,5 +114,5 @@ class AmxWeight:
             None if b is None else b.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
-            raise MemoryError("CPU thin GEMM: out of memory for its tail rows")
+            raise MemoryError("CPU thin GEMM: out of memory for its temporaries")
         return y

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import dense
-from kernels.cpu_gemm import ThinGemm
+from kernels.cpu_gemm import Avx2Gemm, ThinGemm
 
 ONEDNN_BF16 = dense.onednn_bf16()
 needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 GEMM for this CPU (AVX2 alone)")
@@ -39,8 +39,10 @@ def test_onednn_bf16_follows_the_cpu_flags():
 
 @pytest.fixture(autouse=True)
 def onednn_alone(monkeypatch):
-    """oneDNN's copy alone (bit for bit F.linear's): the AMX copy is tests/kernels/test_cpu_gemm.py's."""
+    """oneDNN's copy alone (bit for bit F.linear's), or the fp32 one: the thin GEMMs' copies are
+    tests/kernels/test_cpu_gemm.py's and test_cpu_thin_avx2.py's."""
     monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: None))
+    monkeypatch.setattr(Avx2Gemm, "loaded", classmethod(lambda cls: None))
 
 
 @needs_onednn_bf16

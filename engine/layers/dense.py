@@ -49,11 +49,13 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype == torch.float32:
         return F.linear(x, w, bias)
     if WIDEN and x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # MKL's fp32 GEMM: 5-9x here (FP32)
+        if rows <= cpu_gemm.AVX2_ROWS and (thin := getattr(w, THIN, None)) is not None:
+            return thin(x, bias)  # a decode's rows: the bf16 copy read, half the fp32 one's bytes
         wide = getattr(w, FP32, None)
         if wide is not None or rows > EXACT:  # before pack(): widened per call, which pays from a few rows on
             wide = w.float() if wide is None else wide
             return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
-    if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, AMX, None)) is not None and x.dtype == torch.bfloat16:
+    if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, THIN, None)) is not None and x.dtype == torch.bfloat16:
         return amx(x, bias)  # no bucket: the kernel keeps nothing per shape
     linear = F.linear
     if (packed := getattr(w, PACKED, None)) is not None and x.dtype == w.dtype:
@@ -67,8 +69,8 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy
-AMX = "amx_packed"  # and its copy in AMX's tile layout, for few rows (kernels/cpu_gemm.py), where the CPU has AMX
-# ... or, where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), an
+THIN = "thin_packed"  # and its copy for a thin GEMM's few rows (kernels/cpu_gemm.py): AMX's, or the AVX2 kernel's
+# ... and where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), an
 # fp32 copy: there torch's bf16 GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every
 # row count from 16 to 2048, against MKL's fp32 GEMM at 96-174 (576 x 1536): 5-9x.
 FP32 = "fp32_copy"
@@ -116,7 +118,7 @@ def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     if not onednn_bf16():
         return _widen(weights, room)
     thin = cpu_gemm.ThinGemm.loaded()
-    amx = [thin is not None and cpu_gemm.fits(w) for w in weights]
+    amx = [thin is not None and thin.fits(w) for w in weights]
     need = sum(w.numel() * w.element_size() * (1 + a) for w, a in zip(weights, amx))
     if (left := room()) is not None and left < need + PACK_HEADROOM:
         log.warning("CPU weight packing stopped: %d MiB left, its copies need %d MiB and %d to spare; the rest of "
@@ -126,18 +128,23 @@ def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     for w, a in zip(weights, amx):
         setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         if a:
-            setattr(w, AMX, thin.pack(w))
+            setattr(w, THIN, thin.pack(w))
         done += w.numel() * w.element_size() * (1 + a)
     return done
 
 
 def _widen(weights: list[torch.Tensor], room) -> int:
-    """pack() where oneDNN has no bf16 GEMM: an fp32 copy of each weight (twice its bytes), for MKL's fp32 GEMM."""
-    need = sum(w.numel() * 4 for w in weights)
+    """pack() where oneDNN has no bf16 GEMM: an fp32 copy of each weight (twice its bytes), for MKL's fp32 GEMM, and
+    its AVX2 thin GEMM copy where that kernel is loaded (its bytes again)."""
+    thin = cpu_gemm.Avx2Gemm.loaded()
+    avx2 = [thin is not None and thin.fits(w) for w in weights]
+    need = sum(w.numel() * (4 + 2 * a) for w, a in zip(weights, avx2))
     if (left := room()) is not None and left < need + PACK_HEADROOM:
         log.warning("CPU weight widening stopped: %d MiB left, the fp32 copies need %d MiB and %d to spare; the "
                     "rest run torch's slow bf16 GEMM", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
         return 0
-    for w in weights:
+    for w, a in zip(weights, avx2):
         setattr(w, FP32, w.detach().float())
+        if a:
+            setattr(w, THIN, thin.pack(w))
     return need

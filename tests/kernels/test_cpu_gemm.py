@@ -76,7 +76,7 @@ def test_which_weights_fit():
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_gemm.AmxWeight, "__call__", lambda self, x, b=None: calls.append(len(x)) or
+    monkeypatch.setattr(cpu_gemm.ThinWeight, "__call__", lambda self, x, b=None: calls.append(len(x)) or
                         thin_linear_ref(x, torch.zeros(self.n, self.k, dtype=x.dtype), b))  # fmt: skip
     monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: thin))
     w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
@@ -91,11 +91,12 @@ def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypat
 def test_without_amx_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     monkeypatch.setattr(ThinGemm, "_all", {})
+    monkeypatch.setattr(cpu_gemm.Avx2Gemm, "loaded", classmethod(lambda cls: None))  # (an AVX2 CPU's: its own test)
     assert ThinGemm.get(tmp_path) is None and ThinGemm.loaded() is None
     assert not list(tmp_path.iterdir())  # nothing compiled
     w = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16), requires_grad=False)
     dense.pack([w])
-    assert getattr(w, dense.AMX, None) is None
+    assert getattr(w, dense.THIN, None) is None
 
 
 @needs_amx
@@ -113,7 +114,7 @@ def test_an_engine_on_amx_packs_both_copies_and_keeps_its_tokens(tiny_llama):
     first = llm.generate(prompts, params)
     idle.pack = pending
     second = llm.generate(prompts, params)
-    assert all(hasattr(getattr(layer, n), dense.AMX) for layer in model.layers for n in layer.LINEARS)
+    assert all(hasattr(getattr(layer, n), dense.THIN) for layer in model.layers for n in layer.LINEARS)
     for a, b in zip(first, second):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
