@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kernels.cpu_build import NativeKernel, cpu_flags
 
 MAX_ROWS = 32  # measured crossing with oneDNN's packed GEMM (bench/cpu_gemm.py): this kernel to here
-AVX2_ROWS = 16  # ... and the AVX2 kernel's with MKL's fp32 GEMM on fp32 copies
+AVX2_ROWS = 64  # ... and the AVX2 kernel past which MKL's fp32 GEMM on fp32 copies was as fast (1-2.7x at 32-64 rows)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 

@@ -60,10 +60,11 @@ def test_dense_takes_it_for_a_decodes_rows_only(kernel, monkeypatch):
     monkeypatch.setattr(
         cpu_gemm.ThinWeight, "__call__", lambda self, x, b=None: calls.append(len(x)) or real(self, x, b)
     )
-    for rows in (1, 16, 17, 40):
+    top = cpu_gemm.AVX2_ROWS
+    for rows in (1, 16, top, top + 1, 200):
         x = torch.randn(rows, 48, dtype=torch.bfloat16)
         _close(dense.dense(x, w), cpu_gemm.thin_linear_ref(x, w))
-    assert calls == [1, 16]  # past AVX2_ROWS: MKL's fp32 GEMM on the fp32 copy
+    assert calls == [1, 16, top]  # past AVX2_ROWS: MKL's fp32 GEMM on the fp32 copy
     odd = torch.nn.Parameter(torch.randn(40, 48, dtype=torch.bfloat16), requires_grad=False)
     assert dense.pack([odd]) == odd.numel() * 4 and not hasattr(odd, dense.THIN)  # N not a multiple of 16
 
