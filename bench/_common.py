@@ -285,28 +285,20 @@ def _heap_keep(llm, on: bool) -> None:
     libc.malloc_trim(0)
 
 
-def _fp32_copies(llm, on: bool) -> None:
-    """bf16 linears through MKL's fp32 GEMM (engine/layers/dense.py WIDEN: where oneDNN has no bf16 GEMM for this
-    CPU), or torch's own bf16 GEMM."""
+def _avx2_gemm(llm, on: bool) -> None:
+    """bf16 linears through our AVX2 GEMM (kernels/cpu_gemm_avx2.c, engine/layers/dense.py AVX2: where oneDNN has no
+    bf16 GEMM for this CPU), or MKL's fp32 GEMM on the weights widened per call (and torch's bf16 GEMM up to 16 rows),
+    what dense() runs without the kernel."""
     from engine.layers import dense
-
-    assert not dense.onednn_bf16(), "oneDNN has a bf16 GEMM here: the linears are packed for it, not widened"
-    dense.WIDEN = on
-
-
-def _avx2_thin(llm, on: bool) -> None:
-    """A decode's few rows through the AVX2 kernel (kernels/cpu_thin_avx2.c, on the bf16 weights), or MKL's fp32 GEMM
-    on the fp32 copies (where oneDNN has no bf16 GEMM)."""
     from kernels import cpu_gemm
 
-    assert cpu_gemm.Avx2Gemm.loaded() is not None, "no AVX2 thin GEMM here (oneDNN has a bf16 GEMM, or no compiler)"
-    cpu_gemm.AVX2_ROWS = AB_DEFAULTS.setdefault("avx2_rows", cpu_gemm.AVX2_ROWS) if on else 0
+    assert cpu_gemm.Avx2Gemm.loaded() is not None, "no AVX2 GEMM here (oneDNN has a bf16 GEMM, or no compiler)"
+    dense.AVX2 = on
 
 
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
 AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "thin-gemm": _thin_gemm,
-      "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "fp32-copies": _fp32_copies,
-      "avx2-thin": _avx2_thin}  # fmt: skip
+      "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "avx2-gemm": _avx2_gemm}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

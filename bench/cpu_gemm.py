@@ -1,10 +1,11 @@
-"""The thin GEMM (kernels/cpu_gemm.py) against what dense() runs without it and plain F.linear, at SmolLM2's linear
-shapes and a decode step's row counts, bf16, on this machine's threads: on a CPU with AMX its AMX kernel against
-oneDNN's packed GEMM (docs section `cpu-gemm`); where oneDNN has no bf16 GEMM, its AVX2 kernel against MKL's fp32
-GEMM on fp32 copies (section `cpu-gemm-avx2`); each linear timed over as many weights as
-the model has of it (30 layers: more than the L3 holds, as a decode step reads them), median of `--reps`.
-Reported: microseconds per call, the weights' read rate (GB/s), and the machine's copy rate in the same run (read +
-write of 512 MiB) for scale. Writes the `cpu-gemm` section of docs/benchmarks.md and its plot.
+"""Our CPU GEMM (kernels/cpu_gemm.py) against what dense() runs without it and plain F.linear, at SmolLM2's linear
+shapes, bf16, on this machine's threads: on a CPU with AMX its thin AMX kernel against oneDNN's packed GEMM at a
+decode step's row counts (docs section `cpu-gemm`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the bf16 weights
+against MKL's fp32 GEMM, on fp32 copies (what holding them would give) and widened per call (what dense() runs
+without the kernel), from a decode's rows to a prefill's (section `cpu-gemm-avx2`). Up to 64 rows each linear is
+timed over as many weights as the model has of it (30 layers: more than the L3 holds, as a decode step reads them),
+past that over 2 (the GEMM is compute-bound); median of `--reps`. Reported: microseconds per call, the weights' read
+rate (GB/s) or GFLOP/s, and the machine's copy rate in the same run (read + write of 512 MiB) for scale.
 
 Usage: python -m bench.cpu_gemm [--reps 15] [--no-write]"""
 
@@ -29,7 +30,7 @@ SHAPES = {
     "down": (576, 1536, 30),
     "lm_head": (49152, 576, 1),
 }  # fmt: skip  name: (N, K, weights of it in SmolLM2-135M)
-ROWS = (1, 4, 8, 16, 32, 48, 64)
+ROWS = {"amx": (1, 4, 8, 16, 32, 48, 64), "avx2": (1, 4, 16, 64, 256, 1024)}
 
 
 def timed(fn, reps: int) -> float:
@@ -45,12 +46,15 @@ def timed(fn, reps: int) -> float:
 def measure(x, ws, kind: str, thin, base: str, copies, reps: int) -> dict[str, float]:
     """Seconds per call of each way, over the weights in turn."""
     calls = {
-        kind: lambda: [a(x) for a in thin],
+        "amx": lambda: [a(x) for a in thin],
+        "avx2": lambda: [thin.linear(x, w) for w in ws],
         "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in copies],
         "fp32": lambda: [F.linear(x.float(), p).bfloat16() for p in copies],
+        "widened": lambda: [F.linear(x.float(), w.float()).bfloat16() for w in ws],
         "plain": lambda: [F.linear(x, w) for w in ws],
     }
-    return {name: timed(calls[name], reps) / len(ws) for name in (kind, base, "plain")}
+    ways = (kind, base) + (("widened",) if kind == "avx2" else ()) + (("plain",) if x.shape[0] <= 64 else ())
+    return {name: timed(calls[name], reps) / len(ws) for name in ways}
 
 
 def copy_rate() -> float:
@@ -73,55 +77,63 @@ def main(argv=None) -> int:
     elif not onednn_bf16() and (thin := Avx2Gemm.get(cache, wait=True)) is not None:
         kind, base, key = "avx2", "fp32", "cpu-gemm-avx2"
     else:
-        print("no thin GEMM for this machine: it has oneDNN's bf16 GEMM but no AMX, or no AVX2")
+        print("no GEMM of ours for this machine: it has oneDNN's bf16 GEMM but no AMX, or no AVX2")
         return 1
     if thin.lib is None:
-        print("the thin GEMM did not build:", thin.error)
+        print("our GEMM did not build:", thin.error)
         return 1
     copy = copy_rate()
     print(f"copy {copy:.1f} GB/s (read + write), {torch.get_num_threads()} threads", flush=True)
     rows_out, series = [], {}
+    unit = "GB/s" if kind == "amx" else "GFLOP/s"  # a decode's weight reads, or the GEMM's work up to a prefill's
     for name, (n, k, count) in SHAPES.items():
-        ws = [torch.randn(n, k).bfloat16() for _ in range(count)]
-        packed = [thin.pack(w) for w in ws]
-        copies = [torch.ops.mkldnn._reorder_linear_weight(w, None) if base == "onednn" else w.float() for w in ws]
-        for m in ROWS:
-            t = measure(torch.randn(m, k).bfloat16(), ws, kind, packed, base, copies, args.reps)
-            gbs = {s: n * k * 2 / v / 1e9 for s, v in t.items()}
-            rows_out.append((name, n, k, m, t, gbs))
+        ws_all = [torch.randn(n, k).bfloat16() for _ in range(count)]
+        thin_all = [thin.pack(w) for w in ws_all] if kind == "amx" else thin
+        base_all = [torch.ops.mkldnn._reorder_linear_weight(w, None) if base == "onednn" else w.float() for w in ws_all]
+        for m in ROWS[kind]:
+            few = slice(None) if m <= 64 else slice(2)  # compute-bound past a decode's rows: 2 weights are enough
+            ws, copies = ws_all[few], base_all[few]
+            t = measure(torch.randn(m, k).bfloat16(), ws, kind, thin_all if kind == "avx2" else thin_all[few],
+                        base, copies, args.reps)  # fmt: skip
+            rate = {s: (n * k * 2 if kind == "amx" else 2 * m * n * k) / v / 1e9 for s, v in t.items()}
+            rows_out.append((name, n, k, m, t, rate))
             for s in t:
-                series.setdefault((name, s), []).append(gbs[s])
-            print(f"  {name:8s} {m:3d} rows: {kind} {t[kind] * 1e6:8.1f} us {gbs[kind]:5.1f} GB/s | {base} "
-                  f"{t[base] * 1e6:8.1f} us | plain {t['plain'] * 1e6:8.1f} us | {base} / {kind} "
-                  f"{t[base] / t[kind]:.2f}x", flush=True)  # fmt: skip
+                series.setdefault((name, s), []).append((m, rate[s]))
+            others = " | ".join(f"{s} {v * 1e6:8.1f} us" for s, v in t.items() if s != kind)
+            print(f"  {name:8s} {m:4d} rows: {kind} {t[kind] * 1e6:8.1f} us {rate[kind]:6.1f} {unit} | {others} | "
+                  f"{base} / {kind} {t[base] / t[kind]:.2f}x", flush=True)  # fmt: skip
     if args.no_write:
         return 0
-    k_name, b_name = ("AMX", "oneDNN packed") if kind == "amx" else ("AVX2", "MKL fp32")
+    k_name, b_name = ("AMX", "oneDNN packed") if kind == "amx" else ("AVX2", "MKL fp32 copy")
     what = (
-        "our AMX kernel (`kernels/cpu_gemm.c`), oneDNN's GEMM on its packed copy (what dense() used before)"
+        "our AMX kernel (`kernels/cpu_gemm.c`), oneDNN's GEMM on its packed copy (what dense() used before), and "
+        "`F.linear` on the plain bf16 weight. dense() takes the kernel up to `MAX_ROWS` rows (kernels/cpu_gemm.py)"
         if kind == "amx"
-        else "our AVX2 kernel (`kernels/cpu_thin_avx2.c`) on the bf16 weights, MKL's fp32 GEMM on fp32 copies (what "
-        "dense() runs without it where oneDNN has no bf16 GEMM)"
+        else "our AVX2 GEMM (`kernels/cpu_gemm_avx2.c`) on the bf16 weights, MKL's fp32 GEMM on fp32 copies of them "
+        "(twice their memory: what holding copies would give), MKL's fp32 GEMM on the weights widened per call (what "
+        "dense() runs without the kernel), and `F.linear` on the bf16 weight (torch's own bf16 GEMM, up to 64 rows). "
+        "dense() runs the kernel at every row count"
     )
+    extra = " | MKL widened µs" if kind == "avx2" else ""
     md = [
-        f"## CPU thin GEMM ({k_name})",
+        f"## CPU GEMM ({k_name})",
         "",
         producer("python -m bench.cpu_gemm", "cpu") + f" {torch.get_num_threads()} threads; copy rate "
         f"{copy:.1f} GB/s (read + write, 512 MiB).",
         "",
-        f"A decode step's linears at SmolLM2-135M's shapes (bf16): {what}, and `F.linear` on the plain bf16 weight. "
-        "Each is timed over as many weights as the model has of it (30 layers), median of the reps; GB/s is the "
-        "bf16 weights' bytes over the time. dense() takes the kernel up to `MAX_ROWS` rows (AMX) or `AVX2_ROWS` "
-        "(kernels/cpu_gemm.py).",
+        f"SmolLM2-135M's linear shapes (bf16): {what}. Up to 64 rows each is timed over as many weights as the model "
+        f"has of it (30 layers), past that over 2; median of the reps. {unit}: "
+        + ("the bf16 weights' bytes over the time." if kind == "amx" else "2 x rows x N x K over the time."),
         "",
-        f"| weight [N, K] | rows | {k_name} µs | {b_name} µs | F.linear µs | {k_name} GB/s | {b_name} GB/s | "
-        f"{b_name} ÷ {k_name} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| weight [N, K] | rows | {k_name} µs | {b_name} µs{extra} | F.linear µs | {k_name} {unit} | "
+        f"{b_name} {unit} | {b_name} ÷ {k_name} |",
+        "|---|---:|---:|---:|" + ("---:|" if extra else "") + "---:|---:|---:|---:|",
     ]
-    for name, n, k, m, t, gbs in rows_out:
-        md.append(f"| {name} [{n}, {k}] | {m} | {t[kind] * 1e6:.0f} | {t[base] * 1e6:.0f} | "
-                  f"{t['plain'] * 1e6:.0f} | {gbs[kind]:.1f} | {gbs[base]:.1f} | "
-                  f"{t[base] / t[kind]:.2f}× |")  # fmt: skip
+    for name, n, k, m, t, rate in rows_out:
+        wide = f" {t['widened'] * 1e6:.0f} |" if extra else ""
+        plain = f"{t['plain'] * 1e6:.0f}" if "plain" in t else "–"
+        md.append(f"| {name} [{n}, {k}] | {m} | {t[kind] * 1e6:.0f} | {t[base] * 1e6:.0f} |{wide} {plain} | "
+                  f"{rate[kind]:.1f} | {rate[base]:.1f} | {t[base] / t[kind]:.2f}× |")  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,16 +141,19 @@ def main(argv=None) -> int:
 
     fig, axes = plt.subplots(1, len(SHAPES), figsize=(3 * len(SHAPES), 3), sharey=True)
     for ax, name in zip(axes, SHAPES):
-        for s, style in ((kind, "-o"), (base, "--s"), ("plain", ":^")):
-            ax.plot(ROWS, series[(name, s)], style, label=s, markersize=3)
+        for s, style in ((kind, "-o"), (base, "--s"), ("widened", "-.d"), ("plain", ":^")):
+            if (name, s) in series:
+                ax.plot(*zip(*series[(name, s)]), style, label=s, markersize=3)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("rows")
-    axes[0].set_ylabel("weights read, GB/s")
+        if kind == "avx2":
+            ax.set_xscale("log", base=2)
+    axes[0].set_ylabel("weights read, GB/s" if kind == "amx" else "GFLOP/s")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     png = REPO / "docs" / f"{key}.png"
     fig.savefig(png, dpi=110)
-    md += ["", f"![CPU thin GEMM: weight read rate per row count]({key}.png)"]
+    md += ["", f"![CPU GEMM: {unit} per row count]({key}.png)"]
     write_section(REPO / "docs" / "benchmarks.md", key, "\n".join(md))
     return 0
 

@@ -19,15 +19,16 @@ def native_dir(cfg: EngineConfig, device: torch.device) -> Path | None:
     return Path(cfg.cache_root) / "cpu-kernels" if device.type == "cpu" else None
 
 
-def start_cpu(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-    """On CPU: malloc keeps a step's freed temporaries; for bf16, the AMX thin GEMM, or the AVX2 one where oneDNN
-    has no bf16 GEMM (their copies are packed once it is loaded), and the C add + RMSNorm, each built or loaded by a
-    thread. The decode attention's kernel is started
-    by build_attention, per head_dim."""
+def start_cpu(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, wait: bool = False) -> None:
+    """On CPU: malloc keeps a step's freed temporaries; for bf16, the AMX thin GEMM (its copies are packed after
+    ready), or where oneDNN has no bf16 GEMM the AVX2 GEMM, and the C add + RMSNorm, each built or loaded by a thread.
+    `wait` (build_rank; LLMEngine starts it before the weights load): for the AVX2 GEMM, which every bf16 linear then
+    runs, from the first step on (so a row's result never depends on which GEMM its step got). The decode
+    attention's kernel is started by build_attention, per head_dim."""
     if device.type != "cpu":
         return
     keep_freed_memory()
     if dtype == torch.bfloat16:
         if ThinGemm.get(native_dir(cfg, device)) is None and not dense.onednn_bf16():
-            Avx2Gemm.get(native_dir(cfg, device))
+            Avx2Gemm.get(native_dir(cfg, device), wait=wait)
         CpuOps.get(native_dir(cfg, device))

@@ -38,9 +38,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.layers.dense import onednn_bf16, pack, pack_pieces
+from engine.layers.dense import pack, pack_pieces
 from engine.memory import graph_buckets
-from kernels.cpu_gemm import Avx2Gemm, ThinGemm
+from kernels.cpu_gemm import ThinGemm
 from kernels.cpu_ops import CpuOps
 from kernels.grammar_mask import apply_token_bitmask, new_bitmask
 
@@ -300,7 +300,7 @@ class IdleWork:
         for r in self.runners:
             if (native := getattr(getattr(r, "attn", None), "native", None)) is not None:
                 native.wait()
-        for native in (ThinGemm.current(), Avx2Gemm.current(), CpuOps.current()):  # packing makes their copies too
+        for native in (ThinGemm.current(), CpuOps.current()):  # packing makes the AMX kernel's copies too
             if native is not None:
                 native.wait()
         while self.pending and (self.host or self.pack or self.warm_shapes or self.mask_rows or batch is None):
@@ -326,10 +326,7 @@ class IdleWork:
         if not done:
             self.pack.clear()
         elif not self.pack:
-            how = "fp32 copies" + (", AVX2" if Avx2Gemm.loaded() else "")
-            how += ": oneDNN has no bf16 GEMM for this CPU (it needs AVX-512 or AVX-NE-CONVERT)"
-            if onednn_bf16():
-                how = "oneDNN, AMX" if ThinGemm.loaded() else "oneDNN"
+            how = "oneDNN, AMX" if ThinGemm.loaded() else "oneDNN"
             log.info("CPU linear weights packed (%s): %d MiB", how, self.packed >> 20)
 
     def _warm(self) -> None:

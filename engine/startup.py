@@ -264,7 +264,7 @@ def build_rank(
     if kv is None:  # (rank 0 on CPU made it early: early_pool)
         kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend, native_dir(cfg, facts.device))
-    start_cpu(cfg, facts.device, facts.dtype)
+    start_cpu(cfg, facts.device, facts.dtype, wait=True)
     if facts.kv_dtype == torch.float8_e4m3fn:
         attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
     lora = None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kernels.cpu_build import NativeKernel, cpu_flags
 
 MAX_ROWS = 32  # measured crossing with oneDNN's packed GEMM (bench/cpu_gemm.py): this kernel to here
-AVX2_ROWS = 64  # ... and the AVX2 kernel past which MKL's fp32 GEMM on fp32 copies was as fast (1-2.7x at 32-64 rows)
+
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -72,27 +72,35 @@ class ThinGemm(NativeKernel):
 
 
 class Avx2Gemm(NativeKernel):
-    """The same for CPUs with AVX2 and FMA where oneDNN has no bf16 GEMM (kernels/cpu_thin_avx2.c): a decode's few
-    rows read the bf16 weights, packed in 8-column blocks, where MKL's fp32 GEMM reads fp32 copies, twice the bytes.
-    The engine starts it only on such a CPU (engine/cpu_native.py)."""
+    """The bf16 linear at every row count on CPUs with AVX2 and FMA where oneDNN has no bf16 GEMM
+    (kernels/cpu_gemm_avx2.c): on the weight as the model holds it, each output summed in one order whatever the row
+    count. The engine starts it only on such a CPU (engine/cpu_native.py)."""
 
-    SOURCE = Path(__file__).with_name("cpu_thin_avx2.c")
-    WHAT, FALLBACK = "CPU thin GEMM (AVX2)", "the linears stay MKL's fp32 GEMM"
+    SOURCE = Path(__file__).with_name("cpu_gemm_avx2.c")
+    WHAT, FALLBACK = "CPU GEMM (AVX2)", "bf16 linears widen to MKL's fp32 GEMM per call"
 
     def setup(self, lib) -> None:
-        lib.pack.argtypes, lib.pack.restype = [_P, _I64, _I64, _P], None
-        lib.gemm.argtypes, lib.gemm.restype = [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int
+        lib.gemm.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
+        lib.gemm.restype = ctypes.c_int
 
     @classmethod
     def get(cls, cache_dir: Path, wait: bool = False) -> Avx2Gemm | None:
         return super().get(None, cache_dir, wait) if has_avx2() else None
 
-    @staticmethod
-    def fits(w: torch.Tensor) -> bool:
-        """bf16 [N, K] with N a multiple of 16 (whole column blocks)."""
-        return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0
-
-    pack = ThinGemm.pack  # the same call; the C pack makes this kernel's layout
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        w = w.contiguous()
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        b = None if bias is None else bias.float().contiguous()
+        failed = self.lib.gemm(
+            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), w.data_ptr(), w.shape[0], y.data_ptr(),
+            None if b is None else b.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("CPU GEMM (AVX2): out of memory for x's fp32 copy")
+        return y
 
 
 class ThinWeight:

@@ -117,6 +117,7 @@ def test_cpu_gemm_shapes_are_bounded_and_the_padding_changes_no_row(monkeypatch)
     shapes.clear()
     dense.dense(x32, w.float())
     assert shapes == {17}  # fp32 keeps its exact shape (MKL; the parity tests)
-    monkeypatch.setattr(dense, "onednn_bf16", lambda: False)  # AVX2 alone: bf16 widened to MKL's fp32, exact too
+    monkeypatch.setattr(dense, "onednn_bf16", lambda: False)  # AVX2 alone, without the AVX2 GEMM (no compiler):
+    monkeypatch.setattr(dense, "AVX2", False)  # bf16 widened to MKL's fp32, exact too
     dense.dense(torch.randn(33, 32, dtype=torch.bfloat16), w, b)
     assert shapes == {17, 33}

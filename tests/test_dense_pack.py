@@ -1,7 +1,7 @@
 """bf16 CPU linears packed for oneDNN (engine/layers/dense.py `pack`, run as IdleWork pieces after ready): the same
 result bit for bit as the unpacked weight at every row count, and an engine whose weights got packed gives the same
-tokens and logprobs as before. Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), fp32 copies instead: MKL's fp32
-GEMM's result, rounded to bf16; the tests of that path force it on every CPU."""
+tokens and logprobs as before. Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone) nothing is packed: the AVX2
+GEMM reads the weights themselves (tests/kernels/test_cpu_gemm_avx2.py); these tests skip there."""
 
 from __future__ import annotations
 
@@ -11,18 +11,10 @@ import torch.nn.functional as F
 
 from engine.layers import dense
 from kernels.cpu_gemm import Avx2Gemm, ThinGemm
+from tests.utils import unpacked_then_packed
 
 ONEDNN_BF16 = dense.onednn_bf16()
 needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 GEMM for this CPU (AVX2 alone)")
-
-
-@pytest.fixture(params=["onednn", "fp32"])
-def path(request, monkeypatch):
-    """Either packing: oneDNN's copy (where this CPU has it), or the fp32 copy (forced where oneDNN has one)."""
-    if request.param == "onednn" and not ONEDNN_BF16:
-        pytest.skip("oneDNN has no bf16 GEMM for this CPU (AVX2 alone)")
-    monkeypatch.setattr(dense, "onednn_bf16", lambda: request.param == "onednn")
-    return request.param
 
 
 def test_onednn_bf16_follows_the_cpu_flags():
@@ -39,8 +31,7 @@ def test_onednn_bf16_follows_the_cpu_flags():
 
 @pytest.fixture(autouse=True)
 def onednn_alone(monkeypatch):
-    """oneDNN's copy alone (bit for bit F.linear's), or the fp32 one: the thin GEMMs' copies are
-    tests/kernels/test_cpu_gemm.py's and test_cpu_thin_avx2.py's."""
+    """oneDNN's copy alone (bit for bit F.linear's): the AMX kernel's copies are tests/kernels/test_cpu_gemm.py's."""
     monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: None))
     monkeypatch.setattr(Avx2Gemm, "loaded", classmethod(lambda cls: None))
 
@@ -63,71 +54,39 @@ def test_a_packed_weight_gives_the_unpacked_result_bit_for_bit(bias):
     assert not dense.packable(w.float()) and not dense.packable(torch.zeros(4, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_an_fp32_copy_gives_mkls_fp32_result_rounded_to_bf16(bias, monkeypatch):
-    monkeypatch.setattr(dense, "onednn_bf16", lambda: False)
-    torch.manual_seed(0)
+@needs_onednn_bf16
+def test_packing_stops_when_the_memory_left_would_not_hold_the_copies(caplog):
     w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
-    b = torch.randn(96, dtype=torch.bfloat16) if bias else None
-    xs = {rows: torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (1, 3, 16, 17, 64, 100, 300)}
-    before = {rows: dense.dense(x, w, b) for rows, x in xs.items()}  # past 16 rows widened per call already
-    bias32 = None if b is None else b.float()
-    assert all(torch.equal(before[r], F.linear(xs[r].float(), w.float(), bias32).bfloat16()) for r in (17, 64, 300))
-    assert dense.pack([w]) == w.numel() * 4
-    assert not dense.packable(w) and not hasattr(w, dense.PACKED)  # widened once, and nothing else
-    assert getattr(w, dense.FP32).dtype == torch.float32 and torch.equal(getattr(w, dense.FP32), w.float())
-    for rows, x in xs.items():
-        got = dense.dense(x, w, b)
-        assert got.dtype == torch.bfloat16
-        assert torch.equal(got, F.linear(x.float(), w.float(), bias32).bfloat16()), rows
-        # against torch's own bf16 GEMM (fp32 accumulation too): at most a bf16 step, from the sum's order
-        assert torch.allclose(got.float(), before[rows].float(), rtol=2**-7, atol=1e-2), rows
-    assert torch.equal(dense.dense(xs[3].float(), w.float()), F.linear(xs[3].float(), w.float()))  # fp32 as before
-
-
-def test_packing_stops_when_the_memory_left_would_not_hold_the_copies(caplog, path):
-    w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
-    need = w.numel() * (2 if path == "onednn" else 4)
+    need = w.numel() * 2
     with caplog.at_level("WARNING", logger="engine"):
         assert dense.pack([w], room=lambda: dense.PACK_HEADROOM + need - 1) == 0
-    assert not hasattr(w, dense.PACKED) and not hasattr(w, dense.FP32)
-    assert ("CPU weight packing stopped" if path == "onednn" else "CPU weight widening stopped") in caplog.text
+    assert not hasattr(w, dense.PACKED)
+    assert "CPU weight packing stopped" in caplog.text
     assert dense.dense(torch.randn(3, 64, dtype=torch.bfloat16), w).shape == (3, 96)  # F.linear, as before
     assert dense.pack([w], room=lambda: dense.PACK_HEADROOM + need) == need
     w2 = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
     assert dense.pack([w2], room=lambda: None) == need  # unknown: packed, as before
 
 
-def test_an_engine_packs_its_weights_after_ready_and_its_outputs_do_not_change(tiny_llama, path):
+@needs_onednn_bf16
+def test_an_engine_packs_its_weights_after_ready_and_its_outputs_do_not_change(tiny_llama):
     from engine import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_llama), dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
     idle = llm.engine.idle
     model = llm.engine.runner.model
-    n_pieces = len(idle.pack)
-    assert n_pieces == len(model.layers) + 1  # a layer a piece, then the lm_head
-    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 20)]
+    assert len(idle.pack) == len(model.layers) + 1  # a layer a piece, then the lm_head
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
-    # the same requests with the linears unpacked, then packed
-    idle.pack, pending = [], idle.pack
-    first = llm.generate(prompts, params)
-    idle.pack = pending
-    assert not hasattr(model.layers[0].qkv, dense.PACKED)
-    second = llm.generate(prompts, params)  # LLM.generate drains the idle pieces first
+    first, second = unpacked_then_packed(llm, params)
     assert idle.pack == [] and idle.packed > 0
-    copy = dense.PACKED if path == "onednn" else dense.FP32
-    assert all(hasattr(getattr(layer, n), copy) for layer in model.layers for n in layer.LINEARS)
-    for a, b in zip(first, second):
+    assert all(hasattr(getattr(layer, n), dense.PACKED) for layer in model.layers for n in layer.LINEARS)
+    for a, b in zip(first, second):  # bit for bit
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        if path == "onednn":  # bit for bit
-            assert a.outputs[0].logprobs == b.outputs[0].logprobs
-        else:  # MKL's fp32 GEMM sums in another order than torch's bf16 one: the sampled tokens' within bf16's
-            # rounding (a random tiny model's runner-up tokens are near ties, so they can trade places)
-            for tok, x, y in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
-                assert abs(x[tok] - y[tok]) < 0.05
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_a_worker_engine_holds_the_packing_until_it_takes_jobs(tiny_llama, path):
+@needs_onednn_bf16
+def test_a_worker_engine_holds_the_packing_until_it_takes_jobs(tiny_llama):
     """AsyncEngine(idle_held=True), as the worker builds it: the host pieces run at once (warm_later), the packing
     waits for release_idle() (worker.ready(), after the runpod SDK's import, which the packing slowed 2x), then
     runs without a request."""

@@ -12,9 +12,10 @@ faster at up to 64 rows than the plain weight F.linear hands oneDNN on every cal
 (tests/test_dense_pack.py; 576 x 3072 at 64 rows: 0.64 ms -> 0.46 ms on 2 threads of a Xeon with AMX). The packed
 copy is memory of its own, beside the parameter (which the rest of the engine still reads).
 
-Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), a bf16 linear runs MKL's fp32 GEMM instead and rounds its
-result to bf16: on the weight widened per call past 16 rows, and on an fp32 copy once `pack` made one
-(docs/decisions.md, "bf16 linears through MKL's fp32 GEMM")."""
+Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), a bf16 linear runs our AVX2 GEMM on the weight itself, at
+every row count, in one summation order (kernels/cpu_gemm_avx2.c): a row's result does not depend on the rows beside
+it. Without that kernel (no C compiler), MKL's fp32 GEMM on the weight widened per call (docs/decisions.md, "bf16
+linears on CPUs without oneDNN's bf16 GEMM")."""
 
 from __future__ import annotations
 
@@ -48,13 +49,11 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     rows = x.shape[0]
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype == torch.float32:
         return F.linear(x, w, bias)
-    if WIDEN and x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # MKL's fp32 GEMM: 5-9x here (FP32)
-        if rows <= cpu_gemm.AVX2_ROWS and (thin := getattr(w, THIN, None)) is not None:
-            return thin(x, bias)  # a decode's rows: the bf16 copy read, half the fp32 one's bytes
-        wide = getattr(w, FP32, None)
-        if wide is not None or rows > EXACT:  # before pack(): widened per call, which pays from a few rows on
-            wide = w.float() if wide is None else wide
-            return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
+    if x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # torch's bf16 GEMM is 5-9x slower here
+        if AVX2 and (avx2 := cpu_gemm.Avx2Gemm.loaded()) is not None:
+            return avx2.linear(x, w, bias)  # every row count, one order: the engine waits for it at start
+        if rows > EXACT:  # no compiler: MKL's fp32 GEMM on the weight widened per call, which pays from a few rows
+            return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, THIN, None)) is not None and x.dtype == torch.bfloat16:
         return amx(x, bias)  # no bucket: the kernel keeps nothing per shape
     linear = F.linear
@@ -69,12 +68,11 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy
-THIN = "thin_packed"  # and its copy for a thin GEMM's few rows (kernels/cpu_gemm.py): AMX's, or the AVX2 kernel's
-# ... and where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), an
-# fp32 copy: there torch's bf16 GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every
-# row count from 16 to 2048, against MKL's fp32 GEMM at 96-174 (576 x 1536): 5-9x.
-FP32 = "fp32_copy"
-WIDEN = True  # bench/_common.py's --ab fp32-copies switches it
+THIN = "thin_packed"  # and its AMX copy for a thin GEMM's few rows (kernels/cpu_gemm.py)
+# Where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), torch's bf16
+# GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every row count from 16 to 2048,
+# against MKL's fp32 GEMM at 96-174 (576 x 1536): every bf16 linear runs our AVX2 GEMM instead, nothing is packed.
+AVX2 = True  # bench/_common.py's --ab avx2-gemm switches it (off: MKL's fp32 GEMM, widened per call)
 
 
 @functools.cache
@@ -95,7 +93,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 def packable(w) -> bool:
     return (
         isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.bfloat16
-        and getattr(w, PACKED, None) is None and getattr(w, FP32, None) is None
+        and getattr(w, PACKED, None) is None and onednn_bf16()
     )  # fmt: skip
 
 
@@ -112,11 +110,11 @@ PACK_HEADROOM = 1 << 30  # bytes a piece's copies must leave free: the steps' te
 
 def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     """Give each weight its oneDNN-packed copy (dense() uses it from then on), and its AMX copy where the thin GEMM
-    is loaded; where oneDNN has no bf16 GEMM for this CPU, an fp32 copy instead. Only when the memory left (`room()`:
-    bytes, None when unknown) holds them with PACK_HEADROOM to spare. Returns the bytes packed; 0 when the memory is
-    short (then nothing is, the log says why, and F.linear goes on as before)."""
+    is loaded. Only when the memory left (`room()`: bytes, None when unknown) holds them with PACK_HEADROOM to spare.
+    Returns the bytes packed; 0 when the memory is short (then nothing is, the log says why, and F.linear goes on as
+    before). Where oneDNN has no bf16 GEMM there is nothing to pack (pack_pieces() finds none): 0."""
     if not onednn_bf16():
-        return _widen(weights, room)
+        return 0
     thin = cpu_gemm.ThinGemm.loaded()
     amx = [thin is not None and thin.fits(w) for w in weights]
     need = sum(w.numel() * w.element_size() * (1 + a) for w, a in zip(weights, amx))
@@ -131,20 +129,3 @@ def pack(weights: list[torch.Tensor], room=memory_room) -> int:
             setattr(w, THIN, thin.pack(w))
         done += w.numel() * w.element_size() * (1 + a)
     return done
-
-
-def _widen(weights: list[torch.Tensor], room) -> int:
-    """pack() where oneDNN has no bf16 GEMM: an fp32 copy of each weight (twice its bytes), for MKL's fp32 GEMM, and
-    its AVX2 thin GEMM copy where that kernel is loaded (its bytes again)."""
-    thin = cpu_gemm.Avx2Gemm.loaded()
-    avx2 = [thin is not None and thin.fits(w) for w in weights]
-    need = sum(w.numel() * (4 + 2 * a) for w, a in zip(weights, avx2))
-    if (left := room()) is not None and left < need + PACK_HEADROOM:
-        log.warning("CPU weight widening stopped: %d MiB left, the fp32 copies need %d MiB and %d to spare; the "
-                    "rest run torch's slow bf16 GEMM", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
-        return 0
-    for w, a in zip(weights, avx2):
-        setattr(w, FP32, w.detach().float())
-        if a:
-            setattr(w, THIN, thin.pack(w))
-    return need

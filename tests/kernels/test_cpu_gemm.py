@@ -11,6 +11,7 @@ import torch
 from engine.layers import dense
 from kernels import cpu_gemm
 from kernels.cpu_gemm import ThinGemm, thin_linear_ref
+from tests.utils import unpacked_then_packed
 
 needs_amx = pytest.mark.skipif(not cpu_gemm.has_amx(), reason="this CPU has no AMX-BF16 (/proc/cpuinfo)")
 
@@ -91,7 +92,6 @@ def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypat
 def test_without_amx_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     monkeypatch.setattr(ThinGemm, "_all", {})
-    monkeypatch.setattr(cpu_gemm.Avx2Gemm, "loaded", classmethod(lambda cls: None))  # (an AVX2 CPU's: its own test)
     assert ThinGemm.get(tmp_path) is None and ThinGemm.loaded() is None
     assert not list(tmp_path.iterdir())  # nothing compiled
     w = torch.nn.Parameter(torch.randn(32, 64, dtype=torch.bfloat16), requires_grad=False)
@@ -106,14 +106,10 @@ def test_an_engine_on_amx_packs_both_copies_and_keeps_its_tokens(tiny_llama):
     from engine import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_llama), dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
-    idle, model = llm.engine.idle, llm.engine.runner.model
+    model = llm.engine.runner.model
     assert ThinGemm.current() is not None and ThinGemm.current().wait()
-    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 20)]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
-    idle.pack, pending = [], idle.pack
-    first = llm.generate(prompts, params)
-    idle.pack = pending
-    second = llm.generate(prompts, params)
+    first, second = unpacked_then_packed(llm, params)
     assert all(hasattr(getattr(layer, n), dense.THIN) for layer in model.layers for n in layer.LINEARS)
     for a, b in zip(first, second):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
