@@ -149,16 +149,16 @@ def sync(device: str) -> None:
 
 def gemm_gflops(dtype: torch.dtype, device: str = "cpu", n: int = 2048, reps: int = 5) -> tuple[float, str]:
     """Best-of-`reps` dense n x n x n GEMM rate, as our linears run it (x @ w.T): the ceiling the GEMM-bound part of a
-    forward can reach; and the dtype it ran in. On a CPU where oneDNN has no bf16 GEMM our bf16 linears run on fp32
-    copies (engine/layers/dense.py), so the roofline there is fp32's: torch's bf16 GEMM ran at 1-20 GFLOP/s on an AVX2
-    EPYC, against 120-170 for fp32."""
+    forward can reach; and the dtype it ran in. On a CPU where oneDNN has no bf16 GEMM our bf16 linears run our AVX2
+    GEMM with fp32 sums (engine/layers/dense.py), so the roofline there is MKL's fp32 GEMM: torch's bf16 GEMM ran at
+    1-20 GFLOP/s on an AVX2 EPYC, against 120-170 for fp32."""
     from engine.layers.dense import onednn_bf16
 
     label = str(dtype).removeprefix("torch.")
     if device == "cpu" and dtype == torch.bfloat16 and not onednn_bf16():
         dtype, label = (
             torch.float32,
-            "float32 (oneDNN has no bf16 GEMM for this CPU: our bf16 linears run on fp32 copies)",
+            "float32 (oneDNN has no bf16 GEMM for this CPU: our bf16 linears run our AVX2 GEMM, fp32 sums)",
         )
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)

@@ -68,9 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
+    from engine.host_memory import keep_freed_memory
     from engine.layers.dense import onednn_bf16
     from kernels.cpu_gemm import Avx2Gemm, ThinGemm
 
+    keep_freed_memory()  # as the engine: a call's temporaries reuse the heap, not fresh pages each time
     cache = Path(tempfile.mkdtemp())
     if (thin := ThinGemm.get(cache, wait=True)) is not None:
         kind, base, key = "amx", "onednn", "cpu-gemm"
