@@ -132,15 +132,18 @@ def llama_cpp(model: Path, n: int, max_len: int, port: int, log: Path) -> subpro
 
 
 def _llama_source(log: Path) -> Path:
-    """vendor/llama.cpp of llama-cpp-python's sdist, unpacked once (the sdist's address from PyPI's JSON API)."""
+    """vendor/llama.cpp of llama-cpp-python's sdist, unpacked once. The sdist's address comes from PyPI's simple index
+    (PEP 691 JSON), which package mirrors serve; its per-release JSON API answered 404 on this project's machines."""
     src = root() / "llama-cpp" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
     if (src / "CMakeLists.txt").is_file():
         return src
-    api = f"https://pypi.org/pypi/llama-cpp-python/{LLAMA_CPP_PYTHON}/json"
+    api = "https://pypi.org/simple/llama-cpp-python/"
+    name = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     try:
-        with urllib.request.urlopen(api, timeout=60) as r:
+        ask = urllib.request.Request(api, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(ask, timeout=60) as r:
             meta = json.load(r)
-        url = urllib.parse.urljoin(api, next(u["url"] for u in meta["urls"] if u["packagetype"] == "sdist"))
+        url = urllib.parse.urljoin(api, next(f["url"] for f in meta["files"] if f["filename"] == name))
         tgz = root() / "llama-cpp" / "sdist.tar.gz"
         tgz.parent.mkdir(parents=True, exist_ok=True)
         with urllib.request.urlopen(url, timeout=600) as r, tgz.open("wb") as f:

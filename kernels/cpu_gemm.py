@@ -8,7 +8,10 @@ MAX_ROWS.
 
 The weight is packed once into AMX's B-tile layout (`ThinWeight`, an IdleWork piece a layer, as oneDNN's copy),
 beside the parameter, which the engine still reads. Built like the decode attention (kernels/cpu_build.py), and only
-where /proc/cpuinfo lists amx_bf16 and amx_tile; elsewhere the linears stay oneDNN's."""
+where /proc/cpuinfo lists amx_bf16 and amx_tile; elsewhere the linears stay oneDNN's.
+
+`Avx2Gemm` (kernels/cpu_gemm_avx2.c) is the other CPU GEMM here: every bf16 linear, at every row count, on CPUs
+where oneDNN has no bf16 GEMM at all (AVX2 alone), in one summation order."""
 
 from __future__ import annotations
 
@@ -89,6 +92,9 @@ class Avx2Gemm(NativeKernel):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16."""
+        if x.shape[1] != w.shape[1] or (bias is not None and bias.shape != w.shape[:1]):  # the C reads what it's told
+            raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(w.shape)}, bias "
+                             f"{None if bias is None else tuple(bias.shape)} do not fit")  # fmt: skip
         if x.stride(-1) != 1:
             x = x.contiguous()
         w = w.contiguous()

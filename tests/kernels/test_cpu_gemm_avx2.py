@@ -68,13 +68,17 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, n, k):
         torch.set_num_threads(threads)
 
 
-def test_strided_rows_empty_inf_and_nan(kernel):
+def test_strided_rows_empty_misfits_inf_and_nan(kernel):
     w = torch.randn(32, 40, dtype=torch.bfloat16)
     x = torch.randn(6, 80, dtype=torch.bfloat16)[:, ::2]  # not contiguous
     _close(kernel.linear(x, w), cpu_gemm.thin_linear_ref(x, w))
     x = torch.randn(40, 80, dtype=torch.bfloat16)[:, :40]  # rows at a stride of 80
     _close(kernel.linear(x, w), cpu_gemm.thin_linear_ref(x, w))
     assert kernel.linear(torch.empty(0, 40, dtype=torch.bfloat16), w).shape == (0, 32)
+    with pytest.raises(ValueError, match="do not fit"):  # as F.linear refuses them, not a read past the weight
+        kernel.linear(torch.randn(2, 41, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel.linear(torch.randn(2, 40, dtype=torch.bfloat16), w, torch.randn(31))
     x = torch.randn(3, 40, dtype=torch.bfloat16)
     x[1, 5], x[2, 7] = float("inf"), float("nan")
     got, want = kernel.linear(x, w), cpu_gemm.thin_linear_ref(x, w)
