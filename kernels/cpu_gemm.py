@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from kernels.cpu_build import NativeKernel, cpu_flags
 
 MAX_ROWS = 32  # measured crossing with oneDNN's packed GEMM (bench/cpu_gemm.py): this kernel to here
-
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -105,13 +104,12 @@ class Avx2Gemm(NativeKernel):
             None if b is None else b.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
-            raise MemoryError("CPU GEMM (AVX2): out of memory for x's fp32 copy")
+            raise MemoryError("CPU GEMM (AVX2): out of memory for its fp32 temporaries (x, a weight block)")
         return y
 
 
 class ThinWeight:
-    """A weight [N, K] in a thin GEMM's layout (AMX's tiles, or the AVX2 kernel's column blocks); called as the
-    linear."""
+    """A weight [N, K] in the AMX thin GEMM's tile layout; called as the linear."""
 
     __slots__ = ("packed", "n", "k", "lib")
 
