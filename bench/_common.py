@@ -250,10 +250,20 @@ def _gemm_buckets(llm, on: bool) -> None:
 
 
 def _native_attention(llm, on: bool) -> None:
-    """Decodes through the C kernel (kernels/cpu_attention.py), or the torch gather path."""
+    """Attention through the C kernel (kernels/cpu_attention.py), or the torch path (gathered decodes, SDPA)."""
     attn = llm.engine.runner.attn
     assert attn.native is None or attn.native.wait(), attn.native.error
     attn.native = AB_DEFAULTS.setdefault("native", attn.native) if on else None
+
+
+def _native_prefill(llm, on: bool) -> None:
+    """Prefill chunks through the C kernel with the decodes (engine/layers/attention.py NATIVE_PREFILL), or each
+    through SDPA (the decodes stay on the kernel)."""
+    from engine.layers import attention
+
+    attn = llm.engine.runner.attn
+    assert attn.native is not None and attn.native.wait(), "no C attention here"
+    attention.NATIVE_PREFILL = on
 
 
 def _thin_gemm(llm, on: bool) -> None:
@@ -297,8 +307,8 @@ def _avx2_gemm(llm, on: bool) -> None:
 
 
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
-AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "thin-gemm": _thin_gemm,
-      "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "avx2-gemm": _avx2_gemm}  # fmt: skip
+AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "native-prefill": _native_prefill,
+      "thin-gemm": _thin_gemm, "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "avx2-gemm": _avx2_gemm}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

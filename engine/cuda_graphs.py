@@ -295,7 +295,7 @@ class IdleWork:
 
     def drain(self, batch: int | None = None) -> None:
         """Run the pieces now: every kernel piece, then the graph captures (up to one holding `batch` decodes when
-        given), and wait for the CPU decode kernel's build (kernels/cpu_attention.py; a server uses it once it is
+        given), and wait for the CPU attention kernel's build (kernels/cpu_attention.py; a server uses it once it is
         there). LLM.generate before its first step; python -m warmup, so the volume's caches hold them all."""
         for r in self.runners:
             if (native := getattr(getattr(r, "attn", None), "native", None)) is not None:

@@ -1,24 +1,34 @@
-/* Decode attention over the paged KV cache on CPU, reading each block where it lies (no gather): the CPU's
- * answer to kernels/paged_attention.py, checked against paged_attention_ref. Built at run time by
- * kernels/cpu_attention.py with -DHEAD_DIM=<d> (a multiple of 8) and -march=native.
+/* Paged attention over the KV cache on CPU for a varlen batch (prefill chunks and decodes together), reading each
+ * block where it lies (no gather): the CPU's answer to kernels/paged_attention.py, checked against
+ * paged_attention_ref. Built at run time by kernels/cpu_attention.py with -DHEAD_DIM=<d> (a multiple of 8) and
+ * -march=native.
  *
- * One query token per sequence. A work item is one (sequence, kv head) pair, whose `rep` query heads share each
- * K/V row while it is in L1. Two passes over the context: scores (q . k, soft-cap, sliding window), then fp32
- * exp(s - max) and the weighted sum of V rows, normalized once at the end. fp32 arithmetic throughout; the cache
- * is converted a row at a time (GCC/Clang vector extensions: 8 lanes, whatever the ISA).
+ * A work item is one kv head of one sequence and up to TQ of its query tokens, whose `rep` query heads share each
+ * K/V row while it is in L1. Three passes over the item's positions: scores (q . k, soft-cap), fp32 exp(s - max)
+ * per row over the positions it sees (causal, sliding window), then the weighted sum of V rows, normalized once at
+ * the end. fp32 arithmetic throughout; the cache is converted a row at a time (GCC/Clang vector extensions: 8
+ * lanes, whatever the ISA). Every sum runs in one order per query row whatever shares its item: a token's output
+ * is the same from a prefill of 300 tokens, a prefix-cache hit's 5, or a decode.
  *
- *   q        [G, H, D] fp32, already multiplied by the softmax scale
+ *   q        [T, H, D] fp32, already multiplied by the softmax scale; sequence s's tokens are rows qsl[s]..qsl[s+1]
  *   k, v     [KVH, NB, BS, D] in `cache_dtype`: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn times a per-tensor scale
- *   tables   [G, table_stride] int32 block ids; ctx [G] int32 context length, the new token included
+ *   tables   [S, table_stride] int32 block ids; ctx [S] int32 context length, the new tokens included
  *   sinks    [H] fp32 or NULL: GPT-OSS's per-head logit that joins each softmax's denominator with no value
- *   out      [G, H, D] fp32
+ *   out      [T, H, D] fp32
  * Threads: OpenMP, `nthreads` of them, in the process's libgomp.so.1, which torch has already loaded: one pool. */
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define NV (HEAD_DIM / 8)
+#define TQ 16              /* query tokens an item takes at most */
+#define PB 64              /* V rows converted at a time */
+#define SCORES (192 << 10) /* bytes of scores an item keeps (in L2) */
+#define AHEAD 32           /* positions ahead whose K / V rows are prefetched */
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u8 __attribute__((vector_size(32)));
 typedef uint16_t h8 __attribute__((vector_size(16)));
@@ -41,10 +51,14 @@ static inline void load_row(const void *base, int64_t idx, int dtype, float scal
     if (dtype == 1) { /* bf16 is the top half of an fp32 */
         const uint16_t *p = (const uint16_t *)base + idx * HEAD_DIM;
         for (int c = 0; c < NV; c++) {
+#ifdef __AVX2__ /* one vpmovzxwd to 8 lanes: GCC's convertvector splits it into two halves and a merge */
+            dst[c] = (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * c))), 16);
+#else
             h8 raw;
             memcpy(&raw, p + 8 * c, 16);
             u8 w = __builtin_convertvector(raw, u8) << 16;
             memcpy(&dst[c], &w, 32);
+#endif
         }
     } else if (dtype == 0) {
         memcpy(dst, (const float *)base + idx * HEAD_DIM, HEAD_DIM * sizeof(float));
@@ -96,94 +110,207 @@ static inline v8 hsum8(const v8 *a) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-int paged_decode(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
-                 const int32_t *ctx, float *out, int64_t g_count, int64_t h, int64_t kvh, int64_t nb, int64_t bs,
-                 int cache_dtype, float k_scale, float v_scale, int64_t window, float softcap, const float *sinks,
-                 int nthreads) {
-    const int64_t rep = h / kvh;
-    int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t g = 0; g < g_count; g++) {
-        for (int64_t kh = 0; kh < kvh; kh++) {
-            const int64_t n = ctx[g], start = (window > 0 && n > window) ? n - window : 0, len = n - start;
-            const int64_t lenp = (len + 7) & ~(int64_t)7; /* a score row padded to whole vectors */
-            const int32_t *bt = tables + g * table_stride;
-            int64_t base = 0; /* row of position p in the cache: base + p, within p's block */
-            /* q [rep, NV] | acc [rep, NV] | rows [8, NV] | scores [rep, lenp] | sums [rep] */
-            const size_t bytes = sizeof(v8) * (2 * rep + 8) * NV + sizeof(float) * rep * (lenp + 1);
-            v8 *qv = aligned_alloc(32, (bytes + 31) / 32 * 32); /* C11: a multiple of the alignment */
-            if (qv == NULL) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            v8 *acc = qv + rep * NV, *row = acc + rep * NV;
-            float *s = (float *)(row + 8 * NV), *sums = s + rep * lenp;
-            memcpy(qv, q + (g * h + kh * rep) * HEAD_DIM, sizeof(v8) * rep * NV);
-            for (int64_t p0 = start, next = start; p0 < n; p0 += 8) { /* pass 1: scores, 8 rows at a time */
-                const int64_t cnt = n - p0 < 8 ? n - p0 : 8;
-                for (int64_t j = 0; j < cnt; j++) { /* the 8 rows as fp32, converted once for the rep heads */
-                    const int64_t p = p0 + j;
-                    if (p == next) { /* a block's first row: one division per block, not per row */
-                        base = (kh * nb + bt[p / bs]) * bs + p % bs - p;
-                        next = p - p % bs + bs;
+/* A work item: kv head kh of sequence s, its query tokens [i0, i1) (indices within the sequence's chunk). */
+typedef struct {
+    int64_t s, kh, i0, i1;
+} item;
+
+/* Cache row of position p of sequence s for kv head kh: its block from the table, the row within it. */
+static inline int64_t cache_row(const int32_t *bt, int64_t kh, int64_t nb, int64_t bs, int64_t p) {
+    return (kh * nb + bt[p / bs]) * bs + p % bs;
+}
+
+/* Ask for the cache lines of positions p .. p + 7 (p a multiple of 8), AHEAD positions before they are read: a
+ * decode's K and V come from memory in 2 KB blocks scattered over the pool, and the hardware's prefetchers stop at
+ * each block's end. */
+static inline void prefetch_rows(const void *base, const int32_t *bt, int64_t kh, int64_t nb, int64_t bs, int64_t p,
+                                 int64_t hi, int esize) {
+    for (int64_t j = 0; j < 8 && p + j < hi; j++) {
+        const char *row = (const char *)base + cache_row(bt, kh, nb, bs, p + j) * HEAD_DIM * esize;
+        for (int64_t off = 0; off < HEAD_DIM * esize; off += 64) __builtin_prefetch(row + off, 0, 3);
+    }
+}
+
+/* acc[i * NV + c] += w[i * W + p] * v[p * NV + c] for rows i < RR, vectors c < CC, rows of v [a, b) in order:
+ * RR x CC sums held in registers (constants once inlined) */
+static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *w, int64_t W, const v8 *v, int64_t a,
+                                                          int64_t b, int RR, int CC) {
+    v8 t[3][4];
+    for (int i = 0; i < RR; i++)
+        for (int c = 0; c < CC; c++) t[i][c] = acc[i * NV + c];
+    for (int64_t p = a; p < b; p++)
+        for (int i = 0; i < RR; i++) {
+            const float x = w[i * W + p];
+            for (int c = 0; c < CC; c++) t[i][c] += x * v[p * NV + c];
+        }
+    for (int i = 0; i < RR; i++)
+        for (int c = 0; c < CC; c++) acc[i * NV + c] = t[i][c];
+}
+
+/* One item. Its rows are R = (i1 - i0) * rep query vectors, row r = query token i0 + r / rep, head kh * rep + r % rep.
+ * Token i sits at position pos = n - nq + i and sees [lo_i, pos] (lo_i > 0 with a window): the item's positions
+ * span [lo, hi). Scores live in s [R, W] fp32 over the positions [lo8, lo8 + W) (lo rounded down to 8). */
+static int run(const item *it, const float *q, const void *k, const void *v, const int32_t *tables,
+               int64_t table_stride, const int32_t *ctx, const int32_t *qsl, float *out, int64_t h, int64_t kvh,
+               int64_t nb, int64_t bs, int dtype, float k_scale, float v_scale, int64_t window, float softcap,
+               const float *sinks) {
+    const int64_t rep = h / kvh, s = it->s, kh = it->kh, nq = qsl[s + 1] - qsl[s], n = ctx[s], first = n - nq;
+    const int64_t R = (it->i1 - it->i0) * rep;
+    const int32_t *bt = tables + s * table_stride;
+    const int esize = dtype == 0 ? 4 : dtype == 3 ? 1 : 2;
+#define END(r) (first + it->i0 + (r) / rep + 1) /* row r sees positions [START(r), END(r)) */
+#define START(r) (window > 0 && END(r) > window ? END(r) - window : 0)
+    const int64_t lo = START(0), hi = END(R - 1), lo8 = lo & ~(int64_t)7, W = ((hi + 7) & ~(int64_t)7) - lo8;
+    /* q [R, NV] | acc [R, NV] | rows [PB, NV] | scores [R, W] | sums [R] */
+    const size_t bytes = sizeof(v8) * (2 * R + PB) * NV + sizeof(float) * R * (W + 1);
+    v8 *qv = aligned_alloc(32, (bytes + 31) / 32 * 32); /* C11: a multiple of the alignment */
+    if (qv == NULL) return 1;
+    v8 *acc = qv + R * NV, *row = acc + R * NV;
+    float *sc = (float *)(row + PB * NV), *sums = sc + R * W;
+    for (int64_t r = 0; r < R; r++) /* token i0 + r / rep's query heads kh * rep .. are contiguous: one copy */
+        memcpy(qv + r * NV, q + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM, sizeof(v8) * NV);
+    /* pass 1: scores, 8 positions at a time: the K rows as fp32 once for all R rows; two rows x four positions a
+     * tile (8 sums of 8 lanes along D). A score is q . k summed lane-wise in D's order, then hsum8's tree: the same
+     * whatever rows share the item. */
+    for (int64_t p0 = lo8; p0 < lo8 + W; p0 += 8) {
+        if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t p = p0 + j;
+            if (p >= lo && p < hi)
+                load_row(k, cache_row(bt, kh, nb, bs, p), dtype, k_scale, row + j * NV);
+            else
+                memset(row + j * NV, 0, sizeof(v8) * NV); /* no position of this item: masked below */
+        }
+        for (int64_t r0 = 0; r0 < R; r0 += 2) {
+            const int64_t r1 = r0 + 1 < R ? r0 + 1 : r0; /* an odd last row: computed twice, stored once */
+            if (END(r1) <= p0 || START(r0) >= p0 + 8) continue; /* no position of these rows here */
+            const v8 *qa = qv + r0 * NV, *qb = qv + r1 * NV;
+            v8 x[2];
+            for (int half = 0; half < 2; half++) {
+                const v8 *kr = row + 4 * half * NV;
+                v8 a[8];
+                for (int j = 0; j < 4; j++) {
+                    a[j] = qa[0] * kr[j * NV];
+                    a[4 + j] = qb[0] * kr[j * NV];
+                }
+                for (int c = 1; c < NV; c++)
+                    for (int j = 0; j < 4; j++) {
+                        a[j] += qa[c] * kr[j * NV + c];
+                        a[4 + j] += qb[c] * kr[j * NV + c];
                     }
-                    load_row(k, base + p, cache_dtype, k_scale, row + j * NV);
-                }
-                if (cnt < 8) memset(row + cnt * NV, 0, sizeof(v8) * (8 - cnt) * NV); /* scores past n: unused */
-                for (int64_t r = 0; r < rep; r++) {
-                    const v8 *qr = qv + r * NV;
-                    v8 a[8];
-                    for (int j = 0; j < 8; j++) a[j] = qr[0] * row[j * NV];
-                    for (int c = 1; c < NV; c++) /* eight independent chains */
-                        for (int j = 0; j < 8; j++) a[j] += qr[c] * row[j * NV + c];
-                    v8 x = hsum8(a);
-                    if (softcap > 0.0f)
-                        for (int j = 0; j < 8; j++) x[j] = softcap * tanhf(x[j] / softcap);
-                    memcpy(s + r * lenp + p0 - start, &x, 32); /* lenp is a multiple of 8: past len is padding */
-                }
+                x[half] = hsum8(a); /* row r0's 4 positions, then row r1's */
             }
-            for (int64_t r = 0; r < rep; r++) { /* exp(s - max) in place, 8 at a time (scores padded to 8) */
-                float *sr = s + r * lenp, m = -INFINITY;
-                for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
-                const float sink = sinks ? sinks[kh * rep + r] : -INFINITY;
-                m = sink > m ? sink : m;
-                for (int64_t j = len; j < lenp; j++) sr[j] = -INFINITY; /* exp gives ~0: not summed below */
-                v8 sum = (v8){0};
-                for (int64_t j = 0; j < lenp; j += 8) {
-                    v8 x;
-                    memcpy(&x, sr + j, 32);
-                    x = exp_v8(x - m);
-                    memcpy(sr + j, &x, 32);
-                    sum += j + 8 <= len ? x : (v8){0};
+            v8 xa = __builtin_shufflevector(x[0], x[1], 0, 1, 2, 3, 8, 9, 10, 11);
+            v8 xb = __builtin_shufflevector(x[0], x[1], 4, 5, 6, 7, 12, 13, 14, 15);
+            if (softcap > 0.0f)
+                for (int j = 0; j < 8; j++) {
+                    xa[j] = softcap * tanhf(xa[j] / softcap);
+                    xb[j] = softcap * tanhf(xb[j] / softcap);
                 }
-                float total = hsum(sum);
-                for (int64_t j = len & ~(int64_t)7; j < len; j++) total += sr[j]; /* the partial last 8 */
-                if (sinks) total += expf(sink - m);
-                sums[r] = total;
-                for (int c = 0; c < NV; c++) acc[r * NV + c] = (v8){0};
-            }
-            for (int64_t p = start, next = start; p < n; p++) { /* pass 2: acc[r] += w[r, p] * v_p */
-                if (p == next) {
-                    base = (kh * nb + bt[p / bs]) * bs + p % bs - p;
-                    next = p - p % bs + bs;
-                }
-                load_row(v, base + p, cache_dtype, v_scale, row);
-                for (int64_t r = 0; r < rep; r++) {
-                    const float w = s[r * lenp + p - start];
-                    for (int c = 0; c < NV; c++) acc[r * NV + c] += w * row[c];
-                }
-            }
-            float *og = out + (g * h + kh * rep) * HEAD_DIM;
-            for (int64_t r = 0; r < rep; r++) {
-                const float inv = 1.0f / sums[r];
-                for (int c = 0; c < NV; c++) {
-                    v8 o = acc[r * NV + c] * inv;
-                    memcpy(og + r * HEAD_DIM + 8 * c, &o, 32);
-                }
-            }
-            free(qv);
+            memcpy(sc + r0 * W + p0 - lo8, &xa, 32);
+            memcpy(sc + r1 * W + p0 - lo8, &xb, 32);
         }
     }
+    /* pass 2, per row: exp(s - max) over its own positions, 0 elsewhere; the sum lane-wise over 8-aligned
+     * positions, then hsum's tree (the same whatever its item) */
+    const v8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int64_t r = 0; r < R; r++) {
+        float *sr = sc + r * W;
+        const int64_t a = START(r) - lo8, b = END(r) - lo8, a8 = a & ~(int64_t)7, b8 = (b + 7) & ~(int64_t)7;
+        v8 mv = (v8){0} - INFINITY;
+        for (int64_t j = a8; j < b8; j += 8) { /* the max lane-wise (any order: it is exact), masked at the ends */
+            v8 x;
+            memcpy(&x, sr + j, 32);
+            const i8 take = (x > mv) & (lane + (float)j >= (float)a) & (lane + (float)j < (float)b);
+            mv = (v8)(((i8)x & take) | ((i8)mv & ~take));
+        }
+        float m = mv[0];
+        for (int l = 1; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+        const float sink = sinks ? sinks[kh * rep + r % rep] : -INFINITY;
+        m = sink > m ? sink : m;
+        v8 sum = (v8){0};
+        for (int64_t j = 0; j < W; j += 8) {
+            v8 x = (v8){0};
+            if (j >= a8 && j < b8) {
+                memcpy(&x, sr + j, 32);
+                x = exp_v8(x - m);
+                if (j < a || j + 8 > b) { /* an end chunk: 0 outside the row's positions */
+                    const i8 in = (lane + (float)j >= (float)a) & (lane + (float)j < (float)b);
+                    x = (v8)((i8)x & in);
+                }
+                sum += x;
+            }
+            memcpy(sr + j, &x, 32);
+        }
+        sums[r] = hsum(sum) + (sinks ? expf(sink - m) : 0.0f);
+    }
+    /* pass 3: acc[r] += w[r, p] * v_p in the positions' order, PB V rows converted at a time; three rows x four
+     * vectors of D a tile (12 sums in registers). A weight outside a row's positions is 0: adding 0 * v (v finite:
+     * a real token's) leaves its sums as they were, so a row's output is the same whatever rows share the item. */
+    memset(acc, 0, sizeof(v8) * R * NV);
+    for (int64_t pb = lo; pb < hi; pb += PB) {
+        const int64_t pe = pb + PB < hi ? pb + PB : hi;
+        for (int64_t p = pb; p < pe; p++) {
+            if ((p & 7) == 0 && p + AHEAD < hi) prefetch_rows(v, bt, kh, nb, bs, p + AHEAD, hi, esize);
+            load_row(v, cache_row(bt, kh, nb, bs, p), dtype, v_scale, row + (p - pb) * NV);
+        }
+        for (int64_t r0 = 0; r0 < R; r0 += 3) {
+            const int rr = R - r0 < 3 ? (int)(R - r0) : 3;
+            const int64_t a = START(r0) > pb ? START(r0) : pb, b = END(r0 + rr - 1) < pe ? END(r0 + rr - 1) : pe;
+            for (int c0 = 0; c0 < NV; c0 += 4) {
+                const int cc = NV - c0 < 4 ? NV - c0 : 4;
+                v8 *t = acc + r0 * NV + c0;
+                const float *w = sc + r0 * W + pb - lo8; /* position pb's weight of row r0 */
+                if (rr == 3 && cc == 4)
+                    pv_tile(t, w, W, row + c0, a - pb, b - pb, 3, 4);
+                else
+                    pv_tile(t, w, W, row + c0, a - pb, b - pb, rr, cc);
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const float inv = 1.0f / sums[r];
+        float *o = out + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM;
+        for (int c = 0; c < NV; c++) {
+            v8 x = acc[r * NV + c] * inv;
+            memcpy(o + 8 * c, &x, 32);
+        }
+    }
+#undef START
+#undef END
+    free(qv);
+    return 0;
+}
+
+/* Query tokens an item takes: its scores ([tokens * rep, W] fp32) within SCORES bytes, 1 to TQ. */
+static int64_t tile_tokens(int64_t rep, int64_t w) {
+    const int64_t t = SCORES / ((int64_t)sizeof(float) * rep * (w + 8));
+    return t < 1 ? 1 : t > TQ ? TQ : t;
+}
+
+int paged_attention(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
+                    const int32_t *ctx, const int32_t *qsl, int64_t nseq, float *out, int64_t h, int64_t kvh,
+                    int64_t nb, int64_t bs, int cache_dtype, float k_scale, float v_scale, int64_t window,
+                    float softcap, const float *sinks, int nthreads) {
+    const int64_t rep = h / kvh;
+    int64_t count = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t nq = qsl[s + 1] - qsl[s], tq = tile_tokens(rep, window > 0 && ctx[s] > window ? window : ctx[s]);
+        count += kvh * ((nq + tq - 1) / tq);
+    }
+    item *items = malloc(sizeof(item) * (size_t)(count ? count : 1));
+    if (items == NULL) return 1;
+    int64_t m = 0;
+    for (int64_t s = 0; s < nseq; s++) { /* a sequence's tiles, longest context first; then its kv heads */
+        const int64_t nq = qsl[s + 1] - qsl[s], tq = tile_tokens(rep, window > 0 && ctx[s] > window ? window : ctx[s]);
+        for (int64_t i1 = nq; i1 > 0; i1 -= tq)
+            for (int64_t kh = 0; kh < kvh; kh++) items[m++] = (item){s, kh, i1 - tq > 0 ? i1 - tq : 0, i1};
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
+    for (int64_t i = 0; i < count; i++)
+        failed |= run(items + i, q, k, v, tables, table_stride, ctx, qsl, out, h, kvh, nb, bs, cache_dtype, k_scale,
+                      v_scale, window, softcap, sinks);
+    free(items);
     return failed;
 }

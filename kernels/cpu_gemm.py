@@ -7,7 +7,7 @@ tile per K step and up to four 16-row A tiles, at 9-16 (`python -m bench.cpu_gem
 MAX_ROWS.
 
 The weight is packed once into AMX's B-tile layout (`ThinWeight`, an IdleWork piece a layer, as oneDNN's copy),
-beside the parameter, which the engine still reads. Built like the decode attention (kernels/cpu_build.py), and only
+beside the parameter, which the engine still reads. Built like the attention kernel (kernels/cpu_build.py), and only
 where /proc/cpuinfo lists amx_bf16 and amx_tile; elsewhere the linears stay oneDNN's.
 
 `Avx2Gemm` (kernels/cpu_gemm_avx2.c) is the other CPU GEMM here: every bf16 linear, at every row count, on CPUs

@@ -3,7 +3,7 @@
 
 Why: the norm's reference is 9 torch ops, each a dispatch and a pass over memory, twice a layer: at a 2048-token
 prefill chunk of SmolLM2 on 2 threads of the Xeon VM, 2.8-8.3 ms against the C pass's 1.1, and at a decode step's
-16 rows 71 us against 27. The rotary's is 5 ops for q and 5 for k. Built like the decode attention
+16 rows 71 us against 27. The rotary's is 5 ops for q and 5 for k. Built like the attention kernel
 (kernels/cpu_build.py) and used once loaded; until then, for fp32 (whose greedy output must equal HF's token for
 token) and for fp16, the references run. The rotary is bit for bit its reference; the norm is not: the mean's sum
 runs in another order, so an output can differ by a bf16 step or two (tests/kernels/test_cpu_ops.py bounds it)."""

@@ -54,7 +54,7 @@ def test_smollm2_greedy_matches_hf(smollm2_path, smol_reference, setting):
     if setting == "chunked":
         assert max(len(p) for p in prompts) > 24  # so some prompt really was split into chunks
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-    assert llm.engine.runner.attn.native.lib is not None  # decodes went through the C kernel (kernels/cpu_attention)
+    assert llm.engine.runner.attn.native.lib is not None  # attention went through the C kernel (kernels/cpu_attention)
 
 
 def test_smollm2_text(smollm2_path):

@@ -3,15 +3,17 @@
 The backend interface: `build(layout) -> metadata` once per step, then `forward(q, k, v, caches, meta)`
 per layer. The torch reference here defines correctness and is the CPU fast path. Per layer:
 - one cache write for all new tokens;
-- decodes (one query each): on CPU, one call of the C kernel that reads the pages where they lie
-  (kernels/cpu_attention.py, once it is built); else one gather of their pages and two batched matmuls per length
-  bucket (at most 4 buckets, so short contexts are not padded to the longest), never a per-sequence loop;
+- on CPU, once the C kernel is built (kernels/cpu_attention.py): one call for the whole step, prefill chunks and
+  decodes alike, reading the pages where they lie. Until then, or without a compiler:
+- decodes (one query each): one gather of their pages and two batched matmuls per length bucket (at most 4
+  buckets, so short contexts are not padded to the longest), never a per-sequence loop;
 - prefill chunks: one SDPA call each over the chunk's own context (a chunk that is its whole context reads its
   new keys as they are, no gather). A step holds few of them (the token budget bounds it) and each call is large,
   while padding them into one call wasted up to 4x the work on mixed lengths."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +22,15 @@ import torch.nn.functional as F
 
 from engine.block_table import h2d, h2d_rows
 from kernels.cache_write import reshape_and_cache
-from kernels.cpu_attention import NativeDecode
+from kernels.cpu_attention import NativeAttention
 from kernels.paged_attention import paged_attention
 from kernels.prefill_attention import prefill_attention
 
 # A step with a longer query chunk runs the flash-tile prefill kernel (64-128 rows a tile, decodes riding along);
 # up to this, the unified kernel's 16-row tiles and flash-decoding splits fit better.
 PREFILL_TILE_MIN_QUERY = 16
+# Prefill chunks through the C kernel too (with it loaded), not SDPA: bench/_common.py's --ab native-prefill
+NATIVE_PREFILL = True
 EXPLICIT_SCORES = 1 << 24  # scores a slice of the spelled-out attention holds at once (64 MiB in fp32)
 
 
@@ -59,10 +63,11 @@ class _Decodes:
 
 
 @dataclass
-class _NativeDecodes:
-    rows: torch.Tensor | None  # [G] flat token row of each decode; None: every row of the step, in order
-    tables: torch.Tensor  # [G, max blocks] int32, padded with block 0 (never read past ctx)
-    ctx: torch.Tensor  # [G] int32 seq_len
+class _Native:
+    rows: torch.Tensor | None  # [G] flat token rows of the sequences it takes; None: every row of the step, in order
+    tables: torch.Tensor  # [B, max blocks] int32, padded with block 0 (never read past ctx)
+    ctx: torch.Tensor  # [B] int32 seq_len
+    qsl: torch.Tensor  # [B + 1] int32: their query_start_loc within `rows`
 
 
 @dataclass
@@ -79,7 +84,7 @@ class TorchAttnMetadata:
     slot_mapping: torch.Tensor
     decodes: list[_Decodes]
     prefills: list[_Prefill]
-    native: _NativeDecodes | None = None  # all decodes, for the C kernel (then `decodes` is empty)
+    native: _Native | None = None  # what the C kernel takes: the whole step (`decodes`, `prefills` empty)
 
 
 @dataclass
@@ -172,7 +177,7 @@ class TorchAttention(_KVScales):
         # Reused gather buffer. Fresh multi-MB allocations per layer cost page faults that made
         # decode gathers 2x slower on CPU.
         self._workspace: torch.Tensor | None = None
-        self.native: NativeDecode | None = None  # the CPU decode kernel (build_attention): used once it is loaded
+        self.native: NativeAttention | None = None  # the CPU kernel (build_attention): used once it is loaded
 
     def set_kv_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
         super().set_kv_scales(k_scales, v_scales)
@@ -182,18 +187,23 @@ class TorchAttention(_KVScales):
     # ---- once per step -------------------------------------------------------------------
     def build(self, layout: StepLayout, device) -> TorchAttnMetadata:
         qsl, lens, tables, bs = layout.query_start_loc, layout.seq_lens, layout.block_tables, self.block_size
-        dec = sorted((i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1), key=lambda i: len(tables[i]))
-        decodes, native = [], None
-        if dec and self.native is not None and self.native.lib is not None:
-            nblk = len(tables[dec[-1]])
-            every = len(dec) == qsl[-1]  # a decode-only step: its rows are every row, in the batch's order
-            dec = sorted(dec) if every else dec
-            native = _NativeDecodes(
-                rows=None if every else torch.tensor([qsl[i] for i in dec]),
-                tables=torch.tensor([tables[i] + [0] * (nblk - len(tables[i])) for i in dec], dtype=torch.int32),
-                ctx=torch.tensor([lens[i] for i in dec], dtype=torch.int32),
+        dec = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+        native = None
+        take = range(len(lens)) if NATIVE_PREFILL else dec
+        if take and self.native is not None and self.native.lib is not None:  # one call: every sequence it takes
+            nblk = max((len(tables[i]) for i in take), default=0)
+            rows = [r for i in take for r in range(qsl[i], qsl[i + 1])]
+            native = _Native(
+                rows=None if len(rows) == qsl[-1] else torch.tensor(rows),
+                tables=torch.tensor([tables[i] + [0] * (nblk - len(tables[i])) for i in take], dtype=torch.int32),
+                ctx=torch.tensor([lens[i] for i in take], dtype=torch.int32),
+                qsl=torch.tensor([0, *itertools.accumulate(qsl[i + 1] - qsl[i] for i in take)], dtype=torch.int32),
             )
+            if native.rows is None:
+                return TorchAttnMetadata(layout.slot_mapping, [], [], native)
             dec = []
+        dec.sort(key=lambda i: len(tables[i]))
+        decodes = []
         for bucket in _length_buckets([len(tables[i]) for i in dec]):
             idx = [dec[j] for j in bucket]
             nblk = len(tables[idx[-1]])
@@ -239,13 +249,13 @@ class TorchAttention(_KVScales):
         window = self.window(layer)
         if (n := meta.native) is not None:
             qn = q if n.rows is None else q[n.rows]
-            o = self.native(qn, k_cache, v_cache, n.tables, n.ctx, self.scale, ks, vs, window, self.softcap, sinks)
-            o = o.to(q.dtype)
-            if n.rows is None:  # a decode-only step: every row, in order (no gather, no scatter)
-                return o
+            o = self.native(qn, k_cache, v_cache, n.tables, n.ctx, n.qsl, self.scale, ks, vs, window, self.softcap,
+                            sinks)  # fmt: skip
+            if n.rows is None:  # every row, in order (no gather, no scatter)
+                return o.to(q.dtype)
         out = torch.empty_like(q)
         if n is not None:
-            out[n.rows] = o
+            out[n.rows] = o.to(q.dtype)
         for g in meta.decodes:
             kg, vg = self._gather(k_cache, v_cache, g.blocks, g.rows.numel(), q.dtype, ks, vs)
             out[g.rows] = self._decode(q[g.rows], kg, vg, g.mask_for(window), sinks)
@@ -331,7 +341,7 @@ def build_attention(spec, block_size: int, backend: str, native_dir: Path | None
     )
     attn.windows, attn.softcap = spec.layer_windows, spec.attn_softcap
     if native_dir is not None and backend != "triton":
-        attn.native = NativeDecode.get(spec.head_dim, native_dir)
+        attn.native = NativeAttention.get(spec.head_dim, native_dir)
     return attn
 
 

@@ -1,24 +1,28 @@
-"""CPU decode attention in C (kernels/cpu_attention.c) against paged_attention_ref, on decode batches whose unused
-KV slots are NaN (a read past a sequence's context poisons its output), and the build: cached per CPU and head_dim,
-shared by the process, and a missing compiler leaves the torch path with the reason logged. Built for real with
-this machine's C compiler (the project's machines have gcc, as Triton needs)."""
+"""CPU attention in C (kernels/cpu_attention.c) against paged_attention_ref, on decode batches and on varlen batches
+of prefill chunks and decodes, whose unused KV slots are NaN (a read past a sequence's context poisons its output);
+one summation order per query token whatever shares its call; and the build: cached per CPU and head_dim, shared by
+the process, and a missing compiler leaves the torch path with the reason logged. Built for real with this
+machine's C compiler (the project's machines have gcc, as Triton needs)."""
 
 import logging
 
 import pytest
 import torch
 
+from engine.layers import attention
 from engine.layers.attention import StepLayout, TorchAttention
 from kernels import cpu_build
-from kernels.cpu_attention import NativeDecode, paged_decode_cpu
+from kernels.cpu_attention import NativeAttention, paged_attention_cpu
 from kernels.paged_attention import paged_attention_ref
 from tests.kernels.conftest import TOL, assert_close
 from tests.kernels.test_paged_attention import FP8, FP8_TOL, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-# (1 query token, context): partial blocks, a 1-token context, several blocks
+# (query tokens, context): partial blocks, a 1-token context, several blocks
 DECODES = [(1, 7), (1, 1), (1, 16), (1, 30), (1, 3)]
+# prefill chunks (a whole prompt, one after earlier context, one past a kernel item's 16 tokens) among decodes
+MIXED = [(5, 14), (1, 7), (20, 20), (3, 40), (1, 1), (33, 33), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,7 @@ def kernel_dir(tmp_path_factory):
 
 
 def kernel(d, kernel_dir):
-    k = NativeDecode.get(d, kernel_dir, wait=True)
+    k = NativeAttention.get(d, kernel_dir, wait=True)
     assert k is not None and k.lib is not None, k and k.error
     return k
 
@@ -35,45 +39,83 @@ def kernel(d, kernel_dir):
 def check(args, kernel_dir, tol=None, **kw):
     args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     ref = paged_attention_ref(**args, **kw)
-    a = {k: v for k, v in args.items() if k != "query_start_loc"}
-    out = paged_decode_cpu(**a, **kw, kernel=kernel(args["q"].shape[-1], kernel_dir))
+    out = paged_attention_cpu(**args, **kw, kernel=kernel(args["q"].shape[-1], kernel_dir))
     assert out.dtype == args["q"].dtype and out.shape == args["q"].shape
     assert torch.isfinite(ref).all() and torch.isfinite(out).all(), "NaN from an unused KV slot"
-    assert_close(out, ref, "cpu decode attention", **(tol or TOL[args["q"].dtype]))
+    assert_close(out, ref, "cpu attention", **(tol or TOL[args["q"].dtype]))
 
 
+@pytest.mark.parametrize("batch", [DECODES, MIXED], ids=["decodes", "mixed"])
 @pytest.mark.parametrize("h,kvh", [(4, 2), (4, 1), (2, 2), (9, 3)], ids=["gqa", "mqa", "mha", "rep3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_decodes_match_the_reference(h, kvh, dtype, kernel_dir):
-    check(make_batch(DECODES, h=h, kvh=kvh, dtype=dtype, seed=h), kernel_dir)
+def test_batches_match_the_reference(batch, h, kvh, dtype, kernel_dir):
+    check(make_batch(batch, h=h, kvh=kvh, dtype=dtype, seed=h), kernel_dir)
 
 
-@pytest.mark.parametrize("d,bs", [(8, 4), (48, 8), (64, 16), (128, 8)])
+@pytest.mark.parametrize("d,bs", [(8, 4), (48, 8), (64, 16), (128, 8), (96, 5)])
 def test_head_dims_and_block_sizes(d, bs, kernel_dir):
-    check(make_batch(DECODES, d=d, bs=bs, seed=d), kernel_dir)
+    check(make_batch(MIXED, d=d, bs=bs, seed=d), kernel_dir)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fp8_kv(dtype, kernel_dir):
-    args = make_batch(DECODES, dtype=dtype, kv_dtype=FP8, seed=5)
+    args = make_batch(MIXED, dtype=dtype, kv_dtype=FP8, seed=5)
     assert torch.isnan(args["k_cache"].float()).any()  # the poison survives the fp8 cast
     check(args, kernel_dir, FP8_TOL)
 
 
-def test_sliding_window_and_soft_cap(kernel_dir):
-    args = make_batch(DECODES, seed=9)
+@pytest.mark.parametrize("batch", [DECODES, MIXED], ids=["decodes", "mixed"])
+def test_sliding_window_and_soft_cap(batch, kernel_dir):
+    args = make_batch(batch, seed=9)
     check(args, kernel_dir, window=5)
+    check(args, kernel_dir, window=17)  # a window wider than an item's 16 tokens, narrower than the chunk
     check(args, kernel_dir, softcap=2.0)
     check(args, kernel_dir, window=4, softcap=3.0)
 
 
 def test_a_long_context_matches(kernel_dir):
-    check(make_batch([(1, 700), (1, 257)], h=6, kvh=2, d=64, bs=16, dtype=torch.bfloat16, seed=2), kernel_dir)
+    """A 300-token chunk after 400 tokens of context (many items, scores past an L2's worth) and a long decode."""
+    check(make_batch([(300, 700), (1, 257)], h=6, kvh=2, d=64, bs=16, dtype=torch.bfloat16, seed=2), kernel_dir)
 
 
-def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(kernel_dir):
-    """TorchAttention's decodes through the kernel (one call per layer, no buckets) against its gather path."""
-    spec = [(1, 7), (1, 40), (1, 1), (5, 14), (1, 23)]  # a prefill chunk rides along on the gather path
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, kernel_dir):
+    """Tokens of a 41-token sequence, bit for bit: from a whole-prompt prefill, a chunk after a prefix-cache hit, a
+    chunk of 2, a decode, beside other sequences, and on 1 thread as on 2. (Its scores, softmax and weighted sum run
+    in one order whatever tokens share its kernel item: streamed and whole answers agree.)"""
+    whole = make_batch([(41, 41)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=3, poison=False)
+    k = kernel(64, kernel_dir)
+    ref = paged_attention_cpu(**whole, window=window, kernel=k)
+    assert_close(ref, paged_attention_ref(**whole, window=window), "whole prefill vs the reference")
+
+    def token(t, nq, others=(), threads=None):
+        """Token t's output with the sequence cut to its first t + 1 tokens, the last nq of them queried (after
+        others' sequences)."""
+        b = make_batch([*others, (nq, t + 1)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=7, poison=False)
+        n = -(-(t + 1) // 16)  # its blocks: K, V and queries copied in from `whole`
+        for c in ("k_cache", "v_cache"):
+            b[c][:, b["block_tables"][-1, :n].long()] = whole[c][:, whole["block_tables"][0, :n].long()]
+        b["q"][-nq:] = whole["q"][t + 1 - nq : t + 1]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            return paged_attention_cpu(**b, window=window, kernel=k)[-1]
+        finally:
+            torch.set_num_threads(before)
+
+    for t, nq, others, threads in [(40, 5, (), None), (40, 2, (), None), (40, 1, (), None), (10, 1, (), None),
+                                   (3, 1, [(1, 9), (20, 20)], None), (20, 17, [(3, 30)], None), (0, 1, (), None),
+                                   (40, 41, (), 1), (16, 1, (), 1)]:  # fmt: skip
+        assert torch.equal(token(t, nq, others, threads), ref[t]), (t, nq, others, threads)
+
+
+@pytest.mark.parametrize("prefill", [True, False], ids=["all", "decodes-only"])
+def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(prefill, kernel_dir, monkeypatch):
+    """TorchAttention's whole step through the kernel (one call per layer, no buckets) against its gather and SDPA
+    path; with NATIVE_PREFILL off (bench's --ab native-prefill), its decodes alone, the prefill chunks on SDPA."""
+    monkeypatch.setattr(attention, "NATIVE_PREFILL", prefill)
+    spec = [(1, 7), (1, 40), (1, 1), (5, 14), (1, 23), (9, 12)]  # two chunks after earlier context
     batch = make_batch(spec, seed=4, poison=False)  # the gather path multiplies its pads by 0: NaN there would leak
     args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     kvh, _, bs, d = args["k_cache"].shape
@@ -87,29 +129,30 @@ def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(ker
         attn.native = native
         meta = attn.build(layout, torch.device("cpu"))
         assert (meta.native is not None) == (native is not None)
+        assert native is None or (meta.native.rows is None) == prefill and len(meta.prefills) == 2 * (not prefill)
         outs.append(attn.forward(args["q"], none, none, args["k_cache"], args["v_cache"], meta))
     assert_close(outs[1], outs[0], "native vs gather")
 
 
 def test_a_build_is_cached_and_shared(kernel_dir, monkeypatch):
-    monkeypatch.setattr(NativeDecode, "_all", {})  # an earlier test in this process may hold one from elsewhere
+    monkeypatch.setattr(NativeAttention, "_all", {})  # an earlier test in this process may hold one from elsewhere
     first = kernel(64, kernel_dir)
-    assert NativeDecode.get(64, kernel_dir / "elsewhere") is first  # one per head_dim in a process
+    assert NativeAttention.get(64, kernel_dir / "elsewhere") is first  # one per head_dim in a process
     cc = cpu_build.compiler()
-    path = cpu_build.library_path(kernel_dir, NativeDecode.SOURCE, ("-DHEAD_DIM=64",), cc)
+    path = cpu_build.library_path(kernel_dir, NativeAttention.SOURCE, ("-DHEAD_DIM=64",), cc)
     mtime = path.stat().st_mtime_ns
-    assert cpu_build.build(kernel_dir, NativeDecode.SOURCE, ("-DHEAD_DIM=64",)) == path
+    assert cpu_build.build(kernel_dir, NativeAttention.SOURCE, ("-DHEAD_DIM=64",)) == path
     assert path.stat().st_mtime_ns == mtime  # not built again
-    assert NativeDecode.get(20, kernel_dir) is None  # head_dim 20: not a multiple of 8
+    assert NativeAttention.get(20, kernel_dir) is None  # head_dim 20: not a multiple of 8
 
 
-def test_without_a_compiler_decodes_keep_the_torch_path_and_the_log_says_why(kernel_dir, monkeypatch, caplog):
+def test_without_a_compiler_attention_keeps_the_torch_path_and_the_log_says_why(kernel_dir, monkeypatch, caplog):
     monkeypatch.setattr(cpu_build, "compiler", lambda: None)
-    monkeypatch.setattr(NativeDecode, "_all", {})
+    monkeypatch.setattr(NativeAttention, "_all", {})
     with caplog.at_level(logging.WARNING, logger="engine"):
-        k = NativeDecode.get(64, kernel_dir, wait=True)
+        k = NativeAttention.get(64, kernel_dir, wait=True)
     assert k.lib is None and "no C compiler" in k.error
-    assert "native kernel unavailable, decodes take the torch path: no C compiler" in caplog.text
+    assert "native kernel unavailable, attention takes the torch path: no C compiler" in caplog.text
     attn = TorchAttention(16, 0.125)
     attn.native = k
     layout = StepLayout(torch.zeros(0, dtype=torch.long), [0, 1], [5], [[0]])
@@ -119,16 +162,16 @@ def test_without_a_compiler_decodes_keep_the_torch_path_and_the_log_says_why(ker
 def test_a_failed_compile_names_the_compilers_message(kernel_dir, monkeypatch):
     monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-include", "/nonexistent.h"))
     with pytest.raises(RuntimeError, match="nonexistent.h"):
-        cpu_build.build(kernel_dir, NativeDecode.SOURCE, ("-DHEAD_DIM=32",))
+        cpu_build.build(kernel_dir, NativeAttention.SOURCE, ("-DHEAD_DIM=32",))
 
 
 def test_sinks(kernel_dir):
     """GPT-OSS's sinks (a logit per query head in each softmax's denominator, no value), with and without a window;
     large ones change the output, so a kernel that ignored them would fail."""
-    args = make_batch(DECODES, h=4, kvh=2, seed=11)
+    args = make_batch(MIXED, h=4, kvh=2, seed=11)
     check(args, kernel_dir, sinks=torch.randn(4) * 2)
     check(args, kernel_dir, window=4, sinks=torch.randn(4))
-    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items() if k != "query_start_loc"}
-    plain = paged_decode_cpu(**a, kernel=kernel(a["q"].shape[-1], kernel_dir))
-    sunk = paged_decode_cpu(**a, sinks=torch.full((4,), 6.0), kernel=kernel(a["q"].shape[-1], kernel_dir))
+    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    plain = paged_attention_cpu(**a, kernel=kernel(a["q"].shape[-1], kernel_dir))
+    sunk = paged_attention_cpu(**a, sinks=torch.full((4,), 6.0), kernel=kernel(a["q"].shape[-1], kernel_dir))
     assert (plain - sunk).abs().max() > 0.1
