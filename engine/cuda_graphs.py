@@ -295,11 +295,8 @@ class IdleWork:
 
     def drain(self, batch: int | None = None) -> None:
         """Run the pieces now: every kernel piece, then the graph captures (up to one holding `batch` decodes when
-        given), and wait for the CPU attention kernel's build (kernels/cpu_attention.py; a server uses it once it is
-        there). LLM.generate before its first step; python -m warmup, so the volume's caches hold them all."""
-        for r in self.runners:
-            if (native := getattr(getattr(r, "attn", None), "native", None)) is not None:
-                native.wait()
+        given), and wait for the CPU kernels' builds (the attention's was waited for at start: build_attention).
+        LLM.generate before its first step; python -m warmup, so the volume's caches hold them all."""
         for native in (ThinGemm.current(), CpuOps.current()):  # packing makes the AMX kernel's copies too
             if native is not None:
                 native.wait()

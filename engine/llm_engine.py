@@ -38,7 +38,7 @@ class LLMEngine:
         self._threads_before = startup.claim_threads(cfg, facts.device)  # given back at shutdown
         plan = startup.device_plan(cfg, facts)  # refuses what cannot fit, before anything is allocated
         self.kv_prefault, kv = startup.early_pool(cfg, facts, plan)  # CPU: faulting in while the tokenizer loads
-        startup.start_cpu(cfg, facts.device, facts.dtype)  # CPU: its C kernels build while the weights load
+        startup.start_cpu(cfg, facts)  # CPU: its C kernels build while the weights load
         self.tok, self.eos_token_ids = startup.open_tokenizer(cfg, facts)
         tl.mark("model resolution", str(facts.path))
         # the other tensor-parallel ranks load their shards while this one loads its own

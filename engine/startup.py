@@ -263,8 +263,8 @@ def build_rank(
         kernels.load_triton()  # imports triton (about 0.3 s): the torch path never does
     if kv is None:  # (rank 0 on CPU made it early: early_pool)
         kv = allocate(facts.rank_spec, plan, facts.kv_dtype, facts.device, prefault)
+    start_cpu(cfg, facts, wait=True)
     attn = build_attention(facts.rank_spec, cfg.block_size, facts.kernel_backend, native_dir(cfg, facts.device))
-    start_cpu(cfg, facts.device, facts.dtype, wait=True)
     if facts.kv_dtype == torch.float8_e4m3fn:
         attn.set_kv_scales(*kv_scales(model, calibration, facts.device))
     lora = None

@@ -11,7 +11,8 @@
  * is the same from a prefill of 300 tokens, a prefix-cache hit's 5, or a decode.
  *
  *   q        [T, H, D] fp32, already multiplied by the softmax scale; sequence s's tokens are rows qsl[s]..qsl[s+1]
- *   k, v     [KVH, NB, BS, D] in `cache_dtype`: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn times a per-tensor scale
+ *   k, v     [KVH, NB, BS, D] in `cache_dtype`: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn times its kv head's scale
+ *   k_scale, v_scale  [KVH] fp32 (read for fp8 only)
  *   tables   [S, table_stride] int32 block ids; ctx [S] int32 context length, the new tokens included
  *   sinks    [H] fp32 or NULL: GPT-OSS's per-head logit that joins each softmax's denominator with no value
  *   out      [T, H, D] fp32
@@ -152,7 +153,7 @@ static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *
  * span [lo, hi). Scores live in s [R, W] fp32 over the positions [lo8, lo8 + W) (lo rounded down to 8). */
 static int run(const item *it, const float *q, const void *k, const void *v, const int32_t *tables,
                int64_t table_stride, const int32_t *ctx, const int32_t *qsl, float *out, int64_t h, int64_t kvh,
-               int64_t nb, int64_t bs, int dtype, float k_scale, float v_scale, int64_t window, float softcap,
+               int64_t nb, int64_t bs, int dtype, const float *k_scale, const float *v_scale, int64_t window, float softcap,
                const float *sinks) {
     const int64_t rep = h / kvh, s = it->s, kh = it->kh, nq = qsl[s + 1] - qsl[s], n = ctx[s], first = n - nq;
     const int64_t R = (it->i1 - it->i0) * rep;
@@ -177,7 +178,7 @@ static int run(const item *it, const float *q, const void *k, const void *v, con
         for (int64_t j = 0; j < 8; j++) {
             const int64_t p = p0 + j;
             if (p >= lo && p < hi)
-                load_row(k, cache_row(bt, kh, nb, bs, p), dtype, k_scale, row + j * NV);
+                load_row(k, cache_row(bt, kh, nb, bs, p), dtype, k_scale[kh], row + j * NV);
             else
                 memset(row + j * NV, 0, sizeof(v8) * NV); /* no position of this item: masked below */
         }
@@ -252,7 +253,7 @@ static int run(const item *it, const float *q, const void *k, const void *v, con
         const int64_t pe = pb + PB < hi ? pb + PB : hi;
         for (int64_t p = pb; p < pe; p++) {
             if ((p & 7) == 0 && p + AHEAD < hi) prefetch_rows(v, bt, kh, nb, bs, p + AHEAD, hi, esize);
-            load_row(v, cache_row(bt, kh, nb, bs, p), dtype, v_scale, row + (p - pb) * NV);
+            load_row(v, cache_row(bt, kh, nb, bs, p), dtype, v_scale[kh], row + (p - pb) * NV);
         }
         for (int64_t r0 = 0; r0 < R; r0 += 3) {
             const int rr = R - r0 < 3 ? (int)(R - r0) : 3;
@@ -290,7 +291,7 @@ static int64_t tile_tokens(int64_t rep, int64_t w) {
 
 int paged_attention(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
                     const int32_t *ctx, const int32_t *qsl, int64_t nseq, float *out, int64_t h, int64_t kvh,
-                    int64_t nb, int64_t bs, int cache_dtype, float k_scale, float v_scale, int64_t window,
+                    int64_t nb, int64_t bs, int cache_dtype, const float *k_scale, const float *v_scale, int64_t window,
                     float softcap, const float *sinks, int nthreads) {
     const int64_t rep = h / kvh;
     int64_t count = 0;

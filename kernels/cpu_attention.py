@@ -25,7 +25,7 @@ from kernels.cpu_build import NativeKernel
 
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _F, _F, _I64, _F, _P,
+_ARGTYPES = [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _I64, _F, _P,
              ctypes.c_int]  # fmt: skip
 
 
@@ -59,17 +59,20 @@ class NativeAttention(NativeKernel):
                  softcap=None, sinks=None):  # fmt: skip
         """out [T, H, D] fp32 for q [T, H, D] (sequence s's tokens: rows qsl[s] .. qsl[s + 1], the last ones of its
         context) over caches [KVH, NB, BS, D]; tables [S, >= blocks], ctx [S] and qsl [S + 1] int32, contiguous;
-        sinks [H] (GPT-OSS) or None."""
+        k_scale, v_scale: an fp8 cache's scale (one, or one per kv head), else None; sinks [H] (GPT-OSS) or None."""
         t, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
+        ks, vs = (torch.ones(1) if x is None else torch.as_tensor(x, dtype=torch.float32).reshape(-1).cpu()
+                  for x in (k_scale, v_scale))  # fmt: skip
+        ks, vs = (x.expand(kvh).contiguous() for x in (ks, vs))  # [KVH]: each kv head's
         qs = (q.float() * scale).contiguous()
         out = torch.empty(t, h, d, dtype=torch.float32)
         sinks = None if sinks is None else sinks.float().contiguous()
         failed = self.lib.paged_attention(
             qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
-            qsl.data_ptr(), ctx.shape[0], out.data_ptr(), h, kvh, nb, bs, CACHE_DTYPES[k_cache.dtype],
-            1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale),
-            window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
+            qsl.data_ptr(), ctx.shape[0], out.data_ptr(), h, kvh, nb, bs, CACHE_DTYPES[k_cache.dtype], ks.data_ptr(),
+            vs.data_ptr(), window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("CPU attention: out of memory for its scores")

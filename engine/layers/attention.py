@@ -3,8 +3,8 @@
 The backend interface: `build(layout) -> metadata` once per step, then `forward(q, k, v, caches, meta)`
 per layer. The torch reference here defines correctness and is the CPU fast path. Per layer:
 - one cache write for all new tokens;
-- on CPU, once the C kernel is built (kernels/cpu_attention.py): one call for the whole step, prefill chunks and
-  decodes alike, reading the pages where they lie. Until then, or without a compiler:
+- on CPU with the C kernel (kernels/cpu_attention.py, built before the first step): one call for the whole step,
+  prefill chunks and decodes alike, reading the pages where they lie. Without a compiler, or when its build fails:
 - decodes (one query each): one gather of their pages and two batched matmuls per length bucket (at most 4
   buckets, so short contexts are not padded to the longest), never a per-sequence loop;
 - prefill chunks: one SDPA call each over the chunk's own context (a chunk that is its whole context reads its
@@ -179,11 +179,6 @@ class TorchAttention(_KVScales):
         self._workspace: torch.Tensor | None = None
         self.native: NativeAttention | None = None  # the CPU kernel (build_attention): used once it is loaded
 
-    def set_kv_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
-        super().set_kv_scales(k_scales, v_scales)
-        if k_scales.dim() > 1:  # finer than a scale per layer (a test's per-head reference): the C kernel has one
-            self.native = None
-
     # ---- once per step -------------------------------------------------------------------
     def build(self, layout: StepLayout, device) -> TorchAttnMetadata:
         qsl, lens, tables, bs = layout.query_start_loc, layout.seq_lens, layout.block_tables, self.block_size
@@ -335,13 +330,14 @@ class TorchAttention(_KVScales):
 def build_attention(spec, block_size: int, backend: str, native_dir: Path | None = None):
     """The attention backend for a model of `spec` (torch, or the Triton kernels), with its per-layer windows and
     Gemma 2's soft-cap: the engine's, a tensor-parallel rank's and the speculative draft's. `native_dir` (CPU only):
-    where the C decode kernel is built and cached, for the torch backend."""
+    where the C kernel is built and cached, for the torch backend; it is waited for (engine/cpu_native.py started
+    the engine's while the weights loaded), so that every step takes it, the first as the later ones."""
     attn = (TritonAttention if backend == "triton" else TorchAttention)(
         block_size, spec.attn_scale or spec.head_dim**-0.5
     )
     attn.windows, attn.softcap = spec.layer_windows, spec.attn_softcap
     if native_dir is not None and backend != "triton":
-        attn.native = NativeAttention.get(spec.head_dim, native_dir)
+        attn.native = NativeAttention.get(spec.head_dim, native_dir, wait=True)
     return attn
 
 

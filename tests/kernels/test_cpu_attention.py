@@ -62,6 +62,9 @@ def test_fp8_kv(dtype, kernel_dir):
     args = make_batch(MIXED, dtype=dtype, kv_dtype=FP8, seed=5)
     assert torch.isnan(args["k_cache"].float()).any()  # the poison survives the fp8 cast
     check(args, kernel_dir, FP8_TOL)
+    # a scale per kv head (each tensor-parallel rank calibrates its own heads: a TP=1 reference holds them all)
+    per_head = {"k_scale": torch.tensor([0.05, 0.2]).view(2, 1, 1), "v_scale": torch.tensor([0.03, 0.01]).view(2, 1, 1)}
+    check({**args, **per_head}, kernel_dir, FP8_TOL)
 
 
 @pytest.mark.parametrize("batch", [DECODES, MIXED], ids=["decodes", "mixed"])
