@@ -13,6 +13,7 @@ fewer and shorter prompts, and no graphs (CUDA-only)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ def run(tiny: bool, workdir: Path) -> list[str]:
         ok &= slots.num_free == slots.num_slots  # every slot back
         rows.append(f"| {name} | {equal}/{n} | {replays} | {s:.1f} |")
         llm.engine.shutdown()
+        del llm, graphs, slots  # the next setting's engine plans from the memory this one held
+        gc.collect()
     md = [
         "## A hybrid (Qwen3-Next) through `LLM` on CUDA vs HF transformers on the same GPU",
         "",

@@ -336,8 +336,14 @@ def plan_gpu_start(
     predict the pool with the weights and the CUDA context counted as in use. state: a hybrid's state pool (bytes,
     sequences, and the KV of one full context: what a smaller MAX_NUM_SEQS must still leave), set aside before the
     KV pool."""
-    check_weights_fit(total=total, free=free, utilization=utilization, weights=weights, reserve=reserve,
-                      quantized=quantized, state=state)  # fmt: skip
+    if num_blocks is None:
+        check_weights_fit(total=total, free=free, utilization=utilization, weights=weights, reserve=reserve,
+                          quantized=quantized, state=state)  # fmt: skip
+    # a fixed pool (num_kv_blocks) overrides GPU_MEMORY_UTILIZATION (processes sharing a GPU): it must fit what is free
+    elif (need := weights + reserve + state[0] + CUDA_CONTEXT_BYTES + num_blocks * block_size * kv_bytes_per_token
+          ) > free:  # fmt: skip
+        raise ConfigError(f"a fixed KV pool of {num_blocks} blocks with the weights needs {_gib(need)}, and the "
+                          f"device has {_gib(free)} free of {_gib(total)}")  # fmt: skip
     return plan_gpu(
         total=total,
         utilization=utilization,

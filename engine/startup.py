@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,8 +141,8 @@ def device_plan(cfg: EngineConfig, facts: ModelFacts, loaded_len: int | None = N
         _say_what_is_ignored(cfg, facts)
     gpu = None
     if facts.device.type == "cuda":
-        if loaded_len is not None:  # blocks freed while loading stay in torch's cache and would count as used
-            torch.cuda.empty_cache()
+        gc.collect()  # an engine dropped earlier in this process, and blocks freed while loading: back to the device
+        torch.cuda.empty_cache()  # (torch's cache would count them as in use)
         free, total = torch.cuda.mem_get_info(facts.device)
         props = torch.cuda.get_device_properties(facts.device)
         gpu = memory.GPU(total, free, (props.major, props.minor), props.name)

@@ -62,6 +62,9 @@ class NativeAttention(NativeKernel):
         k_scale, v_scale: an fp8 cache's scale (one, or one per kv head), else None; sinks [H] (GPT-OSS) or None."""
         t, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
+        named = zip("q k_cache v_cache tables ctx qsl".split(), (q, k_cache, v_cache, tables, ctx, qsl))
+        if off := [f"{n} on {x.device}" for n, x in named if x.device.type != "cpu"]:  # C reads host memory only
+            raise ValueError(f"CPU attention takes host tensors: {', '.join(off)}")
         ks, vs = (torch.ones(1) if x is None else torch.as_tensor(x, dtype=torch.float32).reshape(-1).cpu()
                   for x in (k_scale, v_scale))  # fmt: skip
         ks, vs = (x.expand(kvh).contiguous() for x in (ks, vs))  # [KVH]: each kv head's

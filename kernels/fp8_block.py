@@ -55,7 +55,8 @@ def quant_token_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor
 def quant_token_groups_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     xf = torch.nn.functional.pad(x.float(), (0, (-k) % group)).reshape(m, -1, group)  # [M, G, group]
-    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = xf.abs().amax(-1, keepdim=True)  # over a tensor: CUDA divides by a Python number as x * (1 / 448)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, -1)[:, :k]
     return q, scale.squeeze(-1)
 

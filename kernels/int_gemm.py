@@ -96,7 +96,7 @@ def _int_gemm_kernel(
         if NATIVE_DOT:  # tensor cores take the 16-bit operands (the weights rounded to x's dtype, as the reference)
             acc += tl.dot(x, w.to(x.dtype))
         else:
-            acc += tl.dot(x.to(tl.float32), round_to(w, x_ptr.dtype.element_ty))
+            acc += tl.dot(x.to(tl.float32), round_to(w, x_ptr.dtype.element_ty), input_precision="ieee")  # not tf32
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32), 0.0)[None, :]
     o = out_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]

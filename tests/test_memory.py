@@ -167,6 +167,21 @@ def test_engine_refuses_before_loading_what_cannot_fit(monkeypatch, h100_props):
         startup.device_plan(cfg, facts)
 
 
+def test_a_fixed_pool_needs_what_is_free_not_the_utilization_budget(monkeypatch, h100_props):
+    """num_kv_blocks fixes the pool, and GPU_MEMORY_UTILIZATION no longer applies: processes sharing the GPU (the
+    GPU check's 8 test workers) may hold more than the budget leaves, and the start asks only that the weights, the
+    reserve and the pool fit what is free. Unfixed, the same device is refused by the budget, as before."""
+    total, free = 80 * GB, {"now": 20 * GB}  # 60 GB held elsewhere: past the 72 GB budget with an 8B's weights
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], total))
+    with pytest.raises(ConfigError, match="does not fit"):
+        startup.device_plan(*_fake_start())
+    plan = startup.device_plan(*_fake_start(config={"num_kv_blocks": 64}))
+    assert plan.num_blocks == 64
+    free["now"] = 10 * GB  # the weights alone (~15 GB) are more than is free
+    with pytest.raises(ConfigError, match=r"a fixed KV pool of 64 blocks with the weights needs 1\d\.\d\d GiB"):
+        startup.device_plan(*_fake_start(config={"num_kv_blocks": 64}))
+
+
 def test_cpu_engine_logs_the_planners_capacity(tiny_llama, caplog):
     cfg = EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=3 << 20, log_stats_interval=0)
     with caplog.at_level(logging.INFO, logger="engine"):

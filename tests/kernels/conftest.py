@@ -15,7 +15,7 @@ import kernels
 # environment; product code may not.
 DEVICE = torch.device(os.environ.get("KERNEL_TEST_DEVICE", "cpu"))
 
-__all__ = ["DEVICE", "TOL", "assert_close", "to_device"]
+__all__ = ["ATTN_TOL", "DEVICE", "TOL", "assert_close", "to_device"]
 
 
 def to_device(*tensors):
@@ -30,6 +30,10 @@ TOL = {
     torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2),
     torch.float16: dict(atol=1e-3, rtol=1e-3),
 }
+
+# Attention on a GPU rounds P to the 16-bit dtype for the tensor cores' PV dot (flash attention's trade): bf16's 8
+# bits leave errors up to ~2e-3 at |v| ~ 1, past TOL's 1e-3 (fp16's 11 bits stay within it). fp32 is unchanged.
+ATTN_TOL = {**TOL, torch.bfloat16: dict(atol=4e-3, rtol=1.6e-2)} if DEVICE.type == "cuda" else TOL
 
 
 @pytest.fixture(autouse=True)

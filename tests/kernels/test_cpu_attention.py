@@ -36,8 +36,13 @@ def kernel(d, kernel_dir):
     return k
 
 
+def cpu(batch: dict) -> dict:
+    """make_batch's tensors on the CPU (they are on KERNEL_TEST_DEVICE, cuda in the GPU check): this kernel's home."""
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
 def check(args, kernel_dir, tol=None, **kw):
-    args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    args = cpu(args)
     ref = paged_attention_ref(**args, **kw)
     out = paged_attention_cpu(**args, **kw, kernel=kernel(args["q"].shape[-1], kernel_dir))
     assert out.dtype == args["q"].dtype and out.shape == args["q"].shape
@@ -87,7 +92,7 @@ def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, ker
     """Tokens of a 41-token sequence, bit for bit: from a whole-prompt prefill, a chunk after a prefix-cache hit, a
     chunk of 2, a decode, beside other sequences, and on 1 thread as on 2. (Its scores, softmax and weighted sum run
     in one order whatever tokens share its kernel item: streamed and whole answers agree.)"""
-    whole = make_batch([(41, 41)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=3, poison=False)
+    whole = cpu(make_batch([(41, 41)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=3, poison=False))
     k = kernel(64, kernel_dir)
     ref = paged_attention_cpu(**whole, window=window, kernel=k)
     assert_close(ref, paged_attention_ref(**whole, window=window), "whole prefill vs the reference")
@@ -95,7 +100,7 @@ def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, ker
     def token(t, nq, others=(), threads=None):
         """Token t's output with the sequence cut to its first t + 1 tokens, the last nq of them queried (after
         others' sequences)."""
-        b = make_batch([*others, (nq, t + 1)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=7, poison=False)
+        b = cpu(make_batch([*others, (nq, t + 1)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=7, poison=False))
         n = -(-(t + 1) // 16)  # its blocks: K, V and queries copied in from `whole`
         for c in ("k_cache", "v_cache"):
             b[c][:, b["block_tables"][-1, :n].long()] = whole[c][:, whole["block_tables"][0, :n].long()]
@@ -120,7 +125,7 @@ def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(pre
     monkeypatch.setattr(attention, "NATIVE_PREFILL", prefill)
     spec = [(1, 7), (1, 40), (1, 1), (5, 14), (1, 23), (9, 12)]  # two chunks after earlier context
     batch = make_batch(spec, seed=4, poison=False)  # the gather path multiplies its pads by 0: NaN there would leak
-    args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    args = cpu(batch)
     kvh, _, bs, d = args["k_cache"].shape
     qsl = args["query_start_loc"].tolist()
     tables = [args["block_tables"][i, : -(-ctx // bs)].tolist() for i, (_, ctx) in enumerate(spec)]
@@ -135,6 +140,14 @@ def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(pre
         assert native is None or (meta.native.rows is None) == prefill and len(meta.prefills) == 2 * (not prefill)
         outs.append(attn.forward(args["q"], none, none, args["k_cache"], args["v_cache"], meta))
     assert_close(outs[1], outs[0], "native vs gather")
+
+
+def test_tensors_off_the_cpu_are_refused_not_read(kernel_dir):
+    """A device pointer handed to C would be read as host memory (a segfault): the wrapper names what is elsewhere."""
+    args = cpu(make_batch([(3, 5)], seed=1))
+    args["k_cache"] = args["k_cache"].to("meta")
+    with pytest.raises(ValueError, match="k_cache on meta"):
+        paged_attention_cpu(**args, kernel=kernel(args["q"].shape[-1], kernel_dir))
 
 
 def test_a_build_is_cached_and_shared(kernel_dir, monkeypatch):
@@ -174,7 +187,7 @@ def test_sinks(kernel_dir):
     args = make_batch(MIXED, h=4, kvh=2, seed=11)
     check(args, kernel_dir, sinks=torch.randn(4) * 2)
     check(args, kernel_dir, window=4, sinks=torch.randn(4))
-    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    a = cpu(args)
     plain = paged_attention_cpu(**a, kernel=kernel(a["q"].shape[-1], kernel_dir))
     sunk = paged_attention_cpu(**a, sinks=torch.full((4,), 6.0), kernel=kernel(a["q"].shape[-1], kernel_dir))
     assert (plain - sunk).abs().max() > 0.1

@@ -105,7 +105,7 @@ def test_an_engine_on_amx_packs_both_copies_and_keeps_its_tokens(tiny_llama):
     bf16 noise (the kernel's sums are fp32 in another order than oneDNN's)."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_llama), dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
+    llm = LLM(model=str(tiny_llama), device="cpu", dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
     model = llm.engine.runner.model
     assert ThinGemm.current() is not None and ThinGemm.current().wait()
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)

@@ -127,7 +127,7 @@ def test_an_engines_greedy_logprobs_do_not_depend_on_the_batch_or_the_prefix_cac
 
     monkeypatch.setattr(cpu_gemm, "has_amx", lambda: False)  # an AMX CPU would start its own kernel first
     monkeypatch.setattr(cpu_gemm.ThinGemm, "loaded", classmethod(lambda cls: None))
-    llm = LLM(model=str(smollm2_shaped), dtype="bfloat16", kv_cache_memory=16 << 20, log_stats_interval=0,
+    llm = LLM(model=str(smollm2_shaped), device="cpu", dtype="bfloat16", kv_cache_memory=16 << 20, log_stats_interval=0,
               enable_prefix_caching=True)  # fmt: skip
     assert llm.engine.idle.pack == []  # nothing to pack on such a CPU
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
