@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check (docs/gpu.md) for a task that is lent a device: one command, under 9 minutes on one H200, installing
-# nothing (the device image has torch, triton, transformers, pytest and pytest-xdist, and cannot fetch anything).
+# The GPU check (docs/gpu.md) for a task that is lent a device: one command, under 9 minutes on one H200. The device
+# image has torch, triton, pytest and pytest-xdist and fetches nothing; our pinned transformers, xgrammar and pydantic
+# travel as wheels (bash bench/gpu_wheels.sh here first, then the call carries .whl), installed under /tmp only.
 # Parts, each in its own process under its own cap, so a failing or slow part does not hide the others:
 #   1. the kernel tests on the GPU for real (no interpreter; tensors on cuda), one line per test file;
 #   2. parity: a model through LLM on CUDA vs HF transformers on the same GPU (bench/gpu_engine.py parity), and
@@ -11,7 +12,7 @@
 #   5. decode steps at batch 1, 8, 64, eager vs CUDA graphs, bf16 and fp8 (bench/decode_step.py);
 #      and the kernel bandwidth tables (bench/kernel_bench.py -> docs/kernels.md);
 #   6. cold start (bench/coldstart_gpu.py) in the time held back for it.
-# The caps below add up to the budget (BUDGET_S, 505 s from the start), so every part gets its whole cap even when
+# The caps below add up to the budget (BUDGET_S, 535 s from the start), so every part gets its whole cap even when
 # each part before it uses all of its own, and the cold start's share is held back from the others.
 # Results: docs/gpu.md (the versions this ran with first) and docs/kernels.md, .gpu-results/ (a log per part,
 # summary.txt), all copied to $OUT when it is set (the logs as gpu-results.tgz). The summary (one PASS / FAIL / SKIP line per check, INFO for the
@@ -22,13 +23,18 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0 KERNEL_TEST_DEVICE=cuda HF_HUB_OFFLINE=1
-KERNEL_S=90 PARITY_S=55 START_S=115 HYBRID_S=40 DECODE_S=50 COMPILES_S=35 BENCH_S=30 COLD_S=90
+KERNEL_S=90 PARITY_S=55 START_S=100 HYBRID_S=40 DECODE_S=50 COMPILES_S=80 BENCH_S=30 COLD_S=90
 BUDGET_S=${BUDGET_S:-$((KERNEL_S + PARITY_S + START_S + HYBRID_S + DECODE_S + COMPILES_S + BENCH_S + COLD_S))}
 DEADLINE=$((SECONDS + BUDGET_S))
 COLD_FROM=$((DEADLINE - COLD_S))  # the parts before the cold start end by then
 left() {  # min($1, seconds to $2 (default: the cold start's share)), at least 1 (`timeout 0` would mean no limit)
   local l=$((${2:-$COLD_FROM} - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo "$l"; }
 RES=.gpu-results; rm -rf "$RES"; mkdir -p "$RES"; SUM=$RES/summary.txt; : >"$SUM"
+# our pinned transformers, xgrammar and pydantic, carried as wheels (bench/gpu_wheels.sh): the image has others or none
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-site .whl/*.whl \
+    >"$RES/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/gpu-site" || echo "FAIL wheels: see $RES/wheels.log" >>"$SUM"
+fi
 # the versions (and their docs section) beside the kernel tests, which leave the GPU and most cores to spare
 timeout -k 5 60 $PY -m bench.gpu_engine versions >"$RES/versions.log" 2>&1 &
 VERSIONS=$!
