@@ -197,13 +197,14 @@ def main() -> None:
 
     load, pressure, t_all = os.getloadavg()[0], cpu_pressure(), now()
     from engine.config import default_cache_root
+    from engine.weights import fp8_snapshot
     from engine.weights.default_model import ensure_default_model, sha256_file
 
     src = ensure_default_model(Path(default_cache_root()))  # converted once, in the user cache
     work = Path(tempfile.mkdtemp(prefix="coldstart-"))
     res: dict[str, list[dict]] = {c: [] for c in CASES}
     cat: dict[str, list[float]] = {"bf16": [], "bf16 cold": [], "fp8 snapshot": [], "bf16 map": []}
-    sha, imp, floor = [], [], []  # sha256 seconds; the fresh `import torch` runs; per round, FLOOR_PARTS' seconds
+    sha, pieces, imp, floor = [], [], [], []  # sha256 s (whole file, per piece); `import torch` runs; FLOOR_PARTS' s
     try:
         bases = {}
         for name in ("bf16", "fp8", "hf"):  # a volume with the converted model on it (copy2 keeps mtimes)
@@ -231,8 +232,11 @@ def main() -> None:
             snap_files = sorted((bases["fp8"] / "fp8-snapshots").glob("*/*.safetensors"))
             assert len(snap_files) == 1, snap_files
             t = now()
-            sha256_file(snap_files[0])
+            sha256_file(snap_files[0])  # one digest of the whole file: how snapshots were checked before the pieces
             sha.append(now() - t)
+            t = now()
+            assert fp8_snapshot.valid(snap_files[0].parent)  # the engine's check: a digest per piece, every core
+            pieces.append(now() - t)
             cat["fp8 snapshot"].append(cat_seconds(snap_files))
             res["fp8 from snapshot"].append(run_worker(bases["fp8"], env, fp8=True))
             res["HF transformers"].append(run_hf(model_dir, env))
@@ -262,7 +266,7 @@ def main() -> None:
         f"the docstring of `bench/coldstart.py`. Medians of {rounds} interleaved rounds (the conversion case: "
         f"{conv_rounds})."
     )
-    md = render(res, dict(cat=cat, sizes=sizes, sha=sha, imp=imp, floor=floor), intro)
+    md = render(res, dict(cat=cat, sizes=sizes, sha=sha, pieces=pieces, imp=imp, floor=floor), intro)
     print("\n" + md + f"\n\n(total {now() - t_all:.0f} s)")
     if docs is not None:
         write_section(docs / "benchmarks.md", "coldstart", md)
@@ -278,6 +282,8 @@ def phase_medians(runs: list[dict]) -> list[tuple[str, float]]:
 
 
 def render(res: dict, m: dict, intro: str) -> str:
+    from engine.weights import fp8_snapshot
+
     hf, hf_rss = med(r["first"] for r in res["HF transformers"]), med(r["rss"] for r in res["HF transformers"])
     floors = [sum(f.values()) for f in m["floor"]]
     lines = [
@@ -345,7 +351,9 @@ def render(res: dict, m: dict, intro: str) -> str:
         "as the engine's parameters (engine/weights/layout.py), so they are those views, no copy; "
         f'"{HF_LAYOUT}" is the same weights as safetensors writes them (any HF checkpoint): copies. With fp8 '
         'also the per-channel quantization of each layer and writing the snapshot. "fp8 snapshot load" includes '
-        f"checking the snapshot's sha256 against its manifest, which alone takes {med(m['sha']):.3f} s here.",
+        f"checking the snapshot against its manifest: a SHA-256 per {fp8_snapshot.PIECE >> 20} MiB piece on "
+        f"{fp8_snapshot.hash_threads()} threads, {med(m['pieces']):.3f} s here, against {med(m['sha']):.3f} s for one "
+        f"digest of the whole file ({med(m['sha']) / max(med(m['pieces']), 1e-9):.2f}x).",
         "- `cat` includes its process start (a few ms). The cold case drops the file from the page cache "
         "(POSIX_FADV_DONTNEED) before `cat` and again before the worker; this VM's disk may still be cached below it. "
         f'"map" ({med(m["cat"]["bf16 map"]):.3f} s, median) maps the warm bf16 files in the bench\'s own process '

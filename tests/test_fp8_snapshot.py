@@ -3,12 +3,14 @@ and a truncated or tampered snapshot is ignored and rebuilt."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.weights import fp8_snapshot
 
 pytestmark = pytest.mark.slow  # fp8 snapshots written and read back
 
@@ -50,15 +52,44 @@ def test_snapshot_round_trip_and_corruption(tiny_models, tmp_path):
     # a manifest with a bad hash is not trusted either
     manifest = snaps[0] / "manifest.json"
     m = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps({**m, "sha256": "0" * 64}))
+    manifest.write_text(json.dumps({**m, "sha256_pieces": ["0" * 64] * len(m["sha256_pieces"])}))
     assert _run(path, tmp_path) == ("checkpoint, quantized online", first)
 
     # a damaged header (right size, and a manifest that vouches for it): the load fails, the engine rebuilds
     bad = b"\xff" * 16 + weights.read_bytes()[16:]
     weights.write_bytes(bad)
-    manifest.write_text(json.dumps({**m, "sha256": __import__("hashlib").sha256(bad).hexdigest()}))
+    manifest.write_text(json.dumps({**m, "sha256_pieces": fp8_snapshot.piece_hashes(weights, m["piece_bytes"])}))
     assert _run(path, tmp_path) == ("checkpoint, quantized online", first)
     assert _run(path, tmp_path) == ("fp8 snapshot", first)
+
+
+def test_pieces_hash_apart_and_a_whole_file_digest_still_counts(tiny_models, tmp_path, monkeypatch):
+    """The manifest's digests cover 64 MiB pieces, hashed on every core: a byte flipped in any piece fails the
+    check. A snapshot written before the pieces (one "sha256" for the file) is still used when it matches."""
+    piece = 4 << 10
+    monkeypatch.setattr(fp8_snapshot, "PIECE", piece)  # the tiny model's file in several pieces
+    path = tiny_models["llama"]
+    first = _run(path, tmp_path)[1]
+    (snap,) = (tmp_path / "fp8-snapshots").iterdir()
+    weights, manifest = snap / "model.safetensors", snap / "manifest.json"
+    m = json.loads(manifest.read_text())
+    data = weights.read_bytes()
+    assert m["piece_bytes"] == piece and len(m["sha256_pieces"]) == -(-len(data) // piece) > 2
+    assert m["sha256_pieces"] == [hashlib.sha256(data[i : i + piece]).hexdigest() for i in range(0, len(data), piece)]
+
+    old = {k: v for k, v in m.items() if k not in ("piece_bytes", "sha256_pieces")}
+    manifest.write_text(json.dumps({**old, "sha256": hashlib.sha256(data).hexdigest()}))
+    assert _run(path, tmp_path) == ("fp8 snapshot", first)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01  # a middle piece
+    weights.write_bytes(bytes(flipped))
+    assert _run(path, tmp_path) == ("checkpoint, quantized online", first)  # the old digest catches it too
+    m = json.loads(manifest.read_text())  # rebuilt: pieces again
+    assert "sha256_pieces" in m and _run(path, tmp_path) == ("fp8 snapshot", first)
+    flipped = bytearray(weights.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x01
+    weights.write_bytes(bytes(flipped))
+    assert _run(path, tmp_path) == ("checkpoint, quantized online", first)
 
 
 def test_a_snapshot_that_fails_to_load_is_freed_before_the_rebuild(tiny_models, tmp_path, monkeypatch):
