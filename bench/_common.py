@@ -333,3 +333,17 @@ def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) ->
         switch(llm, True)
         eng.cfg = cfg
     print(f"  {name}: median {sorted(ratios)[len(ratios) // 2]:.3f}x the tok/s with it off", flush=True)
+
+
+def snapshot_check_seconds(weights: Path) -> tuple[float, float]:
+    """Seconds to check an fp8 snapshot's weights file: one SHA-256 of the whole file (how snapshots were checked
+    before the pieces), then the engine's check (a SHA-256 per piece, on every core)."""
+    from engine.weights import fp8_snapshot
+    from engine.weights.default_model import sha256_file
+
+    t = time.perf_counter()
+    sha256_file(weights)
+    whole = time.perf_counter() - t
+    t = time.perf_counter()
+    assert fp8_snapshot.valid(weights.parent)
+    return whole, time.perf_counter() - t

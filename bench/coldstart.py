@@ -191,14 +191,13 @@ def main() -> None:
     drop = ("MODEL_NAME", "QUANTIZATION", "BASE_PATH", "TRITON_CACHE_DIR", "KV_CACHE_DTYPE", "HF_HOME", "HF_HUB_CACHE")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_") and k not in drop}
     env |= dict(DTYPE="bfloat16", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    from bench._common import byte_compile, cat_seconds, cpu_pressure, drop_cache, map_seconds
+    from bench._common import byte_compile, cat_seconds, cpu_pressure, drop_cache, map_seconds, snapshot_check_seconds
 
     byte_compile()
 
     load, pressure, t_all = os.getloadavg()[0], cpu_pressure(), now()
     from engine.config import default_cache_root
-    from engine.weights import fp8_snapshot
-    from engine.weights.default_model import ensure_default_model, sha256_file
+    from engine.weights.default_model import ensure_default_model
 
     src = ensure_default_model(Path(default_cache_root()))  # converted once, in the user cache
     work = Path(tempfile.mkdtemp(prefix="coldstart-"))
@@ -231,12 +230,9 @@ def main() -> None:
             res["fp8, first start"].append(run_worker(bases["fp8"], env, fp8=True))
             snap_files = sorted((bases["fp8"] / "fp8-snapshots").glob("*/*.safetensors"))
             assert len(snap_files) == 1, snap_files
-            t = now()
-            sha256_file(snap_files[0])  # one digest of the whole file: how snapshots were checked before the pieces
-            sha.append(now() - t)
-            t = now()
-            assert fp8_snapshot.valid(snap_files[0].parent)  # the engine's check: a digest per piece, every core
-            pieces.append(now() - t)
+            whole, by_piece = snapshot_check_seconds(snap_files[0])
+            sha.append(whole)
+            pieces.append(by_piece)
             cat["fp8 snapshot"].append(cat_seconds(snap_files))
             res["fp8 from snapshot"].append(run_worker(bases["fp8"], env, fp8=True))
             res["HF transformers"].append(run_hf(model_dir, env))

@@ -40,7 +40,7 @@ import tempfile  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench._common import drop_cache  # noqa: E402
+from bench._common import drop_cache, snapshot_check_seconds  # noqa: E402
 from bench.synthetic_model import LLAMA3_8B, PROMPT, TINY, write_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -361,8 +361,6 @@ def run(tiny: bool, layers: int = 8, where: str | None = None, child_timeout: fl
         )
         if tiny:
             base["num_kv_blocks"] = 64
-        from engine.weights import fp8_snapshot
-        from engine.weights.default_model import sha256_file
 
         for name, spec in (
             ("fp8, first start", base | {"quantization": "fp8"}),
@@ -382,12 +380,8 @@ def run(tiny: bool, layers: int = 8, where: str | None = None, child_timeout: fl
             if problem := start_problem(name, r, device):
                 errors.append(problem)
             if name == "fp8, first start" and snaps:
-                t = now()
-                sha256_file(snaps[0])  # one digest of the whole file: how snapshots were checked before the pieces
-                info["sha_s"], info["snap_bytes"] = now() - t, snaps[0].stat().st_size
-                t = now()
-                assert fp8_snapshot.valid(snaps[0].parent)  # the engine's check: a digest per piece, every core
-                info["pieces_s"] = now() - t
+                info["sha_s"], info["pieces_s"] = snapshot_check_seconds(snaps[0])
+                info["snap_bytes"] = snaps[0].stat().st_size
             publish(reads, check, starts)
         md = publish(reads, check, starts)
         print("\n" + md)

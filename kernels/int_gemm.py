@@ -13,9 +13,11 @@ The layout (every format converts to it once, at load):
   w[n, j] = (q[n, j] - zero[n, j // group]) * scale[n, j // group];  y = x[:, perm] @ w.T
 
 `int_linear` runs the Triton kernel on CUDA tensors (the tile's weights dequantized in the main loop, fp32
-accumulation) and, for small M, splits K over programs whose partial sums are added after. Elsewhere it runs
-`int_linear_ref`, which dequantizes the whole weight per call (engine/quant/int_weights.py keeps CPU models
-dequantized at load instead: see docs/decisions.md)."""
+accumulation) and, for small M, splits K over programs whose partial sums are added after. The weights come in as
+whole packed words, a tile contiguous along K, and are unpacked in registers: the first version loaded a word per
+weight (each word PER times, neighbouring lanes a row apart), and ran at 0.05x of bf16 on an H200 (docs/gpu.md).
+Elsewhere it runs `int_linear_ref`, which dequantizes the whole weight per call (engine/quant/int_weights.py keeps
+CPU models dequantized at load instead: see docs/decisions.md)."""
 
 from __future__ import annotations
 
@@ -68,14 +70,20 @@ def _int_gemm_kernel(
     M, N, K, GROUP, K_PER_SPLIT,
     stride_xm, stride_qn, stride_sn, stride_om, stride_os,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # out[split, M, N] (fp32 partials when split; else the output) = x[M, K-range] @ dequant(q)[N, K-range].T
+    # The weights come in as a [BLOCK_K / PER, BLOCK_N] tile of whole words, each column's contiguous along K (whole
+    # sectors, each word read once), unpacked in registers. k0 is a multiple of PER (BLOCK_K and K_PER_SPLIT are).
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rw = tl.arange(0, WORDS)
+    nmask = rn < N
+    shift = (rk % PER) * BITS  # [BLOCK_K]: value k of a word sits at bits (k % PER) * BITS
     k_lo = split * K_PER_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
@@ -83,20 +91,35 @@ def _int_gemm_kernel(
         km = kk < K
         x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :],
                     mask=(rm[:, None] < M) & km[None, :], other=0.0)  # fmt: skip
-        nm = (rn[None, :] < N) & km[:, None]  # [BLOCK_K, BLOCK_N]
-        words = tl.load(q_ptr + rn.to(tl.int64)[None, :] * stride_qn + (kk // PER)[:, None], mask=nm, other=0)
-        q = (words >> ((kk % PER) * BITS)[:, None]) & ((1 << BITS) - 1)  # [BLOCK_K, BLOCK_N] unsigned
-        g = kk // GROUP
-        s = tl.load(s_ptr + rn.to(tl.int64)[None, :] * stride_sn + g[:, None], mask=nm, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + rn.to(tl.int64)[None, :] * stride_sn + g[:, None], mask=nm, other=0).to(tl.int32)
+        wi = k0 // PER + rw  # [WORDS]
+        words = tl.load(
+            q_ptr + rn.to(tl.int64)[None, :] * stride_qn + wi[:, None],
+            mask=nmask[None, :] & (wi * PER < K)[:, None],
+            other=0,
+        )  # [WORDS, BLOCK_N]
+        # each word PER times down the tile: row k holds word k // PER (the values past K meet x's zeros)
+        words = tl.reshape(tl.broadcast_to(words[:, None, :], (WORDS, PER, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        q = (words >> shift[:, None]) & ((1 << BITS) - 1)  # [BLOCK_K, BLOCK_N] unsigned
+        if ONE_GROUP:  # the tile lies in one group (GROUP a multiple of BLOCK_K): a scale per column
+            g = k0 // GROUP
+            s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + rn.to(tl.int64) * stride_sn + g, mask=nmask, other=0).to(tl.int32)[None, :]
+            else:
+                z = 1 << (BITS - 1)
         else:
-            z = 1 << (BITS - 1)
+            sm = nmask[None, :] & km[:, None]
+            sp = rn.to(tl.int64)[None, :] * stride_sn + (kk // GROUP)[:, None]
+            s = tl.load(s_ptr + sp, mask=sm, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + sp, mask=sm, other=0).to(tl.int32)
+            else:
+                z = 1 << (BITS - 1)
         w = (q - z).to(tl.float32) * s  # [BLOCK_K, BLOCK_N]
         if NATIVE_DOT:  # tensor cores take the 16-bit operands (the weights rounded to x's dtype, as the reference)
             acc += tl.dot(x, w.to(x.dtype))
         else:
-            acc += tl.dot(x.to(tl.float32), round_to(w, x_ptr.dtype.element_ty), input_precision="ieee")  # not tf32
+            acc += tl.dot(x.to(tl.float32), round_to(w, x_ptr.dtype.element_ty), input_precision="ieee")
     if HAS_BIAS:
         acc += tl.where(split == 0, tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32), 0.0)[None, :]
     o = out_ptr + split.to(tl.int64) * stride_os + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
@@ -135,7 +158,7 @@ def int_gemm_triton(x, qweight, scales, zeros, perm, bits: int, group: int, bias
             m, n, k, group, per_split,
             x.stride(0), qweight.stride(0), scales.stride(0), out.stride(1), out.stride(0),
             BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, NATIVE_DOT=native_dot_for(x),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            ONE_GROUP=group % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
