@@ -6,7 +6,9 @@ and one activation scale per token per bk columns. Triton kernels, launchers and
   rule.
 - `fp8_block_linear(x, wq, w_scale, block, bias)`: y = sum over K blocks of (xq_b @ wq_b.T) * x_scale[:, b] *
   w_scale[n // bn, b]. The GEMM (vLLM's w8a8_block_fp8_matmul shape): a K tile never crosses a block, so each
-  tile's fp32 partial product takes both scales before it is added; fp8 values are exact in fp32 and tf32.
+  tile's fp32 partial product takes both scales before it is added. On a GPU tl.dot takes the fp8 operands (the
+  first version widened them to fp32 first, a TF32 GEMM: 0.17-0.19x of bf16 at M=4096 on the H200, docs/gpu.md);
+  under the interpreter it takes them widened, which is exact.
   torch 2.13's _scaled_mm also takes this recipe (its meta registration accepts BlockWise1x128 activations with
   BlockWise128x128 weights, served by cuBLASLt from CUDA 12.9 on Hopper-class GPUs). It is not used: this kernel
   also runs on sm89 (L4, L40S) and for any block shape, and it is the one path tested; timing the two against each
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import FP8, FP8_MAX, cdiv, jit, next_power_of_2, tl, use_triton
+from kernels._common import FP8, FP8_MAX, cdiv, gpu_facts, jit, next_power_of_2, tl, use_triton
 from kernels._library import triton_op
 from kernels.fp8 import MIN_SCALE, fp8e4m3_rne
 
@@ -66,9 +68,12 @@ def _block_gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr,
     M, N, K, BN, BK,
     stride_am, stride_bn, stride_sam, stride_sbn, stride_cm,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # c[M, N] = sum_k (a[M, k] * sa[M, k // BK]) (b[N, k] * sb[N // BN, k // BK]); BK a multiple of BLOCK_K
+    # c[M, N] = sum_k (a[M, k] * sa[M, k // BK]) (b[N, k] * sb[N // BN, k // BK]); BK a multiple of BLOCK_K, so each
+    # step's partial sum lies in one scale block and is scaled into the fp32 accumulator (on Hopper also the
+    # promotion that its fp8 tensor cores' shorter accumulator needs every 128 of K)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,7 +89,10 @@ def _block_gemm_kernel(
         kb = k0 // BK
         sa = tl.load(sa_ptr + rm.to(tl.int64) * stride_sam + kb, mask=rm < M, other=0.0)  # [BLOCK_M]
         sb = tl.load(sb_rows + kb, mask=rn < N, other=0.0)  # [BLOCK_N]
-        part = tl.dot(a.to(tl.float32), b.to(tl.float32))  # fp8 -> fp32 exact; products exact in tf32 too
+        if NATIVE_DOT:  # a GPU (sm89+: the engine runs fp8 nowhere else): the fp8 tensor cores
+            part = tl.dot(a, b)
+        else:  # the interpreter, whose low-precision tl.dot is wrong: fp8 -> fp32 is exact, and so are the products
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         acc += part * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -108,16 +116,16 @@ def fp8_block_gemm_triton(xq, x_scale, wq, w_scale, bn: int, bk: int, bias, out_
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    bm = min(64, max(16, next_power_of_2(m)))
-    bnn = min(64, max(16, next_power_of_2(n)))
-    bkk = min(64, bk)
+    bm = min(64, max(16, next_power_of_2(m)))  # vLLM's block-fp8 tiles: 64 x 128, 128 of K (a scale block)
+    bnn = min(128, max(16, next_power_of_2(n)))
+    bkk = min(128, bk)
     assert bk % bkk == 0 and bkk >= 16, f"block width {bk} must be a multiple of 16"
     grid = (cdiv(m, bm), cdiv(n, bnn))
     _block_gemm_kernel[grid](
         xq, wq, x_scale, w_scale, bias if bias is not None else x_scale, out,
         m, n, k, bn, bk,
         xq.stride(0), wq.stride(0), x_scale.stride(0), w_scale.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bnn, BLOCK_K=bkk,
+        HAS_BIAS=bias is not None, NATIVE_DOT=gpu_facts(xq) is not None, BLOCK_M=bm, BLOCK_N=bnn, BLOCK_K=bkk,
     )  # fmt: skip
     return out
 
