@@ -35,11 +35,15 @@ def gguf_path() -> Path:
     return path
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, start: int = 0, length: int | None = None) -> str:
+    """The SHA-256 of the file, or of its `length` bytes from `start` (an fp8 snapshot's pieces)."""
     h = hashlib.sha256()
+    left = float("inf") if length is None else length
     with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
+        f.seek(start)
+        while left > 0 and (chunk := f.read(int(min(1 << 22, left)))):
             h.update(chunk)
+            left -= len(chunk)
     return h.hexdigest()
 
 

@@ -68,16 +68,6 @@ def complete(snap: Path) -> dict | None:
         return None
 
 
-def _sha256_range(path: Path, start: int, length: int) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        f.seek(start)
-        while length > 0 and (chunk := f.read(min(1 << 22, length))):
-            h.update(chunk)
-            length -= len(chunk)
-    return h.hexdigest()
-
-
 def hash_threads() -> int:
     """The cores this process may run on."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -87,7 +77,7 @@ def piece_hashes(path: Path, piece: int) -> list[str]:
     """The SHA-256 of each `piece` bytes of the file, on a thread per core (hashlib and reads release the GIL)."""
     starts = range(0, max(path.stat().st_size, 1), piece)
     with ThreadPoolExecutor(min(hash_threads(), len(starts))) as pool:
-        return list(pool.map(lambda start: _sha256_range(path, start, piece), starts))
+        return list(pool.map(lambda start: sha256_file(path, start, piece), starts))
 
 
 def _hash_matches(snap: Path, manifest: dict) -> bool:
