@@ -1,11 +1,13 @@
 """Our CPU GEMM (kernels/cpu_gemm.py) against what dense() runs without it and plain F.linear, at SmolLM2's linear
 shapes, bf16, on this machine's threads: on a CPU with AMX its thin AMX kernel against oneDNN's packed GEMM at a
-decode step's row counts (docs section `cpu-gemm`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the bf16 weights
-against MKL's fp32 GEMM, on fp32 copies (what holding them would give) and widened per call (what dense() runs
-without the kernel), from a decode's rows to a prefill's (section `cpu-gemm-avx2`). Up to 64 rows each linear is
-timed over as many weights as the model has of it (30 layers: more than the L3 holds, as a decode step reads them),
-past that over 2 (the GEMM is compute-bound); median of `--reps`. Reported: microseconds per call, the weights' read
-rate (GB/s) or GFLOP/s, and the machine's copy rate in the same run (read + write of 512 MiB) for scale.
+decode step's row counts (docs section `cpu-gemm`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the weights'
+packed panels (what dense() runs once IdleWork has packed them) and on the bf16 weights themselves (before: each
+panel packed as the kernel reaches it), against MKL's fp32 GEMM, on fp32 copies (what holding them would give) and
+widened per call (what dense() runs without the kernel), from a decode's rows to a prefill's (section `cpu-gemm-
+avx2`). Up to 64 rows each linear is timed over as many weights as the model has of it (30 layers: more than the L3
+holds, as a decode step reads them), past that over 2 (the GEMM is compute-bound); median of `--reps`. Reported:
+microseconds per call, the weights' read rate (GB/s) or GFLOP/s, and the machine's copy rate in the same run (read +
+write of 512 MiB) for scale.
 
 Usage: python -m bench.cpu_gemm [--reps 15] [--no-write]"""
 
@@ -43,17 +45,18 @@ def timed(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def measure(x, ws, kind: str, thin, base: str, copies, reps: int) -> dict[str, float]:
-    """Seconds per call of each way, over the weights in turn."""
+def measure(x, ws, kind: str, thin, base: str, copies, reps: int, packed=()) -> dict[str, float]:
+    """Seconds per call of each way, over the weights in turn (packed: the AVX2 GEMM's panels of each)."""
     calls = {
         "amx": lambda: [a(x) for a in thin],
-        "avx2": lambda: [thin.linear(x, w) for w in ws],
+        "avx2": lambda: [thin.linear(x, w, None, p) for w, p in zip(ws, packed)],
+        "unpacked": lambda: [thin.linear(x, w) for w in ws],
         "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in copies],
         "fp32": lambda: [F.linear(x.float(), p).bfloat16() for p in copies],
         "widened": lambda: [F.linear(x.float(), w.float()).bfloat16() for w in ws],
         "plain": lambda: [F.linear(x, w) for w in ws],
     }
-    ways = (kind, base) + (("widened",) if kind == "avx2" else ()) + (("plain",) if x.shape[0] <= 64 else ())
+    ways = (kind, base) + (("unpacked", "widened") if kind == "avx2" else ()) + (("plain",) if x.shape[0] <= 64 else ())
     return {name: timed(calls[name], reps) / len(ws) for name in ways}
 
 
@@ -91,12 +94,13 @@ def main(argv=None) -> int:
     for name, (n, k, count) in SHAPES.items():
         ws_all = [torch.randn(n, k).bfloat16() for _ in range(count)]
         thin_all = [thin.pack(w) for w in ws_all] if kind == "amx" else thin
+        packed_all = [thin.pack(w) for w in ws_all] if kind == "avx2" else []
         base_all = [torch.ops.mkldnn._reorder_linear_weight(w, None) if base == "onednn" else w.float() for w in ws_all]
         for m in ROWS[kind]:
             few = slice(None) if m <= 64 else slice(2)  # compute-bound past a decode's rows: 2 weights are enough
             ws, copies = ws_all[few], base_all[few]
             t = measure(torch.randn(m, k).bfloat16(), ws, kind, thin_all if kind == "avx2" else thin_all[few],
-                        base, copies, args.reps)  # fmt: skip
+                        base, copies, args.reps, packed_all[few])  # fmt: skip
             rate = {s: (n * k * 2 if kind == "amx" else 2 * m * n * k) / v / 1e9 for s, v in t.items()}
             rows_out.append((name, n, k, m, t, rate))
             for s in t:
@@ -111,12 +115,14 @@ def main(argv=None) -> int:
         "our AMX kernel (`kernels/cpu_gemm.c`), oneDNN's GEMM on its packed copy (what dense() used before), and "
         "`F.linear` on the plain bf16 weight. dense() takes the kernel up to `MAX_ROWS` rows (kernels/cpu_gemm.py)"
         if kind == "amx"
-        else "our AVX2 GEMM (`kernels/cpu_gemm_avx2.c`) on the bf16 weights, MKL's fp32 GEMM on fp32 copies of them "
+        else "our AVX2 GEMM (`kernels/cpu_gemm_avx2.c`) on the weights' packed panels (what dense() runs once IdleWork "
+        "has packed them) and on the bf16 weights (before: each panel packed as it is reached; the same sums), MKL's "
+        "fp32 GEMM on fp32 copies of them "
         "(twice their memory: what holding copies would give), MKL's fp32 GEMM on the weights widened per call (what "
         "dense() runs without the kernel), and `F.linear` on the bf16 weight (torch's own bf16 GEMM, up to 64 rows). "
         "dense() runs the kernel at every row count"
     )
-    extra = " | MKL widened µs" if kind == "avx2" else ""
+    extra = " | AVX2 unpacked µs | MKL widened µs" if kind == "avx2" else ""
     md = [
         f"## CPU GEMM ({k_name})",
         "",
@@ -129,10 +135,10 @@ def main(argv=None) -> int:
         "",
         f"| weight [N, K] | rows | {k_name} µs | {b_name} µs{extra} | F.linear µs | {k_name} {unit} | "
         f"{b_name} {unit} | {b_name} ÷ {k_name} |",
-        "|---|---:|---:|---:|" + ("---:|" if extra else "") + "---:|---:|---:|---:|",
+        "|---|---:|---:|---:|" + ("---:|---:|" if extra else "") + "---:|---:|---:|---:|",
     ]
     for name, n, k, m, t, rate in rows_out:
-        wide = f" {t['widened'] * 1e6:.0f} |" if extra else ""
+        wide = f" {t['unpacked'] * 1e6:.0f} | {t['widened'] * 1e6:.0f} |" if extra else ""
         plain = f"{t['plain'] * 1e6:.0f}" if "plain" in t else "–"
         md.append(f"| {name} [{n}, {k}] | {m} | {t[kind] * 1e6:.0f} | {t[base] * 1e6:.0f} |{wide} {plain} | "
                   f"{rate[kind]:.1f} | {rate[base]:.1f} | {t[base] / t[kind]:.2f}× |")  # fmt: skip
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
 
     fig, axes = plt.subplots(1, len(SHAPES), figsize=(3 * len(SHAPES), 3), sharey=True)
     for ax, name in zip(axes, SHAPES):
-        for s, style in ((kind, "-o"), (base, "--s"), ("widened", "-.d"), ("plain", ":^")):
+        for s, style in ((kind, "-o"), ("unpacked", "-x"), (base, "--s"), ("widened", "-.d"), ("plain", ":^")):
             if (name, s) in series:
                 ax.plot(*zip(*series[(name, s)]), style, label=s, markersize=3)
         ax.set_title(name, fontsize=9)

@@ -75,36 +75,52 @@ class ThinGemm(NativeKernel):
 
 class Avx2Gemm(NativeKernel):
     """The bf16 linear at every row count on CPUs with AVX2 and FMA where oneDNN has no bf16 GEMM
-    (kernels/cpu_gemm_avx2.c): on the weight as the model holds it, each output summed in one order whatever the row
-    count. The engine starts it only on such a CPU (engine/cpu_native.py)."""
+    (kernels/cpu_gemm_avx2.c): each output one FMA chain in K's order whatever the row count, on the weight as the
+    model holds it or on its packed copy (`pack`: panels of 16 columns, the same sums). The engine starts it only on
+    such a CPU (engine/cpu_native.py)."""
 
     SOURCE = Path(__file__).with_name("cpu_gemm_avx2.c")
     WHAT, FALLBACK = "CPU GEMM (AVX2)", "bf16 linears widen to MKL's fp32 GEMM per call"
+    NR = 16  # columns a packed panel
 
     def setup(self, lib) -> None:
-        lib.gemm.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
+        lib.gemm.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
         lib.gemm.restype = ctypes.c_int
+        lib.pack.argtypes, lib.pack.restype = [_P, _I64, _I64, _P, ctypes.c_int], None
 
     @classmethod
     def get(cls, cache_dir: Path, wait: bool = False) -> Avx2Gemm | None:
         return super().get(None, cache_dir, wait) if has_avx2() else None
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16."""
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """w [N, K] bf16 -> its panels, [ceil(N / 16), K, 16] bf16 (the kernel's order within each)."""
+        w = w.detach().contiguous()
+        n, k = w.shape
+        packed = torch.empty(-(-n // self.NR), k, self.NR, dtype=torch.bfloat16)
+        self.lib.pack(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+        return packed
+
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16; `packed`: pack(w), read instead of w."""
         if x.shape[1] != w.shape[1] or (bias is not None and bias.shape != w.shape[:1]):  # the C reads what it's told
             raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(w.shape)}, bias "
                              f"{None if bias is None else tuple(bias.shape)} do not fit")  # fmt: skip
+        if packed is not None and packed.shape != (-(-w.shape[0] // self.NR), w.shape[1], self.NR):
+            raise ValueError(f"linear: packed {tuple(packed.shape)} is not weight {tuple(w.shape)}'s")
         if x.stride(-1) != 1:
             x = x.contiguous()
-        w = w.contiguous()
+        w = w if packed is not None else w.contiguous()
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
         b = None if bias is None else bias.float().contiguous()
+        w_ptr, p_ptr = (None, packed.data_ptr()) if packed is not None else (w.data_ptr(), None)
         failed = self.lib.gemm(
-            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), w.data_ptr(), w.shape[0], y.data_ptr(),
+            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), w_ptr, p_ptr, w.shape[0], y.data_ptr(),
             None if b is None else b.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
-            raise MemoryError("CPU GEMM (AVX2): out of memory for its fp32 temporaries (x, a weight block)")
+            raise MemoryError("CPU GEMM (AVX2): out of memory for its temporaries (x in fp32, a weight panel)")
         return y
 
 

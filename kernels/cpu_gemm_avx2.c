@@ -2,18 +2,20 @@
  * Skylake-SP), at every row count: y = x W^T (+ bias), fp32 sums rounded to bf16 once (round to nearest even).
  * Checked against thin_linear_ref (kernels/cpu_gemm.py).
  *
- * It reads the weight as the model holds it, and sums every output in one order whatever the row count, the
- * thread count or the rows beside it: 8 lanes along K, each lane in K's order, then a fixed tree, then the bias.
- * So a prompt's last row gets the same logits from a prefill of 300 rows, a prefix-cache hit's 5 or a decode's 1,
- * and a greedy request the same tokens streamed or whole. (MKL's fp32 GEMM, which ran here before, picks its
- * blocking per shape: the same request answered differently after a prefix-cache hit.)
+ * Every output is one fp32 FMA chain along K, in K's order, from zero, then the bias: whatever the row count, the
+ * thread count, the rows beside it, or whether the weight was packed. So a prompt's last row gets the same logits
+ * from a prefill of 300 rows, a prefix-cache hit's 5 or a decode's 1, and a greedy request the same tokens streamed
+ * or whole. (MKL's fp32 GEMM, which ran here first, picks its blocking per shape: the same request answered
+ * differently after a prefix-cache hit.)
  *
- *   x   [M, K] bf16, row stride ldx; widened once per call into xf [M, KP] fp32 (KP: K rounded up to 8, zeros)
- *   w   [N, K] bf16, contiguous rows (the parameter itself: no packed copy)
+ *   x   [M, K] bf16, row stride ldx; widened once per call into xf [M, K] fp32
+ *   w   [N, K] bf16 (the parameter), or pw: the same packed by pack() into panels of 16 columns, [NP][K][16],
+ *       NP = ceil(N / 16), zeros past N; word j of a panel's K step holds column j (low half), column j + 8 (high)
  *   y   [M, N] bf16; bias [N] fp32 or NULL
- * A tile is 4 rows x 3 weight rows: 12 sums of 8 lanes (12 of the 16 AVX registers); per 8-wide K step 4 row loads,
- * 3 weight loads widened by a 16-bit shift, 12 FMAs. Each thread takes a contiguous range of 3-column groups
- * (whose weight rows stay in L1 across a chunk), and walks the rows in chunks whose xf stays in L2.
+ * A tile is up to 6 rows x one panel: 12 accumulators of 8 columns (12 of the 16 AVX registers). Per K step one
+ * 32-byte load of the panel, widened to fp32 in two ops (a 16-bit shift: columns 0-7; a mask: 8-15), 6 broadcasts
+ * of x, 12 FMAs. Without pw, each panel is packed from w into a thread's buffer as it is reached (the same sums).
+ * Each thread takes a contiguous range of panels, and walks the rows in chunks whose xf stays in L2.
  * Threads: OpenMP, in torch's libgomp. */
 #include <immintrin.h>
 #include <omp.h>
@@ -25,147 +27,162 @@
 #error "this CPU has no AVX2 and FMA (kernels/cpu_gemm.py builds this only where /proc/cpuinfo lists both)"
 #endif
 
-#define TR 4              /* rows a tile */
-#define TC 3              /* weight rows (output columns) a tile */
+#define MR 6              /* rows a tile */
+#define NR 16             /* columns a panel */
 #define CHUNK (256 << 10) /* bytes of xf a row chunk holds: half an L2 */
-#define BC 48             /* columns widened at a time (K = 576: 110 KB of fp32) */
-#ifndef WIDEN_ROWS
-#define WIDEN_ROWS 32 /* rows from which widening the weight first pays */
-#endif
 
-static inline __m256 widen(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+/* 8 rows of 8 bf16 -> 8 columns: t[q] = (r[0][q], ..., r[7][q]) */
+static inline void transpose8(const __m128i r[8], __m128i t[8]) {
+    __m128i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) {
+            b[4 * i + 2 * h] = _mm_unpacklo_epi32(a[4 * i + h], a[4 * i + h + 2]);
+            b[4 * i + 2 * h + 1] = _mm_unpackhi_epi32(a[4 * i + h], a[4 * i + h + 2]);
+        }
+    for (int q = 0; q < 4; q++) {
+        t[2 * q] = _mm_unpacklo_epi64(b[q], b[q + 4]);
+        t[2 * q + 1] = _mm_unpackhi_epi64(b[q], b[q + 4]);
+    }
 }
 
-static inline float hsum(__m256 v) { /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)): the one tree */
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN (its quiet bit set) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-/* R rows of xf (stride kp) x C weight rows -> y (stride n); R, C and WIDE constants once inlined. The weight rows
- * are bf16 at stride k (WIDE 0), or already widened to fp32 at stride kp, zeros past k (WIDE 1): the same sums. */
-static inline __attribute__((always_inline)) void tile(const float *xf, int64_t kp, int R, const void *w, int64_t k,
-                                                       int C, int WIDE, uint16_t *y, int64_t n, const float *bias) {
-    const uint16_t *wb = w;
-    const float *wf = w;
-    __m256 s[TR][TC];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) s[r][c] = _mm256_setzero_ps();
-    const int64_t whole = WIDE ? kp : k & ~(int64_t)7;
+/* panel p of w [n, k] -> out [k][16] in the packed order: 8 K steps at a time, two 8 x 8 transposes, then
+ * columns j and j + 8 interleaved (the scalar loop for K's last k % 8 and the columns past n) */
+static void pack_panel(const uint16_t *w, int64_t n, int64_t k, int64_t p, uint16_t *out) {
+    const int64_t c0 = p * NR, whole = c0 + NR <= n ? k & ~(int64_t)7 : 0;
     for (int64_t kk = 0; kk < whole; kk += 8) {
-        __m256 b[TC];
-        for (int c = 0; c < C; c++) {
-            b[c] = WIDE ? _mm256_loadu_ps(wf + c * kp + kk) : widen(wb + c * k + kk);
-            __asm__("" : "+x"(b[c])); /* held, not reloaded by each FMA: 7 loads a step, not 16 */
-        }
-        for (int r = 0; r < R; r++) {
-            __m256 a = _mm256_loadu_ps(xf + r * kp + kk);
-            __asm__("" : "+x"(a)); /* likewise */
-            for (int c = 0; c < C; c++) s[r][c] = _mm256_fmadd_ps(a, b[c], s[r][c]);
+        __m128i r[NR], lo[8], hi[8];
+        for (int j = 0; j < NR; j++) r[j] = _mm_loadu_si128((const __m128i *)(w + (c0 + j) * k + kk));
+        transpose8(r, lo);
+        transpose8(r + 8, hi);
+        for (int q = 0; q < 8; q++) {
+            _mm_storeu_si128((__m128i *)(out + (kk + q) * NR), _mm_unpacklo_epi16(lo[q], hi[q]));
+            _mm_storeu_si128((__m128i *)(out + (kk + q) * NR + 8), _mm_unpackhi_epi16(lo[q], hi[q]));
         }
     }
-    if (!WIDE && whole < k) { /* K's last k % 8: the weight's tail copied beside zeros (xf is zero there already) */
-        __m256 b[TC];
-        for (int c = 0; c < C; c++) {
-            uint16_t t[8] = {0};
-            memcpy(t, wb + c * k + whole, (size_t)(k - whole) * 2);
-            b[c] = widen(t);
-        }
-        for (int r = 0; r < R; r++) {
-            const __m256 a = _mm256_loadu_ps(xf + r * kp + whole);
-            for (int c = 0; c < C; c++) s[r][c] = _mm256_fmadd_ps(a, b[c], s[r][c]);
-        }
+    for (int j = 0; j < NR; j++) {
+        const int slot = j < 8 ? 2 * j : 2 * (j - 8) + 1;
+        for (int64_t kk = whole; kk < k; kk++) out[kk * NR + slot] = c0 + j < n ? w[(c0 + j) * k + kk] : 0;
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[r * n + c] = to_bf16(hsum(s[r][c]) + (bias ? bias[c] : 0.0f));
 }
 
-#define CASE(R, C)                                                                                                    \
-    case (R) * 8 + (C):                                                                                               \
-        if (wide)                                                                                                     \
-            tile(xf, kp, R, (const float *)w + c0 * kp, k, C, 1, y, n, bias);                                         \
-        else                                                                                                          \
-            tile(xf, kp, R, (const uint16_t *)w + c0 * k, k, C, 0, y, n, bias);                                       \
+/* pw [ceil(n / 16) * k * 16] bf16 */
+void pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *pw, int nthreads) {
+    const int64_t np = (n + NR - 1) / NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < np; p++) pack_panel(w, n, k, p, pw + p * k * NR);
+}
+
+/* 16 fp32 (columns 0-7 in lo, 8-15 in hi) + bias -> bf16, round to nearest even; NaN stays NaN (quiet bit set) */
+static inline __m256i to_bf16x16(__m256 lo, __m256 hi) {
+    const __m256i one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7fff), abs = _mm256_set1_epi32(0x7fffffff);
+    const __m256i inf = _mm256_set1_epi32(0x7f800000), quiet = _mm256_set1_epi32(0x400000);
+    __m256i r[2];
+    const __m256 v[2] = {lo, hi};
+    for (int i = 0; i < 2; i++) {
+        const __m256i u = _mm256_castps_si256(v[i]);
+        const __m256i rne = _mm256_add_epi32(_mm256_add_epi32(u, round), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+        r[i] = _mm256_srli_epi32(_mm256_blendv_epi8(rne, _mm256_or_si256(u, quiet), nan), 16);
+    }
+    /* packus interleaves 128-bit lanes: [lo0-3 hi0-3 | lo4-7 hi4-7] -> columns 0-15 */
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8);
+}
+
+#define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+
+/* R rows of xf (stride k) x one packed panel pb -> y (stride n), C <= 16 columns of it; R constant once inlined */
+static inline __attribute__((always_inline)) void tile(const float *xf, int64_t k, int R, const uint16_t *pb,
+                                                       uint16_t *y, int64_t n, int C, const float *bias) {
+#define DECL(r) __m256 s##r##a = _mm256_setzero_ps(), s##r##b = _mm256_setzero_ps();
+    ROWS(DECL)
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t kk = 0; kk < k; kk++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(pb + kk * NR));
+        const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), b1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+#define STEP(r)                                                                                                       \
+    if (R > r) {                                                                                                      \
+        const __m256 a = _mm256_broadcast_ss(xf + r * k + kk);                                                        \
+        s##r##a = _mm256_fmadd_ps(a, b0, s##r##a);                                                                    \
+        s##r##b = _mm256_fmadd_ps(a, b1, s##r##b);                                                                    \
+    }
+        ROWS(STEP)
+    }
+    __m256 ba = _mm256_setzero_ps(), bb = _mm256_setzero_ps();
+    if (bias != NULL && C == NR) {
+        ba = _mm256_loadu_ps(bias);
+        bb = _mm256_loadu_ps(bias + 8);
+    } else if (bias != NULL) { /* the last panel's C < 16 columns: no read past the bias */
+        float t[NR] = {0};
+        memcpy(t, bias, (size_t)C * sizeof(float));
+        ba = _mm256_loadu_ps(t);
+        bb = _mm256_loadu_ps(t + 8);
+    }
+#define OUT(r)                                                                                                        \
+    if (R > r) {                                                                                                      \
+        const __m256i h = to_bf16x16(_mm256_add_ps(s##r##a, ba), _mm256_add_ps(s##r##b, bb));                         \
+        if (C == NR) {                                                                                                \
+            _mm256_storeu_si256((__m256i *)(y + r * n), h);                                                           \
+        } else {                                                                                                      \
+            uint16_t t[NR];                                                                                           \
+            _mm256_storeu_si256((__m256i *)t, h);                                                                     \
+            memcpy(y + r * n, t, (size_t)C * 2);                                                                      \
+        }                                                                                                             \
+    }
+    ROWS(OUT)
+}
+
+#define CASE(R)                                                                                                       \
+    case R:                                                                                                           \
+        tile(xf, k, R, pb, y, n, C, bias);                                                                            \
         break;
 
-/* the tile at rows xf.., columns c0.. of w (bf16 [N, k], or fp32 [.., kp] rows from c0's block when wide) */
-static void tile_any(const float *xf, int64_t kp, int R, const void *w, int wide, int64_t c0, int64_t k, int C,
-                     uint16_t *y, int64_t n, const float *bias) {
-    switch (R * 8 + C) {
-        CASE(4, 3) CASE(4, 2) CASE(4, 1) CASE(3, 3) CASE(3, 2) CASE(3, 1)
-        CASE(2, 3) CASE(2, 2) CASE(2, 1) CASE(1, 3) CASE(1, 2) CASE(1, 1)
-    }
+static void tile_any(const float *xf, int64_t k, int R, const uint16_t *pb, uint16_t *y, int64_t n, int C,
+                     const float *bias) {
+    switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) }
 }
 
-/* One thread's columns [c0, c1) at every row. Few rows read the bf16 weight in place, a group of TC columns
- * at a time, the rows in chunks whose xf stays in L2. Many rows first widen a block of BC columns into wf
- * ([BC, kp] fp32, in L2), then sweep it with each 4 rows' xf held in L1: the FMAs no longer wait on the shifts. */
-static void columns(const float *xf, int64_t m, int64_t kp, const uint16_t *w, int64_t k, int64_t c0, int64_t c1,
-                    uint16_t *y, int64_t n, const float *bias, float *wf) {
-    if (wf == NULL) {
-        int64_t chunk = CHUNK / (kp * (int64_t)sizeof(float)) / TR * TR;
-        if (chunk < TR) chunk = TR;
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            for (int64_t c = c0; c < c1; c += TC)
-                for (int64_t r0 = m0; r0 < m1; r0 += TR)
-                    tile_any(xf + r0 * kp, kp, m1 - r0 < TR ? (int)(m1 - r0) : TR, w, 0, c, k,
-                             c1 - c < TC ? (int)(c1 - c) : TC, y + r0 * n + c, n, bias ? bias + c : NULL);
-        }
-        return;
-    }
-    for (int64_t b0 = c0; b0 < c1; b0 += BC) {
-        const int64_t b1 = b0 + BC < c1 ? b0 + BC : c1;
-        for (int64_t c = b0; c < b1; c++) {
-            float *row = wf + (c - b0) * kp;
-            for (int64_t j = 0; j < k; j++) {
-                const uint32_t u = (uint32_t)w[c * k + j] << 16;
-                memcpy(row + j, &u, 4);
-            }
-            for (int64_t j = k; j < kp; j++) row[j] = 0.0f;
-        }
-        for (int64_t r0 = 0; r0 < m; r0 += TR)
-            for (int64_t c = b0; c < b1; c += TC)
-                tile_any(xf + r0 * kp, kp, m - r0 < TR ? (int)(m - r0) : TR, wf - b0 * kp, 1, c, k,
-                         b1 - c < TC ? (int)(b1 - c) : TC, y + r0 * n + c, n, bias ? bias + c : NULL);
-    }
-}
-
-/* 0 on success, 1 when a temporary (x's fp32 copy, a thread's widened weights) could not be allocated */
-int gemm(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, int64_t n, uint16_t *y,
-         const float *bias, int nthreads) {
+/* 0 on success, 1 when a temporary (x's fp32 copy, a thread's panel) could not be allocated */
+int gemm(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, const uint16_t *pw, int64_t n,
+         uint16_t *y, const float *bias, int nthreads) {
     if (m == 0 || n == 0) return 0;
-    const int64_t kp = (k + 7) & ~(int64_t)7;
-    float *xf = aligned_alloc(64, (((size_t)(m * kp) * sizeof(float) + 63) & ~(size_t)63) + 64); /* no split loads */
+    float *xf = aligned_alloc(64, (((size_t)(m * k) * sizeof(float) + 63) & ~(size_t)63) + 64);
     if (xf == NULL) return 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (m * k > (1 << 16))
-    for (int64_t i = 0; i < m; i++) {
+    for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < k; j++) {
             const uint32_t u = (uint32_t)x[i * ldx + j] << 16;
-            memcpy(xf + i * kp + j, &u, 4);
+            memcpy(xf + i * k + j, &u, 4);
         }
-        for (int64_t j = k; j < kp; j++) xf[i * kp + j] = 0.0f;
-    }
-    const int64_t groups = (n + TC - 1) / TC;
+    const int64_t np = (n + NR - 1) / NR;
+    /* packing a panel on the fly costs about what 6 rows of it do: then one pass over all rows a panel */
+    int64_t chunk = pw == NULL ? m : CHUNK / (k * (int64_t)sizeof(float)) / MR * MR;
+    if (chunk < MR) chunk = MR;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t c0 = groups * t / nt * TC, c1 = groups * (t + 1) / nt * TC < n ? groups * (t + 1) / nt * TC : n;
-        float *wf = m >= WIDEN_ROWS ? aligned_alloc(64, (size_t)(BC * kp) * sizeof(float)) : NULL;
-        if (m >= WIDEN_ROWS && wf == NULL)
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        uint16_t *buf = pw == NULL && p0 < p1 ? aligned_alloc(64, (size_t)(k * NR * 2 + 63) & ~(size_t)63) : NULL;
+        if (pw == NULL && p0 < p1 && buf == NULL) {
             failed = 1;
-        else if (c0 < c1)
-            columns(xf, m, kp, w, k, c0, c1, y, n, bias, wf);
-        free(wf);
+        } else {
+            for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+                const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+                for (int64_t p = p0; p < p1; p++) {
+                    const uint16_t *pb = pw != NULL ? pw + p * k * NR : buf;
+                    if (pw == NULL) pack_panel(w, n, k, p, buf);
+                    const int C = n - p * NR < NR ? (int)(n - p * NR) : NR;
+                    for (int64_t r0 = m0; r0 < m1; r0 += MR)
+                        tile_any(xf + r0 * k, k, m1 - r0 < MR ? (int)(m1 - r0) : MR, pb, y + r0 * n + p * NR, n, C,
+                                 bias != NULL ? bias + p * NR : NULL);
+                }
+            }
+        }
+        free(buf);
     }
     free(xf);
     return failed;

@@ -1,7 +1,7 @@
 """bf16 CPU linears packed for oneDNN (engine/layers/dense.py `pack`, run as IdleWork pieces after ready): the same
 result bit for bit as the unpacked weight at every row count, and an engine whose weights got packed gives the same
-tokens and logprobs as before. Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone) nothing is packed: the AVX2
-GEMM reads the weights themselves (tests/kernels/test_cpu_gemm_avx2.py); these tests skip there."""
+tokens and logprobs as before. Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone) the pieces pack the AVX2
+GEMM's panels instead (tests/kernels/test_cpu_gemm_avx2.py); these tests skip there."""
 
 from __future__ import annotations
 

@@ -279,12 +279,12 @@ def build_scripted_model(
 def unpacked_then_packed(llm, params) -> tuple[list, list]:
     """Three prompts generated with an engine's CPU linears unpacked, then again once IdleWork has packed them
     (LLM.generate drains its pieces first): (first outputs, second outputs)."""
-    from engine.layers.dense import PACKED
+    from engine.layers.dense import AVX2_PACKED, PACKED
 
     idle = llm.engine.idle
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 20)]
     idle.pack, pending = [], idle.pack
     first = llm.generate(prompts, params)
-    assert pending and all(not hasattr(w, PACKED) for piece in pending for w in piece)
+    assert pending and all(not hasattr(w, a) for piece in pending for w in piece for a in (PACKED, AVX2_PACKED))
     idle.pack = pending
     return first, llm.generate(prompts, params)

@@ -12,10 +12,11 @@ faster at up to 64 rows than the plain weight F.linear hands oneDNN on every cal
 (tests/test_dense_pack.py; 576 x 3072 at 64 rows: 0.64 ms -> 0.46 ms on 2 threads of a Xeon with AMX). The packed
 copy is memory of its own, beside the parameter (which the rest of the engine still reads).
 
-Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), a bf16 linear runs our AVX2 GEMM on the weight itself, at
-every row count, in one summation order (kernels/cpu_gemm_avx2.c): a row's result does not depend on the rows beside
-it. Without that kernel (no C compiler), MKL's fp32 GEMM on the weight widened per call (docs/decisions.md, "bf16
-linears on CPUs without oneDNN's bf16 GEMM")."""
+Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), a bf16 linear runs our AVX2 GEMM at every row count, in one
+summation order (kernels/cpu_gemm_avx2.c): a row's result does not depend on the rows beside it. It reads the weight's
+packed copy (panels of 16 columns, made by `pack` as the oneDNN copies are) once there is one, and packs each panel as
+it goes before: the same sums either way, 1.1-2x faster packed. Without that kernel (no C compiler), MKL's fp32 GEMM
+on the weight widened per call (docs/decisions.md, "bf16 linears on CPUs without oneDNN's bf16 GEMM")."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
         return F.linear(x, w, bias)
     if x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # torch's bf16 GEMM is 5-9x slower here
         if AVX2 and (avx2 := cpu_gemm.Avx2Gemm.loaded()) is not None:
-            return avx2.linear(x, w, bias)  # every row count, one order: the engine waits for it at start
+            # every row count, one order, packed or not: the engine waits for the kernel at start
+            return avx2.linear(x, w, bias, getattr(w, AVX2_PACKED, None))
         if rows > EXACT:  # no compiler: MKL's fp32 GEMM on the weight widened per call, which pays from a few rows
             return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, THIN, None)) is not None and x.dtype == torch.bfloat16:
@@ -69,9 +71,10 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy
 THIN = "thin_packed"  # and its AMX copy for a thin GEMM's few rows (kernels/cpu_gemm.py)
+AVX2_PACKED = "avx2_packed"  # or, where oneDNN has no bf16 GEMM, its copy in the AVX2 GEMM's panels
 # Where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), torch's bf16
 # GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every row count from 16 to 2048,
-# against MKL's fp32 GEMM at 96-174 (576 x 1536): every bf16 linear runs our AVX2 GEMM instead, nothing is packed.
+# against MKL's fp32 GEMM at 96-174 (576 x 1536): every bf16 linear runs our AVX2 GEMM instead.
 AVX2 = True  # bench/_common.py's --ab avx2-gemm switches it (off: MKL's fp32 GEMM, widened per call)
 
 
@@ -90,10 +93,16 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _avx2():
+    """The AVX2 GEMM where it runs the bf16 linears (no oneDNN bf16 GEMM, the kernel loaded), else None."""
+    return cpu_gemm.Avx2Gemm.loaded() if AVX2 and not onednn_bf16() else None
+
+
 def packable(w) -> bool:
     return (
         isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.bfloat16
-        and getattr(w, PACKED, None) is None and onednn_bf16()
+        and getattr(w, PACKED, None) is None and getattr(w, AVX2_PACKED, None) is None
+        and (onednn_bf16() or _avx2() is not None)
     )  # fmt: skip
 
 
@@ -110,22 +119,27 @@ PACK_HEADROOM = 1 << 30  # bytes a piece's copies must leave free: the steps' te
 
 def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     """Give each weight its oneDNN-packed copy (dense() uses it from then on), and its AMX copy where the thin GEMM
-    is loaded. Only when the memory left (`room()`: bytes, None when unknown) holds them with PACK_HEADROOM to spare.
-    Returns the bytes packed; 0 when the memory is short (then nothing is, the log says why, and F.linear goes on as
-    before). Where oneDNN has no bf16 GEMM there is nothing to pack (pack_pieces() finds none): 0."""
-    if not onednn_bf16():
+    is loaded; where oneDNN has no bf16 GEMM, its AVX2 GEMM panels instead. Only when the memory left (`room()`:
+    bytes, None when unknown) holds them with PACK_HEADROOM to spare. Returns the bytes packed; 0 when the memory is
+    short (then nothing is, the log says why, and the linears go on as before) or nothing packs here."""
+    avx2 = None if onednn_bf16() else _avx2()
+    if not onednn_bf16() and avx2 is None:
         return 0
     thin = cpu_gemm.ThinGemm.loaded()
-    amx = [thin is not None and thin.fits(w) for w in weights]
-    need = sum(w.numel() * w.element_size() * (1 + a) for w, a in zip(weights, amx))
+    amx = [avx2 is None and thin is not None and thin.fits(w) for w in weights]
+    # (the AVX2 panels: the weight's bytes, its rows rounded up to a panel's 16)
+    size = [(-(-w.shape[0] // 16) * 16 * w.shape[1] * 2 if avx2 else w.numel() * w.element_size() * (1 + a))
+            for w, a in zip(weights, amx)]  # fmt: skip
+    need = sum(size)
     if (left := room()) is not None and left < need + PACK_HEADROOM:
         log.warning("CPU weight packing stopped: %d MiB left, its copies need %d MiB and %d to spare; the rest of "
                     "the linears stay unpacked", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
         return 0
-    done = 0
     for w, a in zip(weights, amx):
+        if avx2 is not None:
+            setattr(w, AVX2_PACKED, avx2.pack(w))
+            continue
         setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         if a:
             setattr(w, THIN, thin.pack(w))
-        done += w.numel() * w.element_size() * (1 + a)
-    return done
+    return need
