@@ -10,12 +10,17 @@
  * lanes, whatever the ISA). Every sum runs in one order per query row whatever shares its item: a token's output
  * is the same from a prefill of 300 tokens, a prefix-cache hit's 5, or a decode.
  *
- *   q        [T, H, D] fp32, already multiplied by the softmax scale; sequence s's tokens are rows qsl[s]..qsl[s+1]
+ *   q        [T, H, D] in `q_dtype` (0 fp32, 1 bf16, 2 fp16), tokens q_stride elements apart, heads contiguous;
+ *            multiplied by the softmax scale `scale` in fp32 as it is read; sequence s's tokens are rows
+ *            qsl[s]..qsl[s+1]
+ *   k_new, v_new  [t_new, KVH, D] in the cache's dtype (not fp8), tokens kn_stride / vn_stride elements apart: the
+ *            step's new rows, written to the caches at slots [t_new] int64 (-1: none) before anything is read; NULL
+ *            when the caller wrote them (an fp8 cache quantizes in torch)
  *   k, v     [KVH, NB, BS, D] in `cache_dtype`: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn times its kv head's scale
  *   k_scale, v_scale  [KVH] fp32 (read for fp8 only)
  *   tables   [S, table_stride] int32 block ids; ctx [S] int32 context length, the new tokens included
  *   sinks    [H] fp32 or NULL: GPT-OSS's per-head logit that joins each softmax's denominator with no value
- *   out      [T, H, D] fp32
+ *   out      [T, H, D] in q's dtype (rounded to nearest even, as torch's casts)
  * Threads: OpenMP, `nthreads` of them, in the process's libgomp.so.1, which torch has already loaded: one pool. */
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -78,6 +83,38 @@ static inline void load_row(const void *base, int64_t idx, int dtype, float scal
 }
 
 typedef int32_t i8 __attribute__((vector_size(32)));
+
+/* dst[0:NV] = a query row in `dtype` (0 fp32, 1 bf16, 2 fp16) times `scale`, in fp32 (as torch's q.float() * scale) */
+static inline void load_q(const void *src, int dtype, float scale, v8 *dst) {
+    if (dtype == 0) {
+        memcpy(dst, src, HEAD_DIM * sizeof(float));
+    } else {
+        load_row(src, 0, dtype, 1.0f, dst);
+    }
+    for (int c = 0; c < NV; c++) dst[c] *= scale;
+}
+
+/* dst[0:HEAD_DIM] in `dtype` = x, rounded to nearest even; a NaN stays a (quiet) NaN */
+static inline void store_row(void *dst, int dtype, const v8 *x) {
+    if (dtype == 0) {
+        memcpy(dst, x, HEAD_DIM * sizeof(float));
+    } else if (dtype == 1) {
+        for (int c = 0; c < NV; c++) {
+            u8 u;
+            memcpy(&u, &x[c], 32);
+            /* NaN: |u| past inf's bits, from the difference's sign (AVX2 has no unsigned compare) */
+            const u8 nan = (u8)(((i8){0} + 0x7f800000 - (i8)(u & 0x7fffffffu)) >> 31);
+            const u8 r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan);
+            const h8 hv = __builtin_convertvector(r, h8);
+            memcpy((uint16_t *)dst + 8 * c, &hv, 16);
+        }
+    } else {
+        for (int c = 0; c < NV; c++) {
+            const f8 hv = __builtin_convertvector(x[c], f8);
+            memcpy((_Float16 *)dst + 8 * c, &hv, 16);
+        }
+    }
+}
 
 /* exp(x) for x <= 0 (the softmax's s - max), 8 at a time: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
  * Taylor polynomial (relative error < 2e-7, as expf's few ulp), 2^n through the exponent bits. Below -87 it gives
@@ -151,8 +188,8 @@ static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *
 /* One item. Its rows are R = (i1 - i0) * rep query vectors, row r = query token i0 + r / rep, head kh * rep + r % rep.
  * Token i sits at position pos = n - nq + i and sees [lo_i, pos] (lo_i > 0 with a window): the item's positions
  * span [lo, hi). Scores live in s [R, W] fp32 over the positions [lo8, lo8 + W) (lo rounded down to 8). */
-static int run(const item *it, const float *q, const void *k, const void *v, const int32_t *tables,
-               int64_t table_stride, const int32_t *ctx, const int32_t *qsl, float *out, int64_t h, int64_t kvh,
+static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, float scale, const void *k, const void *v,
+               const int32_t *tables, int64_t table_stride, const int32_t *ctx, const int32_t *qsl, void *out, int64_t h, int64_t kvh,
                int64_t nb, int64_t bs, int dtype, const float *k_scale, const float *v_scale, int64_t window, float softcap,
                const float *sinks) {
     const int64_t rep = h / kvh, s = it->s, kh = it->kh, nq = qsl[s + 1] - qsl[s], n = ctx[s], first = n - nq;
@@ -168,8 +205,10 @@ static int run(const item *it, const float *q, const void *k, const void *v, con
     if (qv == NULL) return 1;
     v8 *acc = qv + R * NV, *row = acc + R * NV;
     float *sc = (float *)(row + PB * NV), *sums = sc + R * W;
-    for (int64_t r = 0; r < R; r++) /* token i0 + r / rep's query heads kh * rep .. are contiguous: one copy */
-        memcpy(qv + r * NV, q + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM, sizeof(v8) * NV);
+    const int qsize = q_dtype == 0 ? 4 : 2;
+    for (int64_t r = 0; r < R; r++) /* token i0 + r / rep's query head kh * rep + r % rep */
+        load_q((const char *)q + ((qsl[s] + it->i0 + r / rep) * q_stride + (kh * rep + r % rep) * HEAD_DIM) * qsize,
+               q_dtype, scale, qv + r * NV);
     /* pass 1: scores, 8 positions at a time: the K rows as fp32 once for all R rows; two rows x four positions a
      * tile (8 sums of 8 lanes along D). A score is q . k summed lane-wise in D's order, then hsum8's tree: the same
      * whatever rows share the item. */
@@ -271,11 +310,9 @@ static int run(const item *it, const float *q, const void *k, const void *v, con
     }
     for (int64_t r = 0; r < R; r++) {
         const float inv = 1.0f / sums[r];
-        float *o = out + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM;
-        for (int c = 0; c < NV; c++) {
-            v8 x = acc[r * NV + c] * inv;
-            memcpy(o + 8 * c, &x, 32);
-        }
+        v8 x[NV];
+        for (int c = 0; c < NV; c++) x[c] = acc[r * NV + c] * inv;
+        store_row((char *)out + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM * qsize, q_dtype, x);
     }
 #undef START
 #undef END
@@ -289,11 +326,24 @@ static int64_t tile_tokens(int64_t rep, int64_t w) {
     return t < 1 ? 1 : t > TQ ? TQ : t;
 }
 
-int paged_attention(const float *q, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
-                    const int32_t *ctx, const int32_t *qsl, int64_t nseq, float *out, int64_t h, int64_t kvh,
-                    int64_t nb, int64_t bs, int cache_dtype, const float *k_scale, const float *v_scale, int64_t window,
-                    float softcap, const float *sinks, int nthreads) {
+int paged_attention(const void *q, int64_t q_stride, int q_dtype, float scale, const void *k_new, const void *v_new,
+                    int64_t kn_stride, int64_t vn_stride, const int64_t *slots, int64_t t_new, void *k, void *v,
+                    const int32_t *tables, int64_t table_stride, const int32_t *ctx, const int32_t *qsl, int64_t nseq,
+                    void *out, int64_t h, int64_t kvh, int64_t nb, int64_t bs, int cache_dtype, const float *k_scale,
+                    const float *v_scale, int64_t window, float softcap, const float *sinks, int nthreads) {
     const int64_t rep = h / kvh;
+    if (k_new != NULL) { /* the step's new rows into the caches first (an implicit barrier ends the loop) */
+        const int64_t esize = cache_dtype == 0 ? 4 : 2, row = HEAD_DIM * esize;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (t_new * kvh >= 512)
+        for (int64_t t = 0; t < t_new; t++) {
+            if (slots[t] < 0) continue; /* a padding row */
+            for (int64_t kh = 0; kh < kvh; kh++) {
+                const int64_t at = (kh * nb * bs + slots[t]) * row;
+                memcpy((char *)k + at, (const char *)k_new + (t * kn_stride + kh * HEAD_DIM) * esize, row);
+                memcpy((char *)v + at, (const char *)v_new + (t * vn_stride + kh * HEAD_DIM) * esize, row);
+            }
+        }
+    }
     int64_t count = 0;
     for (int64_t s = 0; s < nseq; s++) {
         const int64_t nq = qsl[s + 1] - qsl[s], tq = tile_tokens(rep, window > 0 && ctx[s] > window ? window : ctx[s]);
@@ -310,8 +360,8 @@ int paged_attention(const float *q, const void *k, const void *v, const int32_t 
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int64_t i = 0; i < count; i++)
-        failed |= run(items + i, q, k, v, tables, table_stride, ctx, qsl, out, h, kvh, nb, bs, cache_dtype, k_scale,
-                      v_scale, window, softcap, sinks);
+        failed |= run(items + i, q, q_stride, q_dtype, scale, k, v, tables, table_stride, ctx, qsl, out, h, kvh, nb, bs,
+                      cache_dtype, k_scale, v_scale, window, softcap, sinks);
     free(items);
     return failed;
 }

@@ -24,9 +24,10 @@ import torch
 from kernels.cpu_build import NativeKernel
 
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
-_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _I64, _F, _P,
-             ctypes.c_int]  # fmt: skip
+Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # q, the new K / V rows and out
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_ARGTYPES = [_P, _I64, _INT, _F, _P, _P, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64,
+             _I64, _INT, _P, _P, _I64, _F, _P, _INT]  # fmt: skip
 
 
 def supported(head_dim: int) -> bool:
@@ -38,6 +39,10 @@ class NativeAttention(NativeKernel):
 
     SOURCE = Path(__file__).with_name("cpu_attention.c")
     WHAT, FALLBACK = "CPU attention", "attention takes the torch path"
+
+    def __init__(self, key, cache_dir: Path):
+        super().__init__(key, cache_dir)
+        self._ones: dict[int, torch.Tensor] = {}  # kvh -> the scales of a cache that has none
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.key}",)
@@ -56,30 +61,52 @@ class NativeAttention(NativeKernel):
         return super().get(head_dim, cache_dir, wait) if supported(head_dim) else None
 
     def __call__(self, q, k_cache, v_cache, tables, ctx, qsl, scale, k_scale=None, v_scale=None, window=None,
-                 softcap=None, sinks=None):  # fmt: skip
-        """out [T, H, D] fp32 for q [T, H, D] (sequence s's tokens: rows qsl[s] .. qsl[s + 1], the last ones of its
-        context) over caches [KVH, NB, BS, D]; tables [S, >= blocks], ctx [S] and qsl [S + 1] int32, contiguous;
-        k_scale, v_scale: an fp8 cache's scale (one, or one per kv head), else None; sinks [H] (GPT-OSS) or None."""
+                 softcap=None, sinks=None, k=None, v=None, slots=None):  # fmt: skip
+        """out [T, H, D] in q's dtype for q [T, H, D] (sequence s's tokens: rows qsl[s] .. qsl[s + 1], the last ones
+        of its context) over caches [KVH, NB, BS, D]; tables [S, >= blocks], ctx [S] and qsl [S + 1] int32,
+        contiguous; k_scale, v_scale: an fp8 cache's scale (one, or one per kv head), else None; sinks [H]
+        (GPT-OSS) or None. k, v [T', KVH, D] in the cache's dtype and slots [T'] int64: the step's new rows, which
+        the kernel writes into the caches before it reads them (None: the caller wrote them)."""
         t, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
-        named = zip("q k_cache v_cache tables ctx qsl".split(), (q, k_cache, v_cache, tables, ctx, qsl))
-        if off := [f"{n} on {x.device}" for n, x in named if x.device.type != "cpu"]:  # C reads host memory only
+        if not all(x.is_cpu for x in (q, k_cache, v_cache, tables, ctx, qsl)):  # C reads host memory only
+            named = zip("q k_cache v_cache tables ctx qsl".split(), (q, k_cache, v_cache, tables, ctx, qsl))
+            off = [f"{n} on {x.device}" for n, x in named if not x.is_cpu]
             raise ValueError(f"CPU attention takes host tensors: {', '.join(off)}")
-        ks, vs = (torch.ones(1) if x is None else torch.as_tensor(x, dtype=torch.float32).reshape(-1).cpu()
-                  for x in (k_scale, v_scale))  # fmt: skip
-        ks, vs = (x.expand(kvh).contiguous() for x in (ks, vs))  # [KVH]: each kv head's
-        qs = (q.float() * scale).contiguous()
-        out = torch.empty(t, h, d, dtype=torch.float32)
+        if q.dtype not in Q_DTYPES:
+            q = q.float()
+        if q.stride(2) != 1 or q.stride(1) != d:  # tokens may be apart (a view of the fused qkv), heads not
+            q = q.contiguous()
+        if k is not None:
+            if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k_cache.dtype not in Q_DTYPES:
+                raise ValueError(f"CPU attention writes new rows of the cache's dtype ({k_cache.dtype}), not fp8 "
+                                 f"caches: k {k.dtype}, v {v.dtype}")  # fmt: skip
+            if slots.dtype != torch.int64 or slots.shape != k.shape[:1] or not slots.is_cpu:
+                raise ValueError(f"CPU attention: slots {slots.dtype} {tuple(slots.shape)} for {k.shape[0]} rows")
+            k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (k, v))
+            slots = slots.contiguous()
+        ks, vs = (self._scale(x, kvh) for x in (k_scale, v_scale))
+        out = torch.empty(t, h, d, dtype=q.dtype)
         sinks = None if sinks is None else sinks.float().contiguous()
         failed = self.lib.paged_attention(
-            qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
-            qsl.data_ptr(), ctx.shape[0], out.data_ptr(), h, kvh, nb, bs, CACHE_DTYPES[k_cache.dtype], ks.data_ptr(),
-            vs.data_ptr(), window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
-            torch.get_num_threads(),
+            q.data_ptr(), q.stride(0), Q_DTYPES[q.dtype], scale, None if k is None else k.data_ptr(),
+            None if v is None else v.data_ptr(), 0 if k is None else k.stride(0), 0 if v is None else v.stride(0),
+            None if slots is None else slots.data_ptr(), 0 if k is None else k.shape[0], k_cache.data_ptr(),
+            v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(), qsl.data_ptr(), ctx.shape[0],
+            out.data_ptr(), h, kvh, nb, bs, CACHE_DTYPES[k_cache.dtype], ks.data_ptr(), vs.data_ptr(), window or 0,
+            softcap or 0.0, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("CPU attention: out of memory for its scores")
         return out
+
+    def _scale(self, x, kvh: int) -> torch.Tensor:
+        """[KVH] fp32: each kv head's scale of an fp8 cache (one for all, or one each), ones (kept) for None."""
+        if x is None:
+            if (ones := self._ones.get(kvh)) is None:
+                ones = self._ones[kvh] = torch.ones(kvh)
+            return ones
+        return torch.as_tensor(x, dtype=torch.float32).reshape(-1).cpu().expand(kvh).contiguous()
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=None,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.block_table import h2d, h2d_rows
 from kernels.cache_write import reshape_and_cache
+from kernels.cpu_attention import Q_DTYPES as NATIVE_WRITES
 from kernels.cpu_attention import NativeAttention
 from kernels.paged_attention import paged_attention
 from kernels.prefill_attention import prefill_attention
@@ -240,12 +241,17 @@ class TorchAttention(_KVScales):
         # logit per head in each softmax's denominator, with no value) or None
         kvh = k.shape[1]
         ks, vs = self._scales(layer)
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        n = meta.native
+        # the C kernel writes the new rows itself, in the call that reads them (not an fp8 cache: torch quantizes)
+        fused = n is not None and k.dtype == k_cache.dtype and k_cache.dtype in NATIVE_WRITES
+        if not fused:
+            reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         window = self.window(layer)
-        if (n := meta.native) is not None:
+        if n is not None:
             qn = q if n.rows is None else q[n.rows]
+            kw = dict(k=k, v=v, slots=meta.slot_mapping) if fused else {}
             o = self.native(qn, k_cache, v_cache, n.tables, n.ctx, n.qsl, self.scale, ks, vs, window, self.softcap,
-                            sinks)  # fmt: skip
+                            sinks, **kw)  # fmt: skip
             if n.rows is None:  # every row, in order (no gather, no scatter)
                 return o.to(q.dtype)
         out = torch.empty_like(q)

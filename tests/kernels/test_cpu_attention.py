@@ -142,6 +142,38 @@ def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(pre
     assert_close(outs[1], outs[0], "native vs gather")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_steps_new_rows_are_written_by_the_call_that_reads_them(dtype, kernel_dir):
+    """q, k and v as the engine hands them (views of each token's fused qkv row): the kernel writes k and v at their
+    slots before it reads, giving the caches and the output of reshape_and_cache_ref then a call on a contiguous q,
+    bit for bit; a -1 slot (padding) writes nothing. An fp8 cache is refused (torch quantizes its rows)."""
+    from kernels.cache_write import reshape_and_cache_ref
+
+    spec, h, kvh, d, bs = [(5, 14), (1, 7), (3, 3)], 9, 3, 64, 16
+    args = cpu(make_batch(spec, h=h, kvh=kvh, d=d, bs=bs, dtype=dtype, seed=5, poison=False))
+    tables = args["block_tables"]
+    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for i, (nq, ctx) in enumerate(spec)
+                          for p in range(ctx - nq, ctx)])  # fmt: skip
+    slots[6] = -1  # the decode's row: its cache slot keeps what it held
+    qkv = torch.randn(len(slots), (h + 2 * kvh) * d).to(dtype)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(-1, h, d), k.view(-1, kvh, d), v.view(-1, kvh, d)
+    assert q.stride(0) == qkv.shape[1] and not q.is_contiguous()
+    want_k, want_v = args["k_cache"].clone(), args["v_cache"].clone()
+    reshape_and_cache_ref(k, v, want_k, want_v, slots)
+    nat = kernel(d, kernel_dir)
+    call = (tables, args["seq_lens"], args["query_start_loc"], args["scale"])
+    want = nat(q.contiguous(), want_k, want_v, *call)
+    got = nat(q, args["k_cache"], args["v_cache"], *call, k=k, v=v, slots=slots)
+    assert torch.equal(args["k_cache"], want_k) and torch.equal(args["v_cache"], want_v)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert_close(got, paged_attention_ref(**{**args, "q": q.contiguous(), "k_cache": want_k, "v_cache": want_v}),
+                 "written and read in one call")  # fmt: skip
+    fp8 = cpu(make_batch(spec, h=h, kvh=kvh, d=d, bs=bs, kv_dtype=FP8, seed=5))
+    with pytest.raises(ValueError, match="not fp8"):
+        nat(q, fp8["k_cache"], fp8["v_cache"], *call, k=k.to(FP8), v=v.to(FP8), slots=slots)
+
+
 def test_tensors_off_the_cpu_are_refused_not_read(kernel_dir):
     """A device pointer handed to C would be read as host memory (a segfault): the wrapper names what is elsewhere."""
     args = cpu(make_batch([(3, 5)], seed=1))
