@@ -295,6 +295,16 @@ def _heap_keep(llm, on: bool) -> None:
     libc.malloc_trim(0)
 
 
+def _native_write(llm, on: bool) -> None:
+    """The step's new K/V rows written by the C attention's own call (engine/layers/attention.py NATIVE_WRITE), or by
+    reshape_and_cache's torch ops before it, per layer."""
+    from engine.layers import attention
+
+    attn = llm.engine.runner.attn
+    assert attn.native is not None and attn.native.wait(), "no C attention here"
+    attention.NATIVE_WRITE = on
+
+
 def _avx2_gemm(llm, on: bool) -> None:
     """bf16 linears through our AVX2 GEMM (kernels/cpu_gemm_avx2.c, engine/layers/dense.py AVX2: where oneDNN has no
     bf16 GEMM for this CPU), or MKL's fp32 GEMM on the weights widened per call (and torch's bf16 GEMM up to 16 rows),
@@ -308,7 +318,8 @@ def _avx2_gemm(llm, on: bool) -> None:
 
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
 AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "native-prefill": _native_prefill,
-      "thin-gemm": _thin_gemm, "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "avx2-gemm": _avx2_gemm}  # fmt: skip
+      "thin-gemm": _thin_gemm, "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "avx2-gemm": _avx2_gemm,
+      "native-write": _native_write}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

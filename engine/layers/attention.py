@@ -32,6 +32,8 @@ from kernels.prefill_attention import prefill_attention
 PREFILL_TILE_MIN_QUERY = 16
 # Prefill chunks through the C kernel too (with it loaded), not SDPA: bench/_common.py's --ab native-prefill
 NATIVE_PREFILL = True
+# The C kernel writes the step's new K/V rows in its own call (else reshape_and_cache per layer): --ab native-write
+NATIVE_WRITE = True
 EXPLICIT_SCORES = 1 << 24  # scores a slice of the spelled-out attention holds at once (64 MiB in fp32)
 
 
@@ -243,7 +245,7 @@ class TorchAttention(_KVScales):
         ks, vs = self._scales(layer)
         n = meta.native
         # the C kernel writes the new rows itself, in the call that reads them (not an fp8 cache: torch quantizes)
-        fused = n is not None and k.dtype == k_cache.dtype and k_cache.dtype in NATIVE_WRITES
+        fused = NATIVE_WRITE and n is not None and k.dtype == k_cache.dtype and k_cache.dtype in NATIVE_WRITES
         if not fused:
             reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         window = self.window(layer)
