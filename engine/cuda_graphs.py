@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.layers.dense import pack, pack_pieces
+from engine.layers.dense import onednn_bf16, pack, pack_pieces
 from engine.memory import graph_buckets
 from kernels.cpu_gemm import ThinGemm
 from kernels.cpu_ops import CpuOps
@@ -323,7 +323,7 @@ class IdleWork:
         if not done:
             self.pack.clear()
         elif not self.pack:
-            how = "oneDNN, AMX" if ThinGemm.loaded() else "oneDNN"
+            how = "AVX2 panels" if not onednn_bf16() else "oneDNN, AMX" if ThinGemm.loaded() else "oneDNN"
             log.info("CPU linear weights packed (%s): %d MiB", how, self.packed >> 20)
 
     def _warm(self) -> None:
