@@ -15,12 +15,12 @@
  *            qsl[s]..qsl[s+1]
  *   k_new, v_new  [t_new, KVH, D] in the cache's dtype (not fp8), tokens kn_stride / vn_stride elements apart: the
  *            step's new rows, written to the caches at slots [t_new] int64 (-1: none) before anything is read; NULL
- *            when the caller wrote them (an fp8 cache quantizes in torch)
+ *            when the caller wrote them (an fp8 cache quantizes in torch); a slot past the pool returns 2
  *   k, v     [KVH, NB, BS, D] in `cache_dtype`: 0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn times its kv head's scale
  *   k_scale, v_scale  [KVH] fp32 (read for fp8 only)
  *   tables   [S, table_stride] int32 block ids; ctx [S] int32 context length, the new tokens included
  *   sinks    [H] fp32 or NULL: GPT-OSS's per-head logit that joins each softmax's denominator with no value
- *   out      [T, H, D] in q's dtype (rounded to nearest even, as torch's casts)
+ *   out      [T, H, D] in q's dtype (rounded to nearest even, as torch's casts; a NaN's payload aside)
  * Threads: OpenMP, `nthreads` of them, in the process's libgomp.so.1, which torch has already loaded: one pool. */
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -333,6 +333,8 @@ int paged_attention(const void *q, int64_t q_stride, int q_dtype, float scale, c
                     const float *v_scale, int64_t window, float softcap, const float *sinks, int nthreads) {
     const int64_t rep = h / kvh;
     if (k_new != NULL) { /* the step's new rows into the caches first (an implicit barrier ends the loop) */
+        for (int64_t t = 0; t < t_new; t++)
+            if (slots[t] >= nb * bs) return 2; /* past the pool: refused before anything is written */
         const int64_t esize = cache_dtype == 0 ? 4 : 2, row = HEAD_DIM * esize;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (t_new * kvh >= 512)
         for (int64_t t = 0; t < t_new; t++) {

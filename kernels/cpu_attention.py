@@ -81,8 +81,11 @@ class NativeAttention(NativeKernel):
             if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k_cache.dtype not in Q_DTYPES:
                 raise ValueError(f"CPU attention writes new rows of the cache's dtype ({k_cache.dtype}), not fp8 "
                                  f"caches: k {k.dtype}, v {v.dtype}")  # fmt: skip
-            if slots.dtype != torch.int64 or slots.shape != k.shape[:1] or not slots.is_cpu:
-                raise ValueError(f"CPU attention: slots {slots.dtype} {tuple(slots.shape)} for {k.shape[0]} rows")
+            if slots.dtype != torch.int64 or not slots.is_cpu or k.shape != v.shape or k.shape != (len(slots), kvh, d):
+                raise ValueError(f"CPU attention: new rows k {tuple(k.shape)}, v {tuple(v.shape)}, slots {slots.dtype} "
+                                 f"{tuple(slots.shape)} for caches of {kvh} kv heads of {d}")  # fmt: skip
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous()):  # C writes rows at computed offsets
+                raise ValueError("CPU attention writes new rows into contiguous caches only")
             k, v = (x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous() for x in (k, v))
             slots = slots.contiguous()
         ks, vs = (self._scale(x, kvh) for x in (k_scale, v_scale))
@@ -96,6 +99,8 @@ class NativeAttention(NativeKernel):
             out.data_ptr(), h, kvh, nb, bs, CACHE_DTYPES[k_cache.dtype], ks.data_ptr(), vs.data_ptr(), window or 0,
             softcap or 0.0, None if sinks is None else sinks.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+        if failed == 2:
+            raise ValueError(f"CPU attention: a slot past the cache's {nb * bs} rows")
         if failed:
             raise MemoryError("CPU attention: out of memory for its scores")
         return out

@@ -107,8 +107,9 @@ class Avx2Gemm(NativeKernel):
         if x.shape[1] != w.shape[1] or (bias is not None and bias.shape != w.shape[:1]):  # the C reads what it's told
             raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(w.shape)}, bias "
                              f"{None if bias is None else tuple(bias.shape)} do not fit")  # fmt: skip
-        if packed is not None and packed.shape != (-(-w.shape[0] // self.NR), w.shape[1], self.NR):
-            raise ValueError(f"linear: packed {tuple(packed.shape)} is not weight {tuple(w.shape)}'s")
+        if packed is not None and (packed.shape != (-(-w.shape[0] // self.NR), w.shape[1], self.NR)
+                                   or packed.dtype != torch.bfloat16 or not packed.is_contiguous()):  # fmt: skip
+            raise ValueError(f"linear: packed {packed.dtype} {tuple(packed.shape)} is not weight {tuple(w.shape)}'s")
         if x.stride(-1) != 1:
             x = x.contiguous()
         w = w if packed is not None else w.contiguous()

@@ -15,7 +15,8 @@
  * A tile is up to 6 rows x one panel: 12 accumulators of 8 columns (12 of the 16 AVX registers). Per K step one
  * 32-byte load of the panel, widened to fp32 in two ops (a 16-bit shift: columns 0-7; a mask: 8-15), 6 broadcasts
  * of x, 12 FMAs. Without pw, each panel is packed from w into a thread's buffer as it is reached (the same sums).
- * Each thread takes a contiguous range of panels, and walks the rows in chunks whose xf stays in L2.
+ * Each thread takes a contiguous range of panels, and walks the rows in chunks whose xf stays in L2 (unpacked: all
+ * rows a panel, which it packs once).
  * Threads: OpenMP, in torch's libgomp. */
 #include <immintrin.h>
 #include <omp.h>
@@ -159,7 +160,7 @@ int gemm(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w
         }
     const int64_t np = (n + NR - 1) / NR;
     /* packing a panel on the fly costs about what 6 rows of it do: then one pass over all rows a panel */
-    int64_t chunk = pw == NULL ? m : CHUNK / (k * (int64_t)sizeof(float)) / MR * MR;
+    int64_t chunk = pw == NULL || k == 0 ? m : CHUNK / (k * (int64_t)sizeof(float)) / MR * MR;
     if (chunk < MR) chunk = MR;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)

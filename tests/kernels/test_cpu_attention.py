@@ -146,7 +146,8 @@ def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(pre
 def test_the_steps_new_rows_are_written_by_the_call_that_reads_them(dtype, kernel_dir):
     """q, k and v as the engine hands them (views of each token's fused qkv row): the kernel writes k and v at their
     slots before it reads, giving the caches and the output of reshape_and_cache_ref then a call on a contiguous q,
-    bit for bit; a -1 slot (padding) writes nothing. An fp8 cache is refused (torch quantizes its rows)."""
+    bit for bit; a -1 slot (padding) writes nothing. A slot past the pool, rows of another shape and an fp8 cache
+    (torch quantizes its rows) are refused."""
     from kernels.cache_write import reshape_and_cache_ref
 
     spec, h, kvh, d, bs = [(5, 14), (1, 7), (3, 3)], 9, 3, 64, 16
@@ -169,6 +170,13 @@ def test_the_steps_new_rows_are_written_by_the_call_that_reads_them(dtype, kerne
     assert got.dtype == dtype and torch.equal(got, want)
     assert_close(got, paged_attention_ref(**{**args, "q": q.contiguous(), "k_cache": want_k, "v_cache": want_v}),
                  "written and read in one call")  # fmt: skip
+    nb = args["k_cache"].shape[1]
+    before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match="slot past the cache"):  # refused, not written past the pool
+        nat(q, args["k_cache"], args["v_cache"], *call, k=k, v=v, slots=slots.clamp(min=0) + nb * bs)
+    assert torch.equal(args["k_cache"], before)
+    with pytest.raises(ValueError, match="new rows"):  # rows of another head count: not read as these
+        nat(q, args["k_cache"], args["v_cache"], *call, k=k[:, :2], v=v[:, :2], slots=slots)
     fp8 = cpu(make_batch(spec, h=h, kvh=kvh, d=d, bs=bs, kv_dtype=FP8, seed=5))
     with pytest.raises(ValueError, match="not fp8"):
         nat(q, fp8["k_cache"], fp8["v_cache"], *call, k=k.to(FP8), v=v.to(FP8), slots=slots)

@@ -92,8 +92,10 @@ def test_strided_rows_empty_misfits_inf_and_nan(kernel):
         kernel.linear(torch.randn(2, 41, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="do not fit"):
         kernel.linear(torch.randn(2, 40, dtype=torch.bfloat16), w, torch.randn(31))
-    with pytest.raises(ValueError, match="is not weight"):  # another weight's panels
+    with pytest.raises(ValueError, match="is not weight"):  # another weight's panels, or not panels at all
         kernel.linear(torch.randn(2, 40, dtype=torch.bfloat16), w, None, kernel.pack(w[:16]))
+    with pytest.raises(ValueError, match="is not weight"):
+        kernel.linear(torch.randn(2, 40, dtype=torch.bfloat16), w, None, kernel.pack(w).float())
     x = torch.randn(3, 40, dtype=torch.bfloat16)
     x[1, 5], x[2, 7] = float("inf"), float("nan")
     got, want = kernel.linear(x, w), cpu_gemm.thin_linear_ref(x, w)
