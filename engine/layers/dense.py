@@ -122,15 +122,14 @@ def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     is loaded; where oneDNN has no bf16 GEMM, its AVX2 GEMM panels instead. Only when the memory left (`room()`:
     bytes, None when unknown) holds them with PACK_HEADROOM to spare. Returns the bytes packed; 0 when the memory is
     short (then nothing is, the log says why, and the linears go on as before) or nothing packs here."""
-    avx2 = None if onednn_bf16() else _avx2()
-    if not onednn_bf16() and avx2 is None:
+    avx2 = _avx2()  # None wherever oneDNN has a bf16 GEMM
+    if avx2 is None and not onednn_bf16():
         return 0
     thin = cpu_gemm.ThinGemm.loaded()
     amx = [avx2 is None and thin is not None and thin.fits(w) for w in weights]
-    # (the AVX2 panels: the weight's bytes, its rows rounded up to a panel's 16)
-    size = [(-(-w.shape[0] // 16) * 16 * w.shape[1] * 2 if avx2 else w.numel() * w.element_size() * (1 + a))
-            for w, a in zip(weights, amx)]  # fmt: skip
-    need = sum(size)
+    # (the AVX2 panels: the weight's bytes, its rows rounded up to a panel's columns)
+    need = sum((-(-w.shape[0] // avx2.NR) * avx2.NR * w.shape[1] * 2 if avx2 else w.numel() * w.element_size()
+                * (1 + a)) for w, a in zip(weights, amx))  # fmt: skip
     if (left := room()) is not None and left < need + PACK_HEADROOM:
         log.warning("CPU weight packing stopped: %d MiB left, its copies need %d MiB and %d to spare; the rest of "
                     "the linears stay unpacked", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
