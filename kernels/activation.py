@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels._common import cdiv, jit, next_power_of_2, round_to, tl, use_triton
 from kernels._library import triton_op
 
@@ -72,8 +73,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
-    return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)
+    """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:], [T, I]. On CPU in bf16, the C op once loaded (kernels/cpu_ops.py)."""
+    if use_triton(x):
+        return silu_and_mul_triton(x)
+    if (lib := cpu_ops.library(x)) is not None and (out := cpu_ops.silu_and_mul(lib, x)) is not None:
+        return out
+    return silu_and_mul_ref(x)
 
 
 def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

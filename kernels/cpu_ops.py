@@ -1,12 +1,14 @@
-"""A CPU layer's add + RMSNorm and rotary embedding in C (kernels/cpu_ops.c), bf16 only, against add_rms_norm_ref
-/ rms_norm_ref (kernels/rmsnorm.py) and rotate_ref (kernels/rotary.py).
+"""A CPU layer's add + RMSNorm, rotary embedding and SiLU-and-mul in C (kernels/cpu_ops.c), bf16 only, against
+add_rms_norm_ref / rms_norm_ref (kernels/rmsnorm.py), rotate_ref (kernels/rotary.py) and silu_and_mul_ref
+(kernels/activation.py).
 
 Why: the norm's reference is 9 torch ops, each a dispatch and a pass over memory, twice a layer: at a 2048-token
 prefill chunk of SmolLM2 on 2 threads of the Xeon VM, 2.8-8.3 ms against the C pass's 1.1, and at a decode step's
 16 rows 71 us against 27. The rotary's is 5 ops for q and 5 for k. Built like the attention kernel
 (kernels/cpu_build.py) and used once loaded; until then, for fp32 (whose greedy output must equal HF's token for
-token) and for fp16, the references run. The rotary is bit for bit its reference; the norm is not: the mean's sum
-runs in another order, so an output can differ by a bf16 step or two (tests/kernels/test_cpu_ops.py bounds it)."""
+token) and for fp16, the references run. The rotary and SiLU-and-mul are bit for bit their references (the latter's
+polynomial exp agreed with torch's at every bf16 gate); the norm is not: the mean's sum runs in another order, so an
+output can differ by a bf16 step or two (tests/kernels/test_cpu_ops.py bounds it)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ class CpuOps(NativeKernel):
     def setup(self, lib) -> None:
         lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int]
         lib.rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, ctypes.c_int]
-        lib.add_rms_norm.restype = lib.rope.restype = None
+        lib.silu_and_mul.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_int]
+        lib.add_rms_norm.restype = lib.rope.restype = lib.silu_and_mul.restype = None
 
     @classmethod
     def get(cls, cache_dir: Path, wait: bool = False) -> CpuOps:
@@ -56,6 +59,16 @@ def add_rms_norm(lib, x: torch.Tensor, residual: torch.Tensor | None, weight: to
         out.data_ptr(), None if res is None else res.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads(),
     )  # fmt: skip
     return out, res
+
+
+def silu_and_mul(lib, x: torch.Tensor) -> torch.Tensor | None:
+    """silu_and_mul_ref(x) for x [T, 2 * I] (rows may be apart) as a new [T, I]; None when I is not a multiple of 16."""
+    t, inter = x.shape[0], x.shape[1] // 2
+    if inter % 16 or x.dim() != 2:
+        return None
+    out = x.new_empty(t, inter)
+    lib.silu_and_mul(x.data_ptr(), t, inter, x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def rope(lib, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:

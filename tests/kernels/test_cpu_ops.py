@@ -1,5 +1,5 @@
-"""The C add + RMSNorm (kernels/cpu_ops.c) against add_rms_norm_ref / rms_norm_ref, and kernels/rmsnorm.py taking
-it for bf16 on CPU once loaded (the reference for fp32 and fp16)."""
+"""The C add + RMSNorm, rotary and SiLU-and-mul (kernels/cpu_ops.c) against their references, and the kernels
+taking them for bf16 on CPU once loaded (the references for fp32 and fp16)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,35 @@ def test_rotary_takes_the_c_op_for_bf16_on_cpu(lib, monkeypatch):
             q, k = torch.randn(3, 4, 64).to(dtype), torch.randn(3, 2, 64).to(dtype)
             rc.apply(q, k, pos)
     assert calls == [(3, 4, 64), (3, 2, 64)]
+
+
+def test_silu_and_mul_is_bit_for_bit_its_reference_at_every_bf16_gate(lib):
+    """Every bf16 value as a gate (infinities, NaNs, denormals, the ends of exp's range), times up = 1 and random ups;
+    rows apart (a view of a wider tensor), and rows past the threads' threshold."""
+    from kernels.activation import silu_and_mul_ref
+
+    g = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(-1, 512)
+    for up in (torch.ones_like(g), torch.randn(g.shape, generator=torch.Generator().manual_seed(0)).bfloat16()):
+        wide = torch.cat([g, up, torch.zeros_like(g[:, :16])], 1)  # [128, 1040]: rows 1040 apart
+        x = wide[:, : 2 * 512]
+        got, ref = cpu_ops.silu_and_mul(lib, x), silu_and_mul_ref(x)
+        assert got.shape == (128, 512) and got.is_contiguous()
+        assert torch.equal(got.view(torch.int16)[~ref.isnan()], ref.view(torch.int16)[~ref.isnan()])
+        assert torch.equal(got.isnan(), ref.isnan())
+    assert cpu_ops.silu_and_mul(lib, torch.randn(3, 2 * 40).bfloat16()) is None  # I not whole 16-lane vectors
+
+
+def test_silu_and_mul_takes_the_c_op_for_bf16_on_cpu(lib, monkeypatch):
+    from kernels import activation
+
+    calls = []
+    real = cpu_ops.silu_and_mul
+    monkeypatch.setattr(cpu_ops, "silu_and_mul", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(CpuOps, "loaded", classmethod(lambda cls, key=None: type("K", (), {"lib": lib})))
+    with kernels.backend("torch"):
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            x = torch.randn(3, 64).to(dtype)
+            assert torch.equal(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
+        x = torch.randn(2, 80).bfloat16()  # I = 40: the reference
+        assert torch.equal(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
+    assert calls == [(3, 64), (2, 80)]
