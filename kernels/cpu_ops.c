@@ -126,7 +126,8 @@ void add_rms_norm(const uint16_t *x, const uint16_t *res, const uint16_t *w, uin
  * or denormal (1 + it is 1 either way, the only use here). */
 static inline f16v exp16(f16v x) {
     /* lanes: -1 below -87 / above 88.8, from the differences' signs: a 16-lane float compare went lane by lane on
-     * AVX2, as the unsigned one in to_bf16 (a NaN passes through: its difference's sign is its own, positive here) */
+     * AVX2, as the unsigned one in to_bf16 (a NaN lane gets some finite x: the gate it came from makes the output
+     * NaN anyway) */
     const f16v dlo = x + 87.0f, dhi = 88.8f - x;
     i16v lo, hi, xi;
     memcpy(&lo, &dlo, 64);

@@ -63,9 +63,9 @@ def add_rms_norm(lib, x: torch.Tensor, residual: torch.Tensor | None, weight: to
 
 def silu_and_mul(lib, x: torch.Tensor) -> torch.Tensor | None:
     """silu_and_mul_ref(x) for x [T, 2 * I] (rows may be apart) as a new [T, I]; None when I is not a multiple of 16."""
-    t, inter = x.shape[0], x.shape[1] // 2
-    if inter % 16 or x.dim() != 2:
+    if x.dim() != 2 or x.shape[1] % 32:
         return None
+    t, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(t, inter)
     lib.silu_and_mul(x.data_ptr(), t, inter, x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
