@@ -10,13 +10,17 @@ block 16), bf16, on this machine's threads. Three steps:
             serving step); the kernel only, its KV read rate against the machine's copy rate
 
 Reported: ms per call (median of `--reps`), GFLOP/s (4 x heads x head_dim x the positions each token sees), and the
-kernel's speed-up. Usage: python -m bench.cpu_attention [--reps 20] [--no-write]"""
+kernel's speed-up. `--against REV` also builds git revision REV's kernels/cpu_attention.c and times it and ours in
+alternating rounds (these machines drift between minutes): ours ÷ it per step. Usage: python -m bench.cpu_attention
+[--reps 20] [--against REV] [--no-write]"""
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -59,9 +63,34 @@ def run(attn, q, k, v, caches, layout) -> None:
         attn.forward(q, k, v, kc, vc, meta)
 
 
+def kernel_at(rev: str, native):
+    """kernels/cpu_attention.c as it was at git revision `rev`, built for D beside `native` (ours), or None."""
+    import subprocess
+
+    from kernels.cpu_attention import NativeAttention
+
+    src = Path(tempfile.mkdtemp()) / "cpu_attention.c"
+    src.write_text(subprocess.run(["git", "show", f"{rev}:kernels/cpu_attention.c"], cwd=REPO, check=True,
+                                  capture_output=True, text=True).stdout)  # fmt: skip
+    then = type("AttentionAt", (NativeAttention,), {"SOURCE": src}).get(D, src.parent / "build", wait=True)
+    return then if then.lib is not None else None
+
+
+def alternated(a, b, reps: int) -> tuple[float, float]:
+    """Medians of a() and b() timed in alternating rounds (which goes first alternates too)."""
+    ta, tb = [], []
+    for i in range(reps):
+        for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--against", default=None, help="a git revision whose kernel to time beside ours")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     from engine.host_memory import keep_freed_memory
@@ -73,6 +102,7 @@ def main(argv=None) -> int:
     if native.lib is None:
         print("the C attention did not build:", native.error)
         return 1
+    then = kernel_at(args.against, native) if args.against else None
     rng = random.Random(0)
     prompts = []
     while sum(n for n, _ in prompts) < 2048:
@@ -96,6 +126,12 @@ def main(argv=None) -> int:
             attn.native = kernel
             call = (attn, q, k, v, caches, layout)
             ways[way] = timed(lambda call=call: run(*call), args.reps) / layers
+            if kernel is not None and then is not None:  # ours and REV's, alternated
+                old = TorchAttention(BS, D**-0.5)
+                old.native = then
+                then_call = (old, *call[1:])
+                ours, was = alternated(lambda c=call: run(*c), lambda c=then_call: run(*c), args.reps)
+                ways["C"], ways[f"C@{args.against}"] = ours / layers, was / layers
         kv = sum(ctx for _, ctx in spec) * KVH * D * 2 * 2  # bf16 K and V each token's sequence reads
         rows.append((name, spec, ways, flops(spec), kv))
         each = " | ".join(f"{w} {s * 1e3:7.3f} ms {flops(spec) / s / 1e9:6.1f} GFLOP/s" for w, s in ways.items())
@@ -105,7 +141,8 @@ def main(argv=None) -> int:
     md = [
         "## CPU attention",
         "",
-        producer("python -m bench.cpu_attention", "cpu") + f" {torch.get_num_threads()} threads; copy rate "
+        producer("python -m bench.cpu_attention" + (f" --against {args.against}" if then else ""), "cpu")
+        + f" {torch.get_num_threads()} threads; copy rate "
         f"{copy:.1f} GB/s (read + write, 512 MiB).",
         "",
         "SmolLM2-135M's attention (9 query heads, 3 kv heads, head_dim 64, block 16, bf16) through `TorchAttention` "
@@ -113,17 +150,21 @@ def main(argv=None) -> int:
         "torch path (one SDPA call per prompt; the decodes' gather and batched matmuls). prefill: whole prompts of "
         "U(32, 384) tokens, 2048 or more in all; decode: 32 sequences of U(32, 500) tokens of context; cold: 18 such "
         "decodes over 30 layers' caches in turn (the KV from memory). GFLOP/s: 4 x heads x head_dim x the positions "
-        "each token sees; KV GB/s: the K and V bytes the kernel reads over its time. Median of the reps.",
+        "each token sees; KV GB/s: the K and V bytes the kernel reads over its time. Median of the reps."
+        + (f" C at {args.against}: that revision's kernel, timed in rounds alternating with ours." if then else ""),
         "",
-        "| step | tokens | C ms | torch ms | C GFLOP/s | torch GFLOP/s | torch ÷ C | C's KV read GB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| step | tokens | C ms | torch ms | C GFLOP/s | torch GFLOP/s | torch ÷ C | C's KV read GB/s |"
+        + (f" C at {args.against} ms | it ÷ ours |" if then else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if then else ""),
     ]
     for name, spec, ways, fl, kv in rows:
         c, t = ways["C"], ways.get("torch")
         torch_cols = f"{t * 1e3:.2f} | {fl / c / 1e9:.1f} | {fl / t / 1e9:.1f} | {t / c:.2f}×" if t else (
             f"– | {fl / c / 1e9:.1f} | – | –")  # fmt: skip
         read = f"{kv / c / 1e9:.1f}" if name != "prefill" else "–"  # a prefill's K / V stay in cache: compute-bound
-        md.append(f"| {name} | {sum(n for n, _ in spec)} | {c * 1e3:.2f} | {torch_cols} | {read} |")
+        was = ways.get(f"C@{args.against}")
+        was_cols = f" {was * 1e3:.2f} | {was / c:.2f}× |" if was else ""
+        md.append(f"| {name} | {sum(n for n, _ in spec)} | {c * 1e3:.2f} | {torch_cols} | {read} |{was_cols}")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -6,9 +6,11 @@
  * A work item is one kv head of one sequence and up to TQ of its query tokens, whose `rep` query heads share each
  * K/V row while it is in L1. Three passes over the item's positions: scores (q . k, soft-cap), fp32 exp(s - max)
  * per row over the positions it sees (causal, sliding window), then the weighted sum of V rows, normalized once at
- * the end. fp32 arithmetic throughout; the cache is converted a row at a time (GCC/Clang vector extensions: 8
- * lanes, whatever the ISA). Every sum runs in one order per query row whatever shares its item: a token's output
- * is the same from a prefill of 300 tokens, a prefix-cache hit's 5, or a decode.
+ * the end. fp32 arithmetic throughout; the cache is converted a row at a time into an fp32 copy that all R rows
+ * read, except for a decode's few rows on a bf16 cache, which widen each K / V vector in registers as they use it
+ * (GCC/Clang vector extensions: 8 lanes, whatever the ISA). Every sum runs in one order per query row whatever
+ * shares its item, in either path: a token's output is the same from a prefill of 300 tokens, a prefix-cache hit's
+ * 5, or a decode.
  *
  *   q        [T, H, D] in `q_dtype` (0 fp32, 1 bf16, 2 fp16), tokens q_stride elements apart, heads contiguous;
  *            multiplied by the softmax scale `scale` in fp32 as it is read; sequence s's tokens are rows
@@ -148,6 +150,52 @@ static inline v8 hsum8(const v8 *a) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+/* One bf16 K vector (8 lanes of D) as fp32 */
+static inline v8 widen8(const uint16_t *p) {
+#ifdef __AVX2__
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    h8 raw;
+    memcpy(&raw, p, 16);
+    u8 w = __builtin_convertvector(raw, u8) << 16;
+    v8 f;
+    memcpy(&f, &w, 32);
+    return f;
+#endif
+}
+
+static const uint16_t zero_row[HEAD_DIM]; /* a masked position's K: its scores are dropped in pass 2 */
+
+/* out[i] lanes 0..3 = the scores of query row i < n (q + i * NV; n 1 to 3, a constant once inlined) against 4 bf16
+ * K rows of the cache kp[0..3], widened in registers as they are read: n x 4 sums in registers. A score is q . k
+ * summed lane-wise in D's order from 0, then by hsum8's tree, as the fp32 copy's tiles sum it: the same bits. */
+static inline __attribute__((always_inline)) void qk4(const v8 *q, int n, const uint16_t *const *kp, v8 *out) {
+    v8 a[3][4];
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = (v8){0};
+    for (int c = 0; c < NV; c++)
+        for (int j = 0; j < 4; j++) {
+            const v8 kv = widen8(kp[j] + 8 * c);
+            for (int i = 0; i < n; i++) a[i][j] += q[i * NV + c] * kv;
+        }
+    /* hsum8 takes 8: two rows' 4 sums, or one row's twice (the other half unused) */
+    const v8 pair[8] = {a[0][0], a[0][1], a[0][2], a[0][3], a[n > 1][0], a[n > 1][1], a[n > 1][2], a[n > 1][3]};
+    out[0] = hsum8(pair);
+    out[1] = __builtin_shufflevector(out[0], out[0], 4, 5, 6, 7, 4, 5, 6, 7);
+    if (n == 3) {
+        const v8 third[8] = {a[2][0], a[2][1], a[2][2], a[2][3], a[2][0], a[2][1], a[2][2], a[2][3]};
+        out[2] = hsum8(third);
+    }
+}
+
+/* Row r's 8 scores at positions p0 .. p0 + 7 from qk4's two halves (x0: positions p0.., x1: p0 + 4..), soft-capped */
+static inline __attribute__((always_inline)) void put_scores(float *dst, v8 x0, v8 x1, float softcap) {
+    v8 x = __builtin_shufflevector(x0, x1, 0, 1, 2, 3, 8, 9, 10, 11);
+    if (softcap > 0.0f)
+        for (int j = 0; j < 8; j++) x[j] = softcap * tanhf(x[j] / softcap);
+    memcpy(dst, &x, 32);
+}
+
 /* A work item: kv head kh of sequence s, its query tokens [i0, i1) (indices within the sequence's chunk). */
 typedef struct {
     int64_t s, kh, i0, i1;
@@ -185,6 +233,33 @@ static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *
         for (int c = 0; c < CC; c++) acc[i * NV + c] = t[i][c];
 }
 
+/* pass 3 for a decode's rows (RR <= 3) on a bf16 cache: acc[i * NV + c0 + c] += w[i * W + p - lo8] * v_p[c0 + c] for
+ * c < CC, positions [a, b) in order, the V rows read where they lie and widened in registers: pv_tile's sums, bit for
+ * bit. RR, CC constants once inlined; `ahead`: prefetch the V rows AHEAD positions on (the first c0 pass). */
+static inline __attribute__((always_inline)) void pv_bf16(v8 *acc, const float *w, int64_t W, int64_t lo8,
+                                                          const uint16_t *v, const int32_t *bt, int64_t kh, int64_t nb,
+                                                          int64_t bs, int64_t a, int64_t b, int64_t hi, int RR, int c0,
+                                                          int CC, int ahead) {
+    v8 t[3][4];
+    for (int i = 0; i < RR; i++)
+        for (int c = 0; c < CC; c++) t[i][c] = acc[i * NV + c0 + c];
+    for (int64_t p = a; p < b;) {
+        const int64_t end = (p / bs + 1) * bs < b ? (p / bs + 1) * bs : b; /* a block's rows are consecutive */
+        const uint16_t *vr = v + cache_row(bt, kh, nb, bs, p) * HEAD_DIM + 8 * c0;
+        for (; p < end; p++, vr += HEAD_DIM) {
+            if (ahead && (p & 7) == 0 && p + AHEAD < hi) prefetch_rows(v, bt, kh, nb, bs, p + AHEAD, hi, 2);
+            float x[3];
+            for (int i = 0; i < RR; i++) x[i] = w[i * W + p - lo8];
+            for (int c = 0; c < CC; c++) {
+                const v8 vv = widen8(vr + 8 * c);
+                for (int i = 0; i < RR; i++) t[i][c] += x[i] * vv;
+            }
+        }
+    }
+    for (int i = 0; i < RR; i++)
+        for (int c = 0; c < CC; c++) acc[i * NV + c0 + c] = t[i][c];
+}
+
 /* One item. Its rows are R = (i1 - i0) * rep query vectors, row r = query token i0 + r / rep, head kh * rep + r % rep.
  * Token i sits at position pos = n - nq + i and sees [lo_i, pos] (lo_i > 0 with a window): the item's positions
  * span [lo, hi). Scores live in s [R, W] fp32 over the positions [lo8, lo8 + W) (lo rounded down to 8). */
@@ -209,10 +284,33 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     for (int64_t r = 0; r < R; r++) /* token i0 + r / rep's query head kh * rep + r % rep */
         load_q((const char *)q + ((qsl[s] + it->i0 + r / rep) * q_stride + (kh * rep + r % rep) * HEAD_DIM) * qsize,
                q_dtype, scale, qv + r * NV);
-    /* pass 1: scores, 8 positions at a time: the K rows as fp32 once for all R rows; two rows x four positions a
-     * tile (8 sums of 8 lanes along D). A score is q . k summed lane-wise in D's order, then hsum8's tree: the same
-     * whatever rows share the item. */
-    for (int64_t p0 = lo8; p0 < lo8 + W; p0 += 8) {
+    /* pass 1: scores, 8 positions at a time. A decode's few rows (R <= 3: a token's query heads of one kv head) on a
+     * bf16 cache read each K row where it lies, widened in registers, all R rows x 4 positions a tile (`direct`, qk4:
+     * an fp32 copy costs more than it saves for 3 uses). Else the K rows are converted to fp32 once for all R rows,
+     * two rows x four positions a tile (8 sums of 8 lanes along D). Either way a score is q . k summed lane-wise in
+     * D's order, then hsum8's tree: the same whatever rows share the item. */
+    const int direct = dtype == 1 && R <= 3;
+    /* direct: the first V rows too, which pass 3 reads before its own prefetches are AHEAD (1.1-1.2x, cold) */
+    for (int64_t p = lo8; p < lo8 + AHEAD && p < hi && direct; p += 8) prefetch_rows(v, bt, kh, nb, bs, p, hi, esize);
+    for (int64_t p0 = lo8; p0 < lo8 + W && direct; p0 += 8) {
+        if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);
+        v8 x[2][3];
+        for (int half = 0; half < 2; half++) {
+            const uint16_t *kp[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t p = p0 + 4 * half + j;
+                kp[j] = p >= lo && p < hi ? (const uint16_t *)k + cache_row(bt, kh, nb, bs, p) * HEAD_DIM : zero_row;
+            }
+            if (R == 3) /* constant row counts: each tile's sums stay in registers */
+                qk4(qv, 3, kp, x[half]);
+            else if (R == 2)
+                qk4(qv, 2, kp, x[half]);
+            else
+                qk4(qv, 1, kp, x[half]);
+        }
+        for (int64_t r = 0; r < R; r++) put_scores(sc + r * W + p0 - lo8, x[0][r], x[1][r], softcap);
+    }
+    for (int64_t p0 = lo8; p0 < lo8 + W && !direct; p0 += 8) {
         if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);
         for (int64_t j = 0; j < 8; j++) {
             const int64_t p = p0 + j;
@@ -228,12 +326,10 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
             v8 x[2];
             for (int half = 0; half < 2; half++) {
                 const v8 *kr = row + 4 * half * NV;
-                v8 a[8];
-                for (int j = 0; j < 4; j++) {
-                    a[j] = qa[0] * kr[j * NV];
-                    a[4 + j] = qb[0] * kr[j * NV];
-                }
-                for (int c = 1; c < NV; c++)
+                v8 a[8]; /* from 0, as qk4's: `q0 * k0 + q1 * k1` may contract either product into the FMA (GCC fuses
+                          * across statements), and paths built differently could choose differently */
+                for (int j = 0; j < 8; j++) a[j] = (v8){0};
+                for (int c = 0; c < NV; c++)
                     for (int j = 0; j < 4; j++) {
                         a[j] += qa[c] * kr[j * NV + c];
                         a[4 + j] += qb[c] * kr[j * NV + c];
@@ -288,7 +384,14 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
      * vectors of D a tile (12 sums in registers). A weight outside a row's positions is 0: adding 0 * v (v finite:
      * a real token's) leaves its sums as they were, so a row's output is the same whatever rows share the item. */
     memset(acc, 0, sizeof(v8) * R * NV);
-    for (int64_t pb = lo; pb < hi; pb += PB) {
+    for (int c0 = 0; c0 < NV && direct; c0 += 4) {
+        const int cc = NV - c0 < 4 ? NV - c0 : 4;
+        if (R == 3 && cc == 4)
+            pv_bf16(acc, sc, W, lo8, v, bt, kh, nb, bs, lo, hi, hi, 3, c0, 4, c0 == 0);
+        else
+            pv_bf16(acc, sc, W, lo8, v, bt, kh, nb, bs, lo, hi, hi, (int)R, c0, cc, c0 == 0);
+    }
+    for (int64_t pb = lo; pb < hi && !direct; pb += PB) {
         const int64_t pe = pb + PB < hi ? pb + PB : hi;
         for (int64_t p = pb; p < pe; p++) {
             if ((p & 7) == 0 && p + AHEAD < hi) prefetch_rows(v, bt, kh, nb, bs, p + AHEAD, hi, esize);

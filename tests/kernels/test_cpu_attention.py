@@ -86,13 +86,15 @@ def test_a_long_context_matches(kernel_dir):
     check(make_batch([(300, 700), (1, 257)], h=6, kvh=2, d=64, bs=16, dtype=torch.bfloat16, seed=2), kernel_dir)
 
 
+@pytest.mark.parametrize("h,kvh", [(9, 3), (4, 2), (3, 3)], ids=["rep3", "rep2", "rep1"])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, kernel_dir):
+def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, h, kvh, kernel_dir):
     """Tokens of a 41-token sequence, bit for bit: from a whole-prompt prefill, a chunk after a prefix-cache hit, a
     chunk of 2, a decode, beside other sequences, and on 1 thread as on 2. (Its scores, softmax and weighted sum run
-    in one order whatever tokens share its kernel item: streamed and whole answers agree.)"""
-    whole = cpu(make_batch([(41, 41)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=3, poison=False))
+    in one order whatever tokens share its kernel item: streamed and whole answers agree.) A bf16 decode's 1-3 rows
+    take the kernel's `direct` path (the cache read in place), the prefill's the fp32 copy: the bits agree."""
+    whole = cpu(make_batch([(41, 41)], h=h, kvh=kvh, d=64, bs=16, dtype=dtype, seed=3, poison=False))
     k = kernel(64, kernel_dir)
     ref = paged_attention_cpu(**whole, window=window, kernel=k)
     assert_close(ref, paged_attention_ref(**whole, window=window), "whole prefill vs the reference")
@@ -100,7 +102,7 @@ def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, ker
     def token(t, nq, others=(), threads=None):
         """Token t's output with the sequence cut to its first t + 1 tokens, the last nq of them queried (after
         others' sequences)."""
-        b = cpu(make_batch([*others, (nq, t + 1)], h=9, kvh=3, d=64, bs=16, dtype=dtype, seed=7, poison=False))
+        b = cpu(make_batch([*others, (nq, t + 1)], h=h, kvh=kvh, d=64, bs=16, dtype=dtype, seed=7, poison=False))
         n = -(-(t + 1) // 16)  # its blocks: K, V and queries copied in from `whole`
         for c in ("k_cache", "v_cache"):
             b[c][:, b["block_tables"][-1, :n].long()] = whole[c][:, whole["block_tables"][0, :n].long()]
