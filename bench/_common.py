@@ -217,6 +217,19 @@ def machine_line(device: str) -> str:
     )
 
 
+def kernel_at(cls, rev: str, *key):
+    """`cls` (a kernels.cpu_build.NativeKernel) built from git revision `rev`'s copy of its C source, as a subclass of
+    its own (its own build, beside ours): for the benches' `--against REV`. Returns it loaded, or with its error."""
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[1]
+    src = Path(tempfile.mkdtemp()) / cls.SOURCE.name
+    rel = cls.SOURCE.resolve().relative_to(repo)
+    src.write_text(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=repo, check=True, capture_output=True,
+                                  text=True).stdout)  # fmt: skip
+    return type(f"{cls.__name__}At", (cls,), {"SOURCE": src}).get(*key, src.parent / "build", wait=True)
+
+
 def producer(command: str, device: str) -> str:
     """The line a bench writes at the top of its docs section: the command that printed it, the date and the
     machine (tests/test_docs_figures.py requires both beside every figure)."""

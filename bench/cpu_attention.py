@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import producer, write_section
+from bench._common import kernel_at, producer, write_section
 from bench.cpu_gemm import REPO, copy_rate, timed
 
 H, KVH, D, BS = 9, 3, 64, 16  # SmolLM2-135M
@@ -63,19 +63,6 @@ def run(attn, q, k, v, caches, layout) -> None:
         attn.forward(q, k, v, kc, vc, meta)
 
 
-def kernel_at(rev: str, native):
-    """kernels/cpu_attention.c as it was at git revision `rev`, built for D beside `native` (ours), or None."""
-    import subprocess
-
-    from kernels.cpu_attention import NativeAttention
-
-    src = Path(tempfile.mkdtemp()) / "cpu_attention.c"
-    src.write_text(subprocess.run(["git", "show", f"{rev}:kernels/cpu_attention.c"], cwd=REPO, check=True,
-                                  capture_output=True, text=True).stdout)  # fmt: skip
-    then = type("AttentionAt", (NativeAttention,), {"SOURCE": src}).get(D, src.parent / "build", wait=True)
-    return then if then.lib is not None else None
-
-
 def alternated(a, b, reps: int) -> tuple[float, float]:
     """Medians of a() and b() timed in alternating rounds (which goes first alternates too)."""
     ta, tb = [], []
@@ -102,7 +89,10 @@ def main(argv=None) -> int:
     if native.lib is None:
         print("the C attention did not build:", native.error)
         return 1
-    then = kernel_at(args.against, native) if args.against else None
+    then = kernel_at(NativeAttention, args.against, D) if args.against else None
+    if then is not None and then.lib is None:
+        print(f"{args.against}'s C attention did not build: {then.error}")
+        then = None
     rng = random.Random(0)
     prompts = []
     while sum(n for n, _ in prompts) < 2048:

@@ -9,13 +9,12 @@ Usage: python -m bench.cpu_ops [--reps 30] [--against REV] [--no-write]"""
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
-from bench._common import producer, write_section
+from bench._common import kernel_at, producer, write_section
 from bench.cpu_gemm import REPO, timed
 
 ROWS = (1, 16, 32, 256, 2048)
@@ -52,24 +51,6 @@ def cases(rows: int, lib) -> dict[str, tuple]:
     return {op: calls for op, calls in ops.items() if op != "SiLU-and-mul" or hasattr(lib, "silu_and_mul")}
 
 
-def build_at(rev: str):
-    """kernels/cpu_ops.c as it was at git revision `rev`, built (its ops that exist there bound) and loaded."""
-    import ctypes
-
-    from kernels.cpu_build import build
-
-    src = Path(tempfile.mkdtemp()) / "cpu_ops.c"
-    src.write_text(subprocess.run(["git", "show", f"{rev}:kernels/cpu_ops.c"], cwd=REPO, check=True,
-                                  capture_output=True, text=True).stdout)  # fmt: skip
-    lib = ctypes.CDLL(str(build(src.parent / "build", src)))
-    P, I64 = ctypes.c_void_p, ctypes.c_int64
-    lib.add_rms_norm.argtypes = [P, P, P, P, P, I64, I64, ctypes.c_float, ctypes.c_int]
-    lib.rope.argtypes = [P, I64, I64, I64, I64, P, P, I64, I64, P, ctypes.c_int]
-    if hasattr(lib, "silu_and_mul"):
-        lib.silu_and_mul.argtypes = [P, I64, I64, I64, P, ctypes.c_int]
-    return lib
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
@@ -82,7 +63,10 @@ def main(argv=None) -> int:
     if ours.lib is None:
         print("the C ops did not build:", ours.error)
         return 1
-    old = build_at(args.against) if args.against else None
+    past = kernel_at(CpuOps, args.against) if args.against else None
+    if past is not None and past.lib is None:
+        print(f"{args.against}'s C ops did not build: {past.error}")
+    old = past.lib if past is not None else None
     rows_out = []
     for rows in ROWS:
         reps = args.reps if rows <= 256 else max(5, args.reps // 4)

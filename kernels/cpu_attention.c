@@ -54,20 +54,25 @@ void init_tables(void) {
     for (int i = 0; i < 256; i++) fp8_lut[i] = fp8_e4m3fn((uint8_t)i);
 }
 
+/* 8 bf16 (8 lanes of D) as fp32: bf16 is the top half of an fp32 */
+static inline v8 widen8(const uint16_t *p) {
+#ifdef __AVX2__ /* one vpmovzxwd to 8 lanes: GCC's convertvector splits it into two halves and a merge */
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    h8 raw;
+    memcpy(&raw, p, 16);
+    u8 w = __builtin_convertvector(raw, u8) << 16;
+    v8 f;
+    memcpy(&f, &w, 32);
+    return f;
+#endif
+}
+
 /* dst[0:NV] = cache row `idx` as fp32 (times `scale` for fp8) */
 static inline void load_row(const void *base, int64_t idx, int dtype, float scale, v8 *dst) {
-    if (dtype == 1) { /* bf16 is the top half of an fp32 */
+    if (dtype == 1) {
         const uint16_t *p = (const uint16_t *)base + idx * HEAD_DIM;
-        for (int c = 0; c < NV; c++) {
-#ifdef __AVX2__ /* one vpmovzxwd to 8 lanes: GCC's convertvector splits it into two halves and a merge */
-            dst[c] = (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * c))), 16);
-#else
-            h8 raw;
-            memcpy(&raw, p + 8 * c, 16);
-            u8 w = __builtin_convertvector(raw, u8) << 16;
-            memcpy(&dst[c], &w, 32);
-#endif
-        }
+        for (int c = 0; c < NV; c++) dst[c] = widen8(p + 8 * c);
     } else if (dtype == 0) {
         memcpy(dst, (const float *)base + idx * HEAD_DIM, HEAD_DIM * sizeof(float));
     } else if (dtype == 2) {
@@ -148,20 +153,6 @@ static inline v8 hsum8(const v8 *a) {
                __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
     return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-/* One bf16 K vector (8 lanes of D) as fp32 */
-static inline v8 widen8(const uint16_t *p) {
-#ifdef __AVX2__
-    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#else
-    h8 raw;
-    memcpy(&raw, p, 16);
-    u8 w = __builtin_convertvector(raw, u8) << 16;
-    v8 f;
-    memcpy(&f, &w, 32);
-    return f;
-#endif
 }
 
 static const uint16_t zero_row[HEAD_DIM]; /* a masked position's K: its scores are dropped in pass 2 */

@@ -31,8 +31,9 @@ class CpuOps(NativeKernel):
     def setup(self, lib) -> None:
         lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int]
         lib.rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, ctypes.c_int]
-        lib.silu_and_mul.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_int]
-        lib.add_rms_norm.restype = lib.rope.restype = lib.silu_and_mul.restype = None
+        lib.add_rms_norm.restype = lib.rope.restype = None
+        if hasattr(lib, "silu_and_mul"):  # a source before it (bench/cpu_ops.py --against an older revision)
+            lib.silu_and_mul.argtypes, lib.silu_and_mul.restype = [_P, _I64, _I64, _I64, _P, ctypes.c_int], None
 
     @classmethod
     def get(cls, cache_dir: Path, wait: bool = False) -> CpuOps:
