@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -280,10 +281,10 @@ def _native_prefill(llm, on: bool) -> None:
 
 
 def _thin_gemm(llm, on: bool) -> None:
-    """A decode's few rows through the AMX kernel (kernels/cpu_gemm.py), or oneDNN's packed GEMM."""
+    """A decode's few rows through the thin GEMM (kernels/cpu_gemm.py), or oneDNN's packed GEMM."""
     from kernels import cpu_gemm
 
-    assert cpu_gemm.ThinGemm.loaded() is not None, "no AMX thin GEMM here (a CPU without AMX-BF16, or no compiler)"
+    assert cpu_gemm.ThinGemm.loaded() is not None, "no thin GEMM here (a CPU without AVX512-BF16, or no compiler)"
     cpu_gemm.MAX_ROWS = AB_DEFAULTS.setdefault("max_rows", cpu_gemm.MAX_ROWS) if on else 0
 
 
@@ -356,7 +357,7 @@ def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) ->
     finally:
         switch(llm, True)
         eng.cfg = cfg
-    print(f"  {name}: median {sorted(ratios)[len(ratios) // 2]:.3f}x the tok/s with it off", flush=True)
+    print(f"  {name}: median {statistics.median(ratios):.3f}x the tok/s with it off", flush=True)
 
 
 def snapshot_check_seconds(weights: Path) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """Our CPU GEMM (kernels/cpu_gemm.py) against what dense() runs without it and plain F.linear, at SmolLM2's linear
 shapes, bf16, on this machine's threads: on a CPU with AMX its thin AMX kernel against oneDNN's packed GEMM at a
-decode step's row counts (docs section `cpu-gemm`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the weights'
+decode step's row counts (docs section `cpu-gemm`); with AVX512-BF16 but no AMX, the thin kernel's vdpbf16ps build
+against the same, at 1-128 rows (section `cpu-gemm-dot`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the weights'
 packed panels (what dense() runs once IdleWork has packed them) and on the bf16 weights themselves (before: each
 panel packed as the kernel reaches it), against MKL's fp32 GEMM, on fp32 copies (what holding them would give) and
 widened per call (what dense() runs without the kernel), from a decode's rows to a prefill's (section `cpu-gemm-
@@ -32,7 +33,7 @@ SHAPES = {
     "down": (576, 1536, 30),
     "lm_head": (49152, 576, 1),
 }  # fmt: skip  name: (N, K, weights of it in SmolLM2-135M)
-ROWS = {"amx": (1, 4, 8, 16, 32, 48, 64), "avx2": (1, 4, 16, 64, 256, 1024)}
+ROWS = {"amx": (1, 4, 8, 16, 32, 48, 64), "dot": (1, 4, 8, 16, 24, 32, 64, 128), "avx2": (1, 4, 16, 64, 256, 1024)}
 
 
 def timed(fn, reps: int) -> float:
@@ -49,6 +50,7 @@ def measure(x, ws, kind: str, thin, base: str, copies, reps: int, packed=()) -> 
     """Seconds per call of each way, over the weights in turn (packed: the AVX2 GEMM's panels of each)."""
     calls = {
         "amx": lambda: [a(x) for a in thin],
+        "dot": lambda: [a(x) for a in thin],
         "avx2": lambda: [thin.linear(x, w, None, p) for w, p in zip(ws, packed)],
         "unpacked": lambda: [thin.linear(x, w) for w in ws],
         "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in copies],
@@ -73,16 +75,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from engine.host_memory import keep_freed_memory
     from engine.layers.dense import onednn_bf16
-    from kernels.cpu_gemm import Avx2Gemm, ThinGemm
+    from kernels.cpu_gemm import Avx2Gemm, ThinGemm, has_amx
 
     keep_freed_memory()  # as the engine: a call's temporaries reuse the heap, not fresh pages each time
     cache = Path(tempfile.mkdtemp())
     if (thin := ThinGemm.get(cache, wait=True)) is not None:
-        kind, base, key = "amx", "onednn", "cpu-gemm"
+        kind, base, key = ("amx", "onednn", "cpu-gemm") if has_amx() else ("dot", "onednn", "cpu-gemm-dot")
     elif not onednn_bf16() and (thin := Avx2Gemm.get(cache, wait=True)) is not None:
         kind, base, key = "avx2", "fp32", "cpu-gemm-avx2"
     else:
-        print("no GEMM of ours for this machine: it has oneDNN's bf16 GEMM but no AMX, or no AVX2")
+        print("no GEMM of ours for this machine: it has oneDNN's bf16 GEMM but no AVX512-BF16, or no AVX2")
         return 1
     if thin.lib is None:
         print("our GEMM did not build:", thin.error)
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     unit = "GB/s" if kind == "amx" else "GFLOP/s"  # a decode's weight reads, or the GEMM's work up to a prefill's
     for name, (n, k, count) in SHAPES.items():
         ws_all = [torch.randn(n, k).bfloat16() for _ in range(count)]
-        thin_all = [thin.pack(w) for w in ws_all] if kind == "amx" else thin
+        thin_all = [thin.pack(w) for w in ws_all] if kind != "avx2" else thin
         packed_all = [thin.pack(w) for w in ws_all] if kind == "avx2" else []
         base_all = [torch.ops.mkldnn._reorder_linear_weight(w, None) if base == "onednn" else w.float() for w in ws_all]
         for m in ROWS[kind]:
@@ -110,11 +112,17 @@ def main(argv=None) -> int:
                   f"{base} / {kind} {t[base] / t[kind]:.2f}x", flush=True)  # fmt: skip
     if args.no_write:
         return 0
-    k_name, b_name = ("AMX", "oneDNN packed") if kind == "amx" else ("AVX2", "MKL fp32 copy")
+    k_name, b_name = {"amx": ("AMX", "oneDNN packed"), "dot": ("AVX512-BF16", "oneDNN packed")}.get(
+        kind, ("AVX2", "MKL fp32 copy")
+    )
     what = (
         "our AMX kernel (`kernels/cpu_gemm.c`), oneDNN's GEMM on its packed copy (what dense() used before), and "
         "`F.linear` on the plain bf16 weight. dense() takes the kernel up to `MAX_ROWS` rows (kernels/cpu_gemm.py)"
         if kind == "amx"
+        else "our thin kernel's AVX512-BF16 build (`kernels/cpu_gemm.c`: vdpbf16ps on AMX's packed layout), oneDNN's "
+        "GEMM on its packed copy at the same rows (dense() pads rows to its buckets for oneDNN: 17-32 rows run as "
+        "32), and `F.linear` on the plain bf16 weight. dense() takes the kernel up to `MAX_ROWS` (64) rows"
+        if kind == "dot"
         else "our AVX2 GEMM (`kernels/cpu_gemm_avx2.c`) on the weights' packed panels (what dense() runs once IdleWork "
         "has packed them) and on the bf16 weights (before: each panel packed as it is reached; the same sums), MKL's "
         "fp32 GEMM on fp32 copies of them "

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -271,7 +272,7 @@ def paired(names: list[str], model: Path, wl, ours, rounds: int) -> list[str]:
             continue
         each = ", ".join(f"{x:.2f}×" for x in ratios)
         lines.append(f"- paired with {name} ({rounds} rounds, alternating which goes first, the server up throughout):"
-                     f" ours ÷ {name} per round {each}; median {sorted(ratios)[len(ratios) // 2]:.2f}×")  # fmt: skip
+                     f" ours ÷ {name} per round {each}; median {statistics.median(ratios):.2f}×")  # fmt: skip
     return lines
 
 

@@ -297,7 +297,7 @@ class IdleWork:
         """Run the pieces now: every kernel piece, then the graph captures (up to one holding `batch` decodes when
         given), and wait for the CPU kernels' builds (the attention's was waited for at start: build_attention).
         LLM.generate before its first step; python -m warmup, so the volume's caches hold them all."""
-        for native in (ThinGemm.current(), CpuOps.current()):  # packing makes the AMX kernel's copies too
+        for native in (ThinGemm.current(), CpuOps.current()):  # packing makes the thin GEMM's copies too
             if native is not None:
                 native.wait()
         while self.pending and (self.host or self.pack or self.warm_shapes or self.mask_rows or batch is None):
@@ -323,7 +323,7 @@ class IdleWork:
         if not done:
             self.pack.clear()
         elif not self.pack:
-            how = "AVX2 panels" if not onednn_bf16() else "oneDNN, AMX" if ThinGemm.loaded() else "oneDNN"
+            how = "AVX2 panels" if not onednn_bf16() else "oneDNN, thin GEMM" if ThinGemm.loaded() else "oneDNN"
             log.info("CPU linear weights packed (%s): %d MiB", how, self.packed >> 20)
 
     def _warm(self) -> None:

@@ -1,14 +1,16 @@
-/* A bf16 linear for few rows on CPUs with AMX (Intel Sapphire Rapids and later): y = x W^T (+ bias), fp32 sums,
- * rounded to bf16 once (round to nearest even, as oneDNN). The CPU's answer to a decode step's GEMMs, which are
- * weight-read-bound: oneDNN's packed GEMM reads the weights at 5-9 GB/s at 1-32 rows on a 2-core Xeon VM, this at
- * 9-16 (kernels/cpu_gemm.py, bench/cpu_gemm.py). Checked against thin_linear_ref.
+/* A bf16 linear for few rows on CPUs with AVX512-BF16: y = x W^T (+ bias), fp32 sums, rounded to bf16 once (round
+ * to nearest even, as oneDNN). The CPU's answer to a decode step's GEMMs, which are weight-read-bound: oneDNN's packed
+ * GEMM reads the weights at 5-9 GB/s at 1-32 rows on a 2-core Xeon VM, this at 9-16 (kernels/cpu_gemm.py,
+ * bench/cpu_gemm.py). Checked against thin_linear_ref. Two builds of one layout: AMX tiles where the CPU has them
+ * (Intel Sapphire Rapids and later), else AVX512-BF16 dot products (AMD Zen 4 and later): AMX's B tile is, 64 bytes
+ * at a time, the operand of vdpbf16ps.
  *
  *   w        [N, K] bf16, packed once (pack) into AMX's B tiles, each tile's K pairs side by side:
  *   wp       [N / 16][K / 32][16 (k pairs)][16 (n)][2] bf16: one N block's K tiles are 1 KiB each, in a row, so a
- *            thread streams its blocks front to back
+ *            thread streams its blocks front to back (block nb's k pair p is the 64 bytes at (nb K / 2 + p) 32)
  *   x        [M, K] bf16, rows contiguous; y [M, N] bf16; bias [N] fp32 or NULL
- * Each thread takes whole N blocks. Per block, up to 64 rows at a time: four 16x16 fp32 sums (tiles 0-3), a B tile
- * (4) loaded once per K step and multiplied with up to four A tiles (5, 6). A last partial 16-row group of x is
+ * AMX: each thread takes whole N blocks. Per block, up to 64 rows at a time: four 16x16 fp32 sums (tiles 0-3), a B
+ * tile (4) loaded once per K step and multiplied with up to four A tiles (5, 6). A last partial 16-row group of x is
  * copied into a zero-padded buffer first (an A tile always reads 16 rows). Threads: OpenMP, in torch's libgomp. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,19 +19,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
-#error "this CPU has no AMX-BF16 (kernels/cpu_gemm.py builds it only where /proc/cpuinfo lists amx_bf16)"
+#if !defined(__AVX512BF16__)
+#error "this CPU has no AVX512-BF16 (kernels/cpu_gemm.py builds it only where /proc/cpuinfo lists avx512_bf16)"
 #endif
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux hands out AMX's tile data per process on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
- * 0 on success. oneDNN asks too; asking twice is harmless. */
-int amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
 void pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
     for (int64_t nb = 0; nb < n / 16; nb++)
@@ -43,6 +35,17 @@ void pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
                 }
         }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands out AMX's tile data per process on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
+ * 0 on success. oneDNN asks too; asking twice is harmless. */
+int amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
 /* 0 on success, 1 when the tail buffer could not be allocated */
 int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
@@ -111,3 +114,83 @@ int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
     free(tail);
     return 0;
 }
+
+#else /* AVX512-BF16 alone */
+
+int amx_init(void) { return 0; }
+
+#ifndef PF
+#define PF(t, tiles) ((t) == ((tiles) > 1)) /* the second row tile, or the only one */
+#endif
+
+enum { RT = 6, NT = 4 }; /* a tile: 6 rows x 4 blocks of 16 columns = 24 zmm sums, 4 B rows, 1 broadcast A pair */
+
+/* y rows [0, R) x blocks [0, NB) of b: sums over the K pairs in order (one chain per output, whatever M is), + bias */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t k, const uint16_t *b, uint16_t *y,
+                                                       int64_t n, const float *bias, const uint16_t *pf, const int R,
+                                                       const int NB) {
+    const int64_t kp = k / 2;
+    __m512 acc[RT][NT];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp; p++) {
+        __m512bh bv[NT];
+        for (int j = 0; j < NB; j++) bv[j] = (__m512bh)_mm512_loadu_si512(b + (j * kp + p) * 32);
+        if (pf)
+            for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(pf + (j * kp + p) * 32), _MM_HINT_T1);
+        for (int r = 0; r < R; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + r * k + 2 * p));
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, bv[j]);
+        }
+    }
+    for (int j = 0; j < NB; j++) {
+        const __m512 bj = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_si256((__m256i *)(y + r * n + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], bj)));
+    }
+}
+
+#define TILE_R(NB)                                                                                                     \
+    static void tile_##NB(const uint16_t *x, int64_t k, const uint16_t *b, uint16_t *y, int64_t n, const float *bias, \
+                          const uint16_t *pf, int R) {                                                                 \
+        switch (R) { /* constant R and NB: the sums stay in registers */                                             \
+        case 1: tile(x, k, b, y, n, bias, pf, 1, NB); break;                                                               \
+        case 2: tile(x, k, b, y, n, bias, pf, 2, NB); break;                                                               \
+        case 3: tile(x, k, b, y, n, bias, pf, 3, NB); break;                                                               \
+        case 4: tile(x, k, b, y, n, bias, pf, 4, NB); break;                                                               \
+        case 5: tile(x, k, b, y, n, bias, pf, 5, NB); break;                                                               \
+        default: tile(x, k, b, y, n, bias, pf, 6, NB);                                                                     \
+        }                                                                                                              \
+    }
+TILE_R(1)
+TILE_R(4)
+
+/* 0 always (the signature of the AMX build's, which can fail to allocate) */
+int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
+         int nthreads) {
+    const int64_t nbs = n / 16, groups = (nbs + NT - 1) / NT;
+    /* a thread takes whole groups of 4 blocks; per group every row tile re-reads the group's panel (4 blocks x K x
+     * 32 bytes: 72-192 KiB for K 576-1536) from L2, so the weight comes from memory once */
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t nb0 = g * NT, nb = nbs - nb0 < NT ? nbs - nb0 : NT;
+        /* row tiles as even as they go (8 rows: 4 + 4, not 6 + 2): a short tile pays a whole panel pass */
+        const int64_t tiles = (m + RT - 1) / RT;
+        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+            const int R = (int)((m - m0) / (tiles - t) + ((m - m0) % (tiles - t) != 0));
+            for (int64_t j = 0; j < nb; j += nb == NT ? NT : 1) {
+                const uint16_t *b = wp + (nb0 + j) * (k / 2) * 32;
+                const float *bj = bias ? bias + (nb0 + j) * 16 : NULL;
+                /* the next group's panel comes from memory while this one's later row tiles compute from L2 */
+                const uint16_t *pf = PF(t, tiles) && g + 1 < groups ? b + NT * (k / 2) * 32 : NULL;
+                if (nb == NT)
+                    tile_4(x + m0 * k, k, b, y + m0 * n + (nb0 + j) * 16, n, bj, pf, R);
+                else
+                    tile_1(x + m0 * k, k, b, y + m0 * n + (nb0 + j) * 16, n, bj, pf, R);
+            }
+            m0 += R;
+        }
+    }
+    return 0;
+}
+#endif

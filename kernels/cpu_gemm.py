@@ -1,14 +1,19 @@
-"""A bf16 linear for few rows on CPUs with AMX, in C (kernels/cpu_gemm.c), against thin_linear_ref.
+"""A bf16 linear for few rows on CPUs with AVX512-BF16, in C (kernels/cpu_gemm.c), against thin_linear_ref.
 
-Why: a decode step's linears have a row per sequence, and at 1-32 rows they only read the weights. oneDNN's packed
+Why: a decode step's linears have a row per sequence, and at 1-32 rows they mostly read the weights. oneDNN's packed
 GEMM reads them at 5-9 GB/s there on 2 cores of a Xeon VM whose memory gives 10-16; these AMX tiles, fed one weight
 tile per K step and up to four 16-row A tiles, at 9-16 (`python -m bench.cpu_gemm`, docs/benchmarks.md). From about
-64 rows on the GEMM is compute-bound, and oneDNN's blocking wins: dense() hands this kernel only rows <=
-MAX_ROWS.
+64 rows on the GEMM is compute-bound, and oneDNN's blocking wins: dense() hands this kernel only rows <= MAX_ROWS.
+
+Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later), the same packed layout feeds vdpbf16ps: a tile of
+6 rows x 64 columns, each of the group's panel read from memory once and from L2 for the later row tiles, while
+the next group's panel is prefetched. oneDNN pads these row counts to its buckets and reblocks per call; this
+kernel takes every row count to MAX_ROWS = 64: 1.1-2.4x oneDNN's packed GEMM at 1-32 rows, even at 64, behind
+from 128 (`python -m bench.cpu_gemm`, docs/benchmarks.md "CPU thin GEMM (AVX512-BF16)").
 
 The weight is packed once into AMX's B-tile layout (`ThinWeight`, an IdleWork piece a layer, as oneDNN's copy),
 beside the parameter, which the engine still reads. Built like the attention kernel (kernels/cpu_build.py), and only
-where /proc/cpuinfo lists amx_bf16 and amx_tile; elsewhere the linears stay oneDNN's.
+where /proc/cpuinfo lists avx512_bf16; elsewhere the linears stay oneDNN's.
 
 `Avx2Gemm` (kernels/cpu_gemm_avx2.c) is the other CPU GEMM here: every bf16 linear, at every row count, on CPUs
 where oneDNN has no bf16 GEMM at all (AVX2 alone), in one summation order."""
@@ -23,7 +28,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_build import NativeKernel, cpu_flags
 
-MAX_ROWS = 32  # measured crossing with oneDNN's packed GEMM (bench/cpu_gemm.py): this kernel to here
+AMX_MAX_ROWS, DOT_MAX_ROWS = 32, 64  # measured crossings with oneDNN's packed GEMM (bench/cpu_gemm.py)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -34,6 +39,14 @@ def thin_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 def has_amx() -> bool:
     return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+
+
+MAX_ROWS = AMX_MAX_ROWS if has_amx() else DOT_MAX_ROWS  # dense() hands this kernel rows up to here
+
+
+def has_thin() -> bool:
+    """Whether the thin GEMM builds here: AMX's tiles, or else AVX512-BF16's dot products (one packed layout)."""
+    return "avx512_bf16" in cpu_flags()
 
 
 def has_avx2() -> bool:
@@ -49,7 +62,7 @@ class ThinGemm(NativeKernel):
     """The compiled kernel (one per process: the key is None)."""
 
     SOURCE = Path(__file__).with_name("cpu_gemm.c")
-    WHAT, FALLBACK = "CPU thin GEMM (AMX)", "the linears stay oneDNN's"
+    WHAT, FALLBACK = "CPU thin GEMM (AVX512-BF16)", "the linears stay oneDNN's"
 
     def setup(self, lib) -> None:
         lib.pack.argtypes, lib.pack.restype = [_P, _I64, _I64, _P], None
@@ -59,8 +72,9 @@ class ThinGemm(NativeKernel):
 
     @classmethod
     def get(cls, cache_dir: Path, wait: bool = False) -> ThinGemm | None:
-        """The kernel where this CPU has AMX (None elsewhere), loaded now when it is built, else built by a thread."""
-        return super().get(None, cache_dir, wait) if has_amx() else None
+        """The kernel where this CPU has AVX512-BF16 (None elsewhere), loaded now when it is built, else built by a
+        thread."""
+        return super().get(None, cache_dir, wait) if has_thin() else None
 
     @staticmethod
     def fits(w: torch.Tensor) -> bool:
@@ -126,7 +140,7 @@ class Avx2Gemm(NativeKernel):
 
 
 class ThinWeight:
-    """A weight [N, K] in the AMX thin GEMM's tile layout; called as the linear."""
+    """A weight [N, K] in the thin GEMM's tile layout (AMX's B tiles); called as the linear."""
 
     __slots__ = ("packed", "n", "k", "lib")
 

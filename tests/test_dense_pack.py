@@ -31,7 +31,7 @@ def test_onednn_bf16_follows_the_cpu_flags():
 
 @pytest.fixture(autouse=True)
 def onednn_alone(monkeypatch):
-    """oneDNN's copy alone (bit for bit F.linear's): the AMX kernel's copies are tests/kernels/test_cpu_gemm.py's."""
+    """oneDNN's copy alone (bit for bit F.linear's): the thin GEMM's copies are tests/kernels/test_cpu_gemm.py's."""
     monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: None))
     monkeypatch.setattr(Avx2Gemm, "loaded", classmethod(lambda cls: None))
 

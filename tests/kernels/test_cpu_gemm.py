@@ -1,7 +1,8 @@
-"""The AMX thin GEMM (kernels/cpu_gemm.c) against thin_linear_ref, and dense() handing it a decode's few rows.
+"""The thin GEMM (kernels/cpu_gemm.c) against thin_linear_ref, and dense() handing it a decode's few rows.
 
-Runs where the CPU has AMX-BF16 (Intel Sapphire Rapids and later); elsewhere the kernel cannot execute, and only
-what a CPU without it must do is tested (no build, oneDNN's copy alone)."""
+Runs where the CPU has AVX512-BF16: its AMX build on Intel Sapphire Rapids and later, its vdpbf16ps build on AMD
+Zen 4 and later. Elsewhere the kernel cannot execute, and only what a CPU without it must do is tested (no build,
+oneDNN's copy alone)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kernels import cpu_gemm
 from kernels.cpu_gemm import ThinGemm, thin_linear_ref
 from tests.utils import unpacked_then_packed
 
-needs_amx = pytest.mark.skipif(not cpu_gemm.has_amx(), reason="this CPU has no AMX-BF16 (/proc/cpuinfo)")
+needs_thin = pytest.mark.skipif(not cpu_gemm.has_thin(), reason="this CPU has no AVX512-BF16 (/proc/cpuinfo)")
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +32,18 @@ def ulps(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None
     return ((got.float() - ref.float()).abs() - order).clamp_min(0) / spacing
 
 
-@needs_amx
-@pytest.mark.parametrize("n, k", [(16, 32), (96, 64), (960, 576), (576, 1536)])
+@needs_thin
+@pytest.mark.parametrize("n, k", [(16, 32), (96, 64), (112, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_kernel_matches_its_reference(thin, n, k, bias):
-    """Every row count up to past two 64-row groups (partial 16-row tiles, whole ones, a tail alone), with and
-    without a bias: within one bf16 step of the fp32 reference, and equal to it almost everywhere."""
+    """Every row count up to past two 64-row groups (partial 16-row tiles, whole ones, a tail alone; for the dot
+    build: 6-row tiles split evenly, a last group of fewer than 4 column blocks), with and without a bias: within one
+    bf16 step of the fp32 reference, and equal to it almost everywhere."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     packed = thin.pack(w)
-    for rows in (1, 2, 7, 15, 16, 17, 31, 32, 33, 64, 65, 130):
+    for rows in (1, 2, 7, 8, 13, 15, 16, 17, 31, 32, 33, 64, 65, 130):
         x = torch.randn(rows, k, generator=g).bfloat16()
         ref, got = thin_linear_ref(x, w, b), packed(x, b)
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
@@ -49,7 +51,7 @@ def test_the_kernel_matches_its_reference(thin, n, k, bias):
         assert (got == ref).float().mean() > 0.97, rows
 
 
-@needs_amx
+@needs_thin
 def test_a_strided_input_and_odd_values(thin):
     """A non-contiguous x (a slice of a wider one) is read as its values; inf and NaN pass through as in the
     reference, and a zero row gives zeros."""
@@ -73,7 +75,7 @@ def test_which_weights_fit():
     assert not cpu_gemm.fits(torch.zeros(32, 48, dtype=torch.bfloat16))  # K not whole 32-deep tiles
 
 
-@needs_amx
+@needs_thin
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypatch):
     calls = []
@@ -81,7 +83,7 @@ def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypat
                         thin_linear_ref(x, torch.zeros(self.n, self.k, dtype=x.dtype), b))  # fmt: skip
     monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: thin))
     w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
-    assert dense.pack([w]) == 2 * w.numel() * 2  # the AMX copy and oneDNN's
+    assert dense.pack([w]) == 2 * w.numel() * 2  # the thin GEMM's copy and oneDNN's
     for rows in (1, 16, cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1, 300):
         dense.dense(torch.randn(rows, 64, dtype=torch.bfloat16), w)
     assert calls == [1, 16, cpu_gemm.MAX_ROWS]
@@ -89,8 +91,8 @@ def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypat
     assert calls == [1, 16, cpu_gemm.MAX_ROWS]
 
 
-def test_without_amx_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+def test_without_avx512_bf16_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
     monkeypatch.setattr(ThinGemm, "_all", {})
     assert ThinGemm.get(tmp_path) is None and ThinGemm.loaded() is None
     assert not list(tmp_path.iterdir())  # nothing compiled
@@ -99,9 +101,9 @@ def test_without_amx_nothing_is_built_and_weights_get_onednns_copy_alone(monkeyp
     assert getattr(w, dense.THIN, None) is None
 
 
-@needs_amx
-def test_an_engine_on_amx_packs_both_copies_and_keeps_its_tokens(tiny_llama):
-    """bf16 greedy with the AMX copies used for decodes gives the tokens it gave before packing, logprobs within
+@needs_thin
+def test_an_engine_on_avx512_bf16_packs_both_copies_and_keeps_its_tokens(tiny_llama):
+    """bf16 greedy with the thin GEMM's copies used for decodes gives the tokens it gave before packing, logprobs within
     bf16 noise (the kernel's sums are fp32 in another order than oneDNN's)."""
     from engine import LLM, SamplingParams
 

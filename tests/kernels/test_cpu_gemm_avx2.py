@@ -154,7 +154,7 @@ def test_an_engines_greedy_logprobs_do_not_depend_on_the_batch_or_the_prefix_cac
     prompts of 6; on SmolLM2 itself its near ties flipped (three whole-vs-streamed server tests, an AVX2 EPYC)."""
     from engine import LLM, SamplingParams
 
-    monkeypatch.setattr(cpu_gemm, "has_amx", lambda: False)  # an AMX CPU would start its own kernel first
+    monkeypatch.setattr(cpu_gemm, "has_thin", lambda: False)  # an AVX512-BF16 CPU would start the thin GEMM
     monkeypatch.setattr(cpu_gemm.ThinGemm, "loaded", classmethod(lambda cls: None))
     llm = LLM(model=str(smollm2_shaped), device="cpu", dtype="bfloat16", kv_cache_memory=16 << 20, log_stats_interval=0,
               enable_prefix_caching=True)  # fmt: skip
