@@ -37,6 +37,11 @@
 #define PB 64              /* V rows converted at a time */
 #define SCORES (192 << 10) /* bytes of scores an item keeps (in L2) */
 #define AHEAD 32           /* positions ahead whose K / V rows are prefetched */
+#ifdef __AVX512VL__
+#define CW 8 /* vectors of D a weighted-sum tile takes: 32 vector registers hold 3 rows x 8 sums (one pass over V) */
+#else
+#define CW 4 /* AVX2's 16 hold 3 x 4 (two passes for D = 64) */
+#endif
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u8 __attribute__((vector_size(32)));
 typedef uint16_t h8 __attribute__((vector_size(16)));
@@ -212,7 +217,7 @@ static inline void prefetch_rows(const void *base, const int32_t *bt, int64_t kh
  * RR x CC sums held in registers (constants once inlined) */
 static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *w, int64_t W, const v8 *v, int64_t a,
                                                           int64_t b, int RR, int CC) {
-    v8 t[3][4];
+    v8 t[3][CW];
     for (int i = 0; i < RR; i++)
         for (int c = 0; c < CC; c++) t[i][c] = acc[i * NV + c];
     for (int64_t p = a; p < b; p++)
@@ -231,7 +236,7 @@ static inline __attribute__((always_inline)) void pv_bf16(v8 *acc, const float *
                                                           const uint16_t *v, const int32_t *bt, int64_t kh, int64_t nb,
                                                           int64_t bs, int64_t a, int64_t b, int64_t hi, int RR, int c0,
                                                           int CC, int ahead) {
-    v8 t[3][4];
+    v8 t[3][CW];
     for (int i = 0; i < RR; i++)
         for (int c = 0; c < CC; c++) t[i][c] = acc[i * NV + c0 + c];
     for (int64_t p = a; p < b;) {
@@ -371,14 +376,14 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
         }
         sums[r] = hsum(sum) + (sinks ? expf(sink - m) : 0.0f);
     }
-    /* pass 3: acc[r] += w[r, p] * v_p in the positions' order, PB V rows converted at a time; three rows x four
-     * vectors of D a tile (12 sums in registers). A weight outside a row's positions is 0: adding 0 * v (v finite:
+    /* pass 3: acc[r] += w[r, p] * v_p in the positions' order, PB V rows converted at a time; three rows x CW
+     * vectors of D a tile (12 or 24 sums in registers). A weight outside a row's positions is 0: adding 0 * v (v finite:
      * a real token's) leaves its sums as they were, so a row's output is the same whatever rows share the item. */
     memset(acc, 0, sizeof(v8) * R * NV);
-    for (int c0 = 0; c0 < NV && direct; c0 += 4) {
-        const int cc = NV - c0 < 4 ? NV - c0 : 4;
-        if (R == 3 && cc == 4)
-            pv_bf16(acc, sc, W, lo8, v, bt, kh, nb, bs, lo, hi, hi, 3, c0, 4, c0 == 0);
+    for (int c0 = 0; c0 < NV && direct; c0 += CW) {
+        const int cc = NV - c0 < CW ? NV - c0 : CW;
+        if (R == 3 && cc == CW)
+            pv_bf16(acc, sc, W, lo8, v, bt, kh, nb, bs, lo, hi, hi, 3, c0, CW, c0 == 0);
         else
             pv_bf16(acc, sc, W, lo8, v, bt, kh, nb, bs, lo, hi, hi, (int)R, c0, cc, c0 == 0);
     }
@@ -391,12 +396,12 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
         for (int64_t r0 = 0; r0 < R; r0 += 3) {
             const int rr = R - r0 < 3 ? (int)(R - r0) : 3;
             const int64_t a = START(r0) > pb ? START(r0) : pb, b = END(r0 + rr - 1) < pe ? END(r0 + rr - 1) : pe;
-            for (int c0 = 0; c0 < NV; c0 += 4) {
-                const int cc = NV - c0 < 4 ? NV - c0 : 4;
+            for (int c0 = 0; c0 < NV; c0 += CW) {
+                const int cc = NV - c0 < CW ? NV - c0 : CW;
                 v8 *t = acc + r0 * NV + c0;
                 const float *w = sc + r0 * W + pb - lo8; /* position pb's weight of row r0 */
-                if (rr == 3 && cc == 4)
-                    pv_tile(t, w, W, row + c0, a - pb, b - pb, 3, 4);
+                if (rr == 3 && cc == CW)
+                    pv_tile(t, w, W, row + c0, a - pb, b - pb, 3, CW);
                 else
                     pv_tile(t, w, W, row + c0, a - pb, b - pb, rr, cc);
             }
