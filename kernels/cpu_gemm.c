@@ -13,6 +13,7 @@
  * tile (4) loaded once per K step and multiplied with up to four A tiles (5, 6). A last partial 16-row group of x is
  * copied into a zero-padded buffer first (an A tile always reads 16 rows). Threads: OpenMP, in torch's libgomp. */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,32 +164,39 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         }                                                                                                              \
     }
 TILE_R(1)
+TILE_R(2)
+TILE_R(3)
 TILE_R(4)
 
 /* 0 always (the signature of the AMX build's, which can fail to allocate) */
 int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
          int nthreads) {
-    const int64_t nbs = n / 16, groups = (nbs + NT - 1) / NT;
-    /* a thread takes whole groups of 4 blocks; per group every row tile re-reads the group's panel (4 blocks x K x
-     * 32 bytes: 72-192 KiB for K 576-1536) from L2, so the weight comes from memory once */
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t nb0 = g * NT, nb = nbs - nb0 < NT ? nbs - nb0 : NT;
-        /* row tiles as even as they go (8 rows: 4 + 4, not 6 + 2): a short tile pays a whole panel pass */
-        const int64_t tiles = (m + RT - 1) / RT;
-        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
-            const int R = (int)((m - m0) / (tiles - t) + ((m - m0) % (tiles - t) != 0));
-            for (int64_t j = 0; j < nb; j += nb == NT ? NT : 1) {
-                const uint16_t *b = wp + (nb0 + j) * (k / 2) * 32;
-                const float *bj = bias ? bias + (nb0 + j) * 16 : NULL;
+    const int64_t nbs = n / 16, panel = NT * (k / 2) * 32, tiles = (m + RT - 1) / RT;
+    /* each thread takes an even share of the column blocks (576 columns: 18 and 18, not 5 groups of 4 and 4), in
+     * groups of 4; per group every row tile re-reads the group's panel (4 blocks x K x 32 bytes: 72-192 KiB for K
+     * 576-1536) from L2, so the weight comes from memory once */
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t b1 = nbs * (id + 1) / nt;
+        for (int64_t g0 = nbs * id / nt; g0 < b1; g0 += NT) {
+            const int64_t nb = b1 - g0 < NT ? b1 - g0 : NT;
+            const uint16_t *b = wp + g0 * (k / 2) * 32;
+            const float *bg = bias ? bias + g0 * 16 : NULL;
+            /* row tiles as even as they go (8 rows: 4 + 4, not 6 + 2): a short tile pays a whole panel pass */
+            for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+                const int R = (int)((m - m0) / (tiles - t) + ((m - m0) % (tiles - t) != 0));
                 /* the next group's panel comes from memory while this one's later row tiles compute from L2 */
-                const uint16_t *pf = PF(t, tiles) && g + 1 < groups ? b + NT * (k / 2) * 32 : NULL;
-                if (nb == NT)
-                    tile_4(x + m0 * k, k, b, y + m0 * n + (nb0 + j) * 16, n, bj, pf, R);
-                else
-                    tile_1(x + m0 * k, k, b, y + m0 * n + (nb0 + j) * 16, n, bj, pf, R);
+                const uint16_t *pf = PF(t, tiles) && g0 + NT < b1 ? b + panel : NULL;
+                uint16_t *yt = y + m0 * n + g0 * 16;
+                switch (nb) { /* a thread's last group may be short */
+                case 4: tile_4(x + m0 * k, k, b, yt, n, bg, pf, R); break;
+                case 3: tile_3(x + m0 * k, k, b, yt, n, bg, pf, R); break;
+                case 2: tile_2(x + m0 * k, k, b, yt, n, bg, pf, R); break;
+                default: tile_1(x + m0 * k, k, b, yt, n, bg, pf, R);
+                }
+                m0 += R;
             }
-            m0 += R;
         }
     }
     return 0;
