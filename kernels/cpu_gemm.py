@@ -9,7 +9,7 @@ Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later), the same packed 
 6 rows x 64 columns, each of the group's panel read from memory once and from L2 for the later row tiles, while
 the next group's panel is prefetched. oneDNN pads these row counts to its buckets and reblocks per call; this
 kernel takes every row count to MAX_ROWS = 64: 1.1-2.4x oneDNN's packed GEMM at 1-32 rows, even at 64, behind
-from 128 (`python -m bench.cpu_gemm`, docs/benchmarks.md "CPU thin GEMM (AVX512-BF16)").
+from 128 (`python -m bench.cpu_gemm`, docs/benchmarks.md "CPU GEMM (AVX512-BF16)").
 
 The weight is packed once into AMX's B-tile layout (`ThinWeight`, an IdleWork piece a layer, as oneDNN's copy),
 beside the parameter, which the engine still reads. Built like the attention kernel (kernels/cpu_build.py), and only
