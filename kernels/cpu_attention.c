@@ -8,9 +8,10 @@
  * per row over the positions it sees (causal, sliding window), then the weighted sum of V rows, normalized once at
  * the end. fp32 arithmetic throughout; the cache is converted a row at a time into an fp32 copy that all R rows
  * read, except for a decode's few rows on a bf16 cache, which widen each K / V vector in registers as they use it
- * (GCC/Clang vector extensions: 8 lanes, whatever the ISA). Every sum runs in one order per query row whatever
- * shares its item, in either path: a token's output is the same from a prefill of 300 tokens, a prefix-cache hit's
- * 5, or a decode.
+ * (GCC/Clang vector extensions: 8 lanes, whatever the ISA). Where the CPU has AVX512-BF16, a bf16 q's scores on a
+ * bf16 cache are vdpbf16ps sums of the bf16 pairs in place (no widening), scaled after the sum, in every path.
+ * Every sum runs in one order per query row whatever shares its item, in either path: a token's output is the same
+ * from a prefill of 300 tokens, a prefix-cache hit's 5, or a decode.
  *
  *   q        [T, H, D] in `q_dtype` (0 fp32, 1 bf16, 2 fp16), tokens q_stride elements apart, heads contiguous;
  *            multiplied by the softmax scale `scale` in fp32 as it is read; sequence s's tokens are rows
@@ -160,6 +161,31 @@ static inline v8 hsum8(const v8 *a) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__) && HEAD_DIM % 32 == 0
+#define DOT 1 /* a bf16 q against a bf16 cache: scores by vdpbf16ps (AVX512-BF16) */
+/* n bf16 q rows' (HEAD_DIM apart) scores against K rows kp[0..7], times the softmax scale: each K row loaded once
+ * for the n rows (n a constant once inlined); each score dot_row's sum then hsum8's tree, the same bits in every
+ * path */
+static inline __attribute__((always_inline)) void dot8(const uint16_t *qb, int n, const uint16_t *const *kp,
+                                                       float scale, v8 *out) {
+    v8 a[3][8];
+    for (int j = 0; j < 8; j++) {
+        __m512 t[3];
+        for (int i = 0; i < n; i++) t[i] = _mm512_setzero_ps();
+        for (int c = 0; c < HEAD_DIM / 32; c++) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp[j] + 32 * c);
+            for (int i = 0; i < n; i++)
+                t[i] = _mm512_dpbf16_ps(t[i], (__m512bh)_mm512_loadu_si512(qb + i * HEAD_DIM + 32 * c), kv);
+        }
+        for (int i = 0; i < n; i++)
+            a[i][j] = (v8)_mm256_add_ps(_mm512_castps512_ps256(t[i]), _mm512_extractf32x8_ps(t[i], 1));
+    }
+    for (int i = 0; i < n; i++) out[i] = hsum8(a[i]) * scale;
+}
+#else
+#define DOT 0
+#endif
+
 static const uint16_t zero_row[HEAD_DIM]; /* a masked position's K: its scores are dropped in pass 2 */
 
 /* out[i] lanes 0..3 = the scores of query row i < n (q + i * NV; n 1 to 3, a constant once inlined) against 4 bf16
@@ -277,7 +303,13 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     v8 *acc = qv + R * NV, *row = acc + R * NV;
     float *sc = (float *)(row + PB * NV), *sums = sc + R * W;
     const int qsize = q_dtype == 0 ? 4 : 2;
-    for (int64_t r = 0; r < R; r++) /* token i0 + r / rep's query head kh * rep + r % rep */
+    /* a bf16 q on a bf16 cache where AVX512-BF16 is: q kept as bf16 (in qv's room) and the scores by vdpbf16ps,
+     * scaled after the sum, in every path (a prefill's rows and a decode's alike) */
+    const int dot = DOT && dtype == 1 && q_dtype == 1;
+    for (int64_t r = 0; r < R && dot; r++)
+        memcpy((uint16_t *)qv + r * HEAD_DIM, (const uint16_t *)q + (qsl[s] + it->i0 + r / rep) * q_stride +
+               (kh * rep + r % rep) * HEAD_DIM, HEAD_DIM * sizeof(uint16_t));
+    for (int64_t r = 0; r < R && !dot; r++) /* token i0 + r / rep's query head kh * rep + r % rep */
         load_q((const char *)q + ((qsl[s] + it->i0 + r / rep) * q_stride + (kh * rep + r % rep) * HEAD_DIM) * qsize,
                q_dtype, scale, qv + r * NV);
     /* pass 1: scores, 8 positions at a time. A decode's few rows (R <= 3: a token's query heads of one kv head) on a
@@ -288,7 +320,32 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     const int direct = dtype == 1 && R <= 3;
     /* direct: the first V rows too, which pass 3 reads before its own prefetches are AHEAD (1.1-1.2x, cold) */
     for (int64_t p = lo8; p < lo8 + AHEAD && p < hi && direct; p += 8) prefetch_rows(v, bt, kh, nb, bs, p, hi, esize);
-    for (int64_t p0 = lo8; p0 < lo8 + W && direct; p0 += 8) {
+#if DOT
+    for (int64_t p0 = lo8; p0 < lo8 + W && dot; p0 += 8) { /* K rows where they lie, every row against them */
+        if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);
+        const uint16_t *kp[8];
+        for (int j = 0; j < 8; j++) {
+            const int64_t p = p0 + j;
+            kp[j] = p >= lo && p < hi ? (const uint16_t *)k + cache_row(bt, kh, nb, bs, p) * HEAD_DIM : zero_row;
+        }
+        v8 x[3];
+        for (int64_t r0 = 0; r0 < R; r0 += 3) {
+            const int64_t n = R - r0 < 3 ? R - r0 : 3, r1 = r0 + n - 1;
+            if (END(r1) <= p0 || START(r0) >= p0 + 8) continue; /* no position of these rows here */
+            const uint16_t *qb = (const uint16_t *)qv + r0 * HEAD_DIM; /* the bf16 rows, HEAD_DIM apart */
+            if (n == 3) /* constant row counts: each tile's sums stay in registers */
+                dot8(qb, 3, kp, scale, x);
+            else if (n == 2)
+                dot8(qb, 2, kp, scale, x);
+            else
+                dot8(qb, 1, kp, scale, x);
+            for (int64_t i = 0; i < n; i++)
+                put_scores(sc + (r0 + i) * W + p0 - lo8, x[i], __builtin_shufflevector(x[i], x[i], 4, 5, 6, 7, 0, 1, 2, 3),
+                           softcap);
+        }
+    }
+#endif
+    for (int64_t p0 = lo8; p0 < lo8 + W && direct && !dot; p0 += 8) {
         if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);
         v8 x[2][3];
         for (int half = 0; half < 2; half++) {
@@ -306,7 +363,7 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
         }
         for (int64_t r = 0; r < R; r++) put_scores(sc + r * W + p0 - lo8, x[0][r], x[1][r], softcap);
     }
-    for (int64_t p0 = lo8; p0 < lo8 + W && !direct; p0 += 8) {
+    for (int64_t p0 = lo8; p0 < lo8 + W && !direct && !dot; p0 += 8) {
         if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);
         for (int64_t j = 0; j < 8; j++) {
             const int64_t p = p0 + j;
