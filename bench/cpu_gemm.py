@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         if kind == "amx"
         else "our thin kernel's AVX512-BF16 build (`kernels/cpu_gemm.c`: vdpbf16ps on AMX's packed layout), oneDNN's "
         "GEMM on its packed copy at the same rows (dense() pads rows to its buckets for oneDNN: 17-32 rows run as "
-        "32), and `F.linear` on the plain bf16 weight. dense() takes the kernel up to `MAX_ROWS` (64) rows"
+        "32), and `F.linear` on the plain bf16 weight. dense() runs the kernel at every row count there"
         if kind == "dot"
         else "our AVX2 GEMM (`kernels/cpu_gemm_avx2.c`) on the weights' packed panels (what dense() runs once IdleWork "
         "has packed them) and on the bf16 weights (before: each panel packed as it is reached; the same sums), MKL's "

@@ -323,7 +323,9 @@ class IdleWork:
         if not done:
             self.pack.clear()
         elif not self.pack:
-            how = "AVX2 panels" if not onednn_bf16() else "oneDNN, thin GEMM" if ThinGemm.loaded() else "oneDNN"
+            thin = ThinGemm.loaded()
+            how = ("AVX2 panels" if not onednn_bf16() else "oneDNN" if thin is None else
+                   "thin GEMM" if thin.every_row else "oneDNN, thin GEMM")  # fmt: skip
             log.info("CPU linear weights packed (%s): %d MiB", how, self.packed >> 20)
 
     def _warm(self) -> None:

@@ -9,6 +9,7 @@
  *   wp       [N / 16][K / 32][16 (k pairs)][16 (n)][2] bf16: one N block's K tiles are 1 KiB each, in a row, so a
  *            thread streams its blocks front to back (block nb's k pair p is the 64 bytes at (nb K / 2 + p) 32)
  *   x        [M, K] bf16, rows contiguous; y [M, N] bf16; bias [N] fp32 or NULL
+ * gemm reads the packed copy; the dot build's gemm_any also reads w itself, packing each panel as it goes.
  * AMX: each thread takes whole N blocks. Per block, up to 64 rows at a time: four 16x16 fp32 sums (tiles 0-3), a B
  * tile (4) loaded once per K step and multiplied with up to four A tiles (5, 6). A last partial 16-row group of x is
  * copied into a zero-padded buffer first (an A tile always reads 16 rows). Threads: OpenMP, in torch's libgomp. */
@@ -24,17 +25,17 @@
 #error "this CPU has no AVX512-BF16 (kernels/cpu_gemm.py builds it only where /proc/cpuinfo lists avx512_bf16)"
 #endif
 
+/* column block nb of w [N, K] (its 16 rows) -> t [K / 2][16][2]: one block of the packed layout */
+static void pack_block(const uint16_t *w, int64_t k, int64_t nb, uint16_t *t) {
+    for (int j = 0; j < 16; j++) {
+        const uint32_t *src = (const uint32_t *)(w + (nb * 16 + j) * k); /* its K pairs */
+        uint32_t *dst = (uint32_t *)t + j;
+        for (int64_t p = 0; p < k / 2; p++) dst[p * 16] = src[p];
+    }
+}
+
 void pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
-    for (int64_t nb = 0; nb < n / 16; nb++)
-        for (int64_t kb = 0; kb < k / 32; kb++) {
-            uint16_t *t = wp + (nb * (k / 32) + kb) * 512;
-            for (int kk = 0; kk < 16; kk++)
-                for (int j = 0; j < 16; j++) {
-                    const uint16_t *src = w + (nb * 16 + j) * k + kb * 32 + 2 * kk;
-                    t[(kk * 16 + j) * 2] = src[0];
-                    t[(kk * 16 + j) * 2 + 1] = src[1];
-                }
-        }
+    for (int64_t nb = 0; nb < n / 16; nb++) pack_block(w, k, nb, wp + nb * (k / 2) * 32);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -168,26 +169,32 @@ TILE_R(2)
 TILE_R(3)
 TILE_R(4)
 
-/* 0 always (the signature of the AMX build's, which can fail to allocate) */
-int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
-         int nthreads) {
+/* y = x W^T (+ bias) from the packed copy wp, or where it is NULL from w [N, K] itself, each group's panel packed
+ * into a buffer of the thread's as it is reached: the same sums either way (a server's first steps, before its
+ * copies are packed, give what its later ones give). 0 on success, 1 when a thread's buffer could not be allocated */
+int gemm_any(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, const uint16_t *w, int64_t n, uint16_t *y,
+             const float *bias, int nthreads) {
     const int64_t nbs = n / 16, panel = NT * (k / 2) * 32, tiles = (m + RT - 1) / RT;
+    int failed = 0;
     /* each thread takes an even share of the column blocks (576 columns: 18 and 18, not 5 groups of 4 and 4), in
      * groups of 4; per group every row tile re-reads the group's panel (4 blocks x K x 32 bytes: 72-192 KiB for K
      * 576-1536) from L2, so the weight comes from memory once */
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t b1 = nbs * (id + 1) / nt;
-        for (int64_t g0 = nbs * id / nt; g0 < b1; g0 += NT) {
+        uint16_t *buf = wp ? NULL : aligned_alloc(64, panel * sizeof(uint16_t));
+        failed = !wp && !buf;
+        for (int64_t g0 = nbs * id / nt; g0 < b1 && !failed; g0 += NT) {
             const int64_t nb = b1 - g0 < NT ? b1 - g0 : NT;
-            const uint16_t *b = wp + g0 * (k / 2) * 32;
+            for (int64_t j = 0; j < nb && !wp; j++) pack_block(w, k, g0 + j, buf + j * (k / 2) * 32);
+            const uint16_t *b = wp ? wp + g0 * (k / 2) * 32 : buf;
             const float *bg = bias ? bias + g0 * 16 : NULL;
             /* row tiles as even as they go (8 rows: 4 + 4, not 6 + 2): a short tile pays a whole panel pass */
             for (int64_t t = 0, m0 = 0; t < tiles; t++) {
                 const int R = (int)((m - m0) / (tiles - t) + ((m - m0) % (tiles - t) != 0));
                 /* the next group's panel comes from memory while this one's later row tiles compute from L2 */
-                const uint16_t *pf = PF(t, tiles) && g0 + NT < b1 ? b + panel : NULL;
+                const uint16_t *pf = wp && PF(t, tiles) && g0 + NT < b1 ? b + panel : NULL;
                 uint16_t *yt = y + m0 * n + g0 * 16;
                 switch (nb) { /* a thread's last group may be short */
                 case 4: tile_4(x + m0 * k, k, b, yt, n, bg, pf, R); break;
@@ -198,7 +205,13 @@ int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
                 m0 += R;
             }
         }
+        free(buf);
     }
-    return 0;
+    return failed;
+}
+
+int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
+         int nthreads) {
+    return gemm_any(x, m, k, wp, NULL, n, y, bias, nthreads);
 }
 #endif

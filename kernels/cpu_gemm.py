@@ -1,4 +1,5 @@
-"""A bf16 linear for few rows on CPUs with AVX512-BF16, in C (kernels/cpu_gemm.c), against thin_linear_ref.
+"""A bf16 linear on CPUs with AVX512-BF16, in C (kernels/cpu_gemm.c), against thin_linear_ref: with AMX for a
+decode's few rows, without it (the dot build) for every row count.
 
 Why: a decode step's linears have a row per sequence, and at 1-32 rows they mostly read the weights. oneDNN's packed
 GEMM reads them at 5-9 GB/s there on 2 cores of a Xeon VM whose memory gives 10-16; these AMX tiles, fed one weight
@@ -7,9 +8,11 @@ tile per K step and up to four 16-row A tiles, at 9-16 (`python -m bench.cpu_gem
 
 Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later), the same packed layout feeds vdpbf16ps: a tile of
 6 rows x 64 columns, each of the group's panel read from memory once and from L2 for the later row tiles, while
-the next group's panel is prefetched. oneDNN pads these row counts to its buckets and reblocks per call; this
-kernel takes every row count to MAX_ROWS = 64: 1.1-2.4x oneDNN's packed GEMM at 1-32 rows, even at 64, behind
-from 128 (`python -m bench.cpu_gemm`, docs/benchmarks.md "CPU GEMM (AVX512-BF16)").
+the next group's panel is prefetched. There it runs every bf16 linear at every row count (`ThinGemm.linear`): at
+1-32 rows 1.1-2.4x oneDNN's packed GEMM, even with it from 64 rows to a 2048-token prefill chunk (`python -m
+bench.cpu_gemm`, docs/benchmarks.md "CPU GEMM (AVX512-BF16)"). One summation order for every row count, on the
+weight itself (each panel packed as it is reached) until its copy is packed, so a token's sums never depend on
+its step or on whether packing has finished; and that copy is the only one (no oneDNN copy).
 
 The weight is packed once into AMX's B-tile layout (`ThinWeight`, an IdleWork piece a layer, as oneDNN's copy),
 beside the parameter, which the engine still reads. Built like the attention kernel (kernels/cpu_build.py), and only
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_build import NativeKernel, cpu_flags
 
-AMX_MAX_ROWS, DOT_MAX_ROWS = 32, 64  # measured crossings with oneDNN's packed GEMM (bench/cpu_gemm.py)
+AMX_MAX_ROWS, DOT_MAX_ROWS = 32, 1 << 40  # AMX: the measured crossing with oneDNN's packed GEMM; dot: every row count
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -67,6 +70,9 @@ class ThinGemm(NativeKernel):
     def setup(self, lib) -> None:
         lib.pack.argtypes, lib.pack.restype = [_P, _I64, _I64, _P], None
         lib.gemm.argtypes, lib.gemm.restype = [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int
+        if hasattr(lib, "gemm_any"):  # the dot build (a past revision's may lack it)
+            lib.gemm_any.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
+            lib.gemm_any.restype = ctypes.c_int
         if lib.amx_init() != 0:
             raise RuntimeError("the kernel refused AMX's tile data to this process (arch_prctl)")
 
@@ -79,6 +85,33 @@ class ThinGemm(NativeKernel):
     @staticmethod
     def fits(w: torch.Tensor) -> bool:
         return fits(w)
+
+    @property
+    def every_row(self) -> bool:
+        """The dot build (AVX512-BF16 without AMX): dense() gives it every bf16 linear at every row count, on the
+        weight itself until its copy is packed (`linear`), so a token's sums never depend on its step."""
+        return self.lib is not None and hasattr(self.lib, "gemm_any")
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, packed: ThinWeight | None = None) -> torch.Tensor:
+        """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16, at any M: from `packed` (pack(w)) when
+        given, else from w, each panel packed as it is reached (the same sums). The dot build only."""
+        if x.shape[1] != w.shape[1] or not fits(w) or (bias is not None and bias.shape != w.shape[:1]):
+            raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(w.shape)}, bias "
+                             f"{None if bias is None else tuple(bias.shape)} do not fit")  # fmt: skip
+        if packed is not None and (packed.n, packed.k) != tuple(w.shape):
+            raise ValueError(f"linear: packed [{packed.n}, {packed.k}] is not weight {tuple(w.shape)}'s")
+        x = x.contiguous()
+        w = w if packed is not None else w.contiguous()
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        b = None if bias is None else bias.float().contiguous()
+        wp, raw = (packed.packed.data_ptr(), None) if packed is not None else (None, w.data_ptr())
+        failed = self.lib.gemm_any(
+            x.data_ptr(), x.shape[0], x.shape[1], wp, raw, w.shape[0], y.data_ptr(),
+            None if b is None else b.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("CPU thin GEMM: out of memory for its panel buffers")
+        return y
 
     def pack(self, w: torch.Tensor) -> ThinWeight:
         w = w.detach().contiguous()

@@ -12,6 +12,11 @@ faster at up to 64 rows than the plain weight F.linear hands oneDNN on every cal
 (tests/test_dense_pack.py; 576 x 3072 at 64 rows: 0.64 ms -> 0.46 ms on 2 threads of a Xeon with AMX). The packed
 copy is memory of its own, beside the parameter (which the rest of the engine still reads).
 
+Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later), every bf16 linear whose shape fits runs the thin
+GEMM's dot build (kernels/cpu_gemm.py) at every row count, in one summation order: on the weight itself, each panel
+packed as it goes, until IdleWork has packed its copy (the only one: oneDNN's is not made), then on that copy. The
+engine waits for the kernel at start, so a server's first requests get the sums its later ones get.
+
 Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), a bf16 linear runs our AVX2 GEMM at every row count, in one
 summation order (kernels/cpu_gemm_avx2.c): a row's result does not depend on the rows beside it. It reads the weight's
 packed copy (panels of 16 columns, made by `pack` as the oneDNN copies are) once there is one, and packs each panel as
@@ -50,6 +55,9 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     rows = x.shape[0]
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype == torch.float32:
         return F.linear(x, w, bias)
+    if x.dtype == torch.bfloat16 == w.dtype and (dot := _dot()) is not None and cpu_gemm.fits(w):
+        if rows <= cpu_gemm.MAX_ROWS:  # every row count, one order, packed or not: the engine waits for it at start
+            return dot.linear(x, w, bias, getattr(w, THIN, None))
     if x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # torch's bf16 GEMM is 5-9x slower here
         if AVX2 and (avx2 := cpu_gemm.Avx2Gemm.loaded()) is not None:
             # every row count, one order, packed or not: the engine waits for the kernel at start
@@ -93,6 +101,12 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _dot():
+    """The thin GEMM's dot build where it runs every bf16 linear (AVX512-BF16 without AMX, loaded), else None."""
+    thin = cpu_gemm.ThinGemm.loaded()
+    return thin if thin is not None and thin.every_row else None
+
+
 def _avx2():
     """The AVX2 GEMM where it runs the bf16 linears (no oneDNN bf16 GEMM, the kernel loaded), else None."""
     return cpu_gemm.Avx2Gemm.loaded() if AVX2 and not onednn_bf16() else None
@@ -101,7 +115,7 @@ def _avx2():
 def packable(w) -> bool:
     return (
         isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.bfloat16
-        and getattr(w, PACKED, None) is None and getattr(w, AVX2_PACKED, None) is None
+        and all(getattr(w, a, None) is None for a in (PACKED, AVX2_PACKED, THIN))
         and (onednn_bf16() or _avx2() is not None)
     )  # fmt: skip
 
@@ -119,17 +133,19 @@ PACK_HEADROOM = 1 << 30  # bytes a piece's copies must leave free: the steps' te
 
 def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     """Give each weight its oneDNN-packed copy (dense() uses it from then on), and its AMX copy where the thin GEMM
-    is loaded; where oneDNN has no bf16 GEMM, its AVX2 GEMM panels instead. Only when the memory left (`room()`:
+    is loaded; where the thin GEMM's dot build runs every row count (AVX512-BF16 without AMX), its copy alone; where
+    oneDNN has no bf16 GEMM, its AVX2 GEMM panels instead. Only when the memory left (`room()`:
     bytes, None when unknown) holds them with PACK_HEADROOM to spare. Returns the bytes packed; 0 when the memory is
     short (then nothing is, the log says why, and the linears go on as before) or nothing packs here."""
     avx2 = _avx2()  # None wherever oneDNN has a bf16 GEMM
     if avx2 is None and not onednn_bf16():
         return 0
-    thin = cpu_gemm.ThinGemm.loaded()
+    thin, dot = cpu_gemm.ThinGemm.loaded(), _dot()
     amx = [avx2 is None and thin is not None and thin.fits(w) for w in weights]
-    # (the AVX2 panels: the weight's bytes, its rows rounded up to a panel's columns)
+    # (the AVX2 panels: the weight's bytes, its rows rounded up to a panel's columns; the dot build's copy alone, as
+    # it runs every row count where it fits)
     need = sum((-(-w.shape[0] // avx2.NR) * avx2.NR * w.shape[1] * 2 if avx2 else w.numel() * w.element_size()
-                * (1 + a)) for w, a in zip(weights, amx))  # fmt: skip
+                * (1 if dot is not None else 1 + a)) for w, a in zip(weights, amx))  # fmt: skip
     if (left := room()) is not None and left < need + PACK_HEADROOM:
         log.warning("CPU weight packing stopped: %d MiB left, its copies need %d MiB and %d to spare; the rest of "
                     "the linears stay unpacked", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
@@ -137,6 +153,9 @@ def pack(weights: list[torch.Tensor], room=memory_room) -> int:
     for w, a in zip(weights, amx):
         if avx2 is not None:
             setattr(w, AVX2_PACKED, avx2.pack(w))
+            continue
+        if dot is not None and a:
+            setattr(w, THIN, dot.pack(w))
             continue
         setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         if a:

@@ -15,6 +15,9 @@ from kernels.cpu_gemm import ThinGemm, thin_linear_ref
 from tests.utils import unpacked_then_packed
 
 needs_thin = pytest.mark.skipif(not cpu_gemm.has_thin(), reason="this CPU has no AVX512-BF16 (/proc/cpuinfo)")
+needs_amx = pytest.mark.skipif(not cpu_gemm.has_amx(), reason="this CPU has no AMX-BF16 (/proc/cpuinfo)")
+needs_dot = pytest.mark.skipif(not cpu_gemm.has_thin() or cpu_gemm.has_amx(),
+                               reason="the dot build runs on AVX512-BF16 without AMX")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +52,8 @@ def test_the_kernel_matches_its_reference(thin, n, k, bias):
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         assert ulps(got, ref, x.float().abs() @ w.float().abs().T).max() <= 1, rows
         assert (got == ref).float().mean() > 0.97, rows
+        if thin.every_row:  # the dot build: from the weight itself (each panel packed as it goes), the same bits
+            assert torch.equal(thin.linear(x, w, b), got) and torch.equal(thin.linear(x, w, b, packed), got), rows
 
 
 @needs_thin
@@ -75,7 +80,7 @@ def test_which_weights_fit():
     assert not cpu_gemm.fits(torch.zeros(32, 48, dtype=torch.bfloat16))  # K not whole 32-deep tiles
 
 
-@needs_thin
+@needs_amx
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypatch):
     calls = []
@@ -91,6 +96,29 @@ def test_dense_takes_the_kernel_for_few_rows_and_onednn_for_more(thin, monkeypat
     assert calls == [1, 16, cpu_gemm.MAX_ROWS]
 
 
+@needs_dot
+def test_dense_takes_the_dot_build_at_every_row_count_packed_or_not(thin, monkeypatch):
+    """Without AMX, every bf16 linear that fits goes to the kernel, whatever its rows: on the weight itself before
+    packing, on the one copy pack() makes after (no oneDNN copy), with the same bits; a weight that does not fit and
+    fp32 stay with F.linear."""
+    monkeypatch.setattr(ThinGemm, "loaded", classmethod(lambda cls: thin))
+    calls = []
+    linear = ThinGemm.linear
+    monkeypatch.setattr(ThinGemm, "linear", lambda self, x, w, b=None, p=None: calls.append((len(x), p is not None))
+                        or linear(self, x, w, b, p))  # fmt: skip
+    w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    xs = [torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (1, 16, 65, 300)]
+    before = [dense.dense(x, w) for x in xs]
+    assert dense.pack([w]) == w.numel() * 2 and getattr(w, dense.PACKED, None) is None
+    after = [dense.dense(x, w) for x in xs]
+    assert calls == [(1, False), (16, False), (65, False), (300, False), (1, True), (16, True), (65, True), (300, True)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    odd = torch.randn(24, 64, dtype=torch.bfloat16)  # N not whole 16-column blocks
+    dense.dense(xs[0], odd)
+    dense.dense(torch.randn(3, 64), w.float())
+    assert len(calls) == 8
+
+
 def test_without_avx512_bf16_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
     monkeypatch.setattr(ThinGemm, "_all", {})
@@ -102,9 +130,10 @@ def test_without_avx512_bf16_nothing_is_built_and_weights_get_onednns_copy_alone
 
 
 @needs_thin
-def test_an_engine_on_avx512_bf16_packs_both_copies_and_keeps_its_tokens(tiny_llama):
-    """bf16 greedy with the thin GEMM's copies used for decodes gives the tokens it gave before packing, logprobs within
-    bf16 noise (the kernel's sums are fp32 in another order than oneDNN's)."""
+def test_an_engine_on_avx512_bf16_packs_its_copies_and_keeps_its_tokens(tiny_llama):
+    """bf16 greedy with the thin GEMM's copies gives the tokens it gave before packing: with AMX (decodes on the
+    kernel, prefills on oneDNN) logprobs within bf16 noise; with the dot build (every row count, packed or not) the
+    same logprobs, bit for bit."""
     from engine import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_llama), device="cpu", dtype="bfloat16", kv_cache_memory=8 << 20, log_stats_interval=0)
@@ -118,3 +147,4 @@ def test_an_engine_on_avx512_bf16_packs_both_copies_and_keeps_its_tokens(tiny_ll
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert x.keys() == y.keys()
             assert all(abs(x[t] - y[t]) < 0.05 for t in x)
+            assert not ThinGemm.current().every_row or x == y
