@@ -32,15 +32,16 @@ def _emulator(smollm2_path, grace: float) -> Emulator:
     return Emulator(env)
 
 
-def _submit(emu: Emulator, max_tokens: int) -> list[str]:
-    job = {
-        "input": {
-            "prompt": "Tell me a long story about a lighthouse.",
-            "stream": True,
-            "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
-        }
-    }
-    return [requests.post(f"{emu.base}/run", json=job, timeout=30).json()["id"] for _ in range(N)]
+def _submit(emu: Emulator, max_tokens: int, first: int | None = None) -> list[str]:
+    """N streamed jobs of max_tokens each (the first of `first`, when given); their ids."""
+
+    def job(n: int) -> dict:
+        params = {"temperature": 0, "max_tokens": n, "ignore_eos": True}
+        prompt = "Tell me a long story about a lighthouse."
+        return {"input": {"prompt": prompt, "stream": True, "sampling_params": params}}
+
+    sizes = [max_tokens if first is None or i else first for i in range(N)]
+    return [requests.post(f"{emu.base}/run", json=job(n), timeout=30).json()["id"] for n in sizes]
 
 
 def _status(emu: Emulator, jid: str) -> dict:
@@ -93,7 +94,7 @@ def test_jobs_past_the_grace_period_fail_with_a_clear_error(smollm2_path):
 def test_jobs_within_the_grace_period_finish_and_a_cancel_still_reaches_the_worker(smollm2_path):
     emu = _emulator(smollm2_path, grace=120)
     try:
-        ids = _submit(emu, max_tokens=60)
+        ids = _submit(emu, max_tokens=60, first=1500)  # the one to cancel: still decoding when the cancel comes
         _all_streaming(emu, ids)
         _sigterm_worker(emu)
         _wait(lambda: any("shutting down: no new jobs" in line for line in emu.lines), 30, "the drain to start")
