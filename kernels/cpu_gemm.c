@@ -176,6 +176,7 @@ int gemm_any(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, const 
              const float *bias, int nthreads) {
     const int64_t nbs = n / 16, panel = NT * (k / 2) * 32, tiles = (m + RT - 1) / RT;
     int failed = 0;
+    if (m == 0) return 0; /* nothing to pack a panel for */
     /* each thread takes an even share of the column blocks (576 columns: 18 and 18, not 5 groups of 4 and 4), in
      * groups of 4; per group every row tile re-reads the group's panel (4 blocks x K x 32 bytes: 72-192 KiB for K
      * 576-1536) from L2, so the weight comes from memory once */

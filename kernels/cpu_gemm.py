@@ -44,7 +44,7 @@ def has_amx() -> bool:
     return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
 
 
-MAX_ROWS = AMX_MAX_ROWS if has_amx() else DOT_MAX_ROWS  # dense() hands this kernel rows up to here
+MAX_ROWS = AMX_MAX_ROWS  # dense() hands the AMX build rows up to here (the dot build: up to DOT_MAX_ROWS)
 
 
 def has_thin() -> bool:
@@ -95,7 +95,10 @@ class ThinGemm(NativeKernel):
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, packed: ThinWeight | None = None) -> torch.Tensor:
         """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16, at any M: from `packed` (pack(w)) when
         given, else from w, each panel packed as it is reached (the same sums). The dot build only."""
-        if x.shape[1] != w.shape[1] or not fits(w) or (bias is not None and bias.shape != w.shape[:1]):
+        if not self.every_row:
+            raise RuntimeError("linear: the AMX build reads its packed copy only (ThinWeight)")
+        if (x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[1] != w.shape[1] or not fits(w)
+                or not w.is_cpu or (bias is not None and bias.shape != w.shape[:1])):  # fmt: skip
             raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(w.shape)}, bias "
                              f"{None if bias is None else tuple(bias.shape)} do not fit")  # fmt: skip
         if packed is not None and (packed.n, packed.k) != tuple(w.shape):

@@ -56,7 +56,7 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype == torch.float32:
         return F.linear(x, w, bias)
     if x.dtype == torch.bfloat16 == w.dtype and (dot := _dot()) is not None and cpu_gemm.fits(w):
-        if rows <= cpu_gemm.MAX_ROWS:  # every row count, one order, packed or not: the engine waits for it at start
+        if rows <= cpu_gemm.DOT_MAX_ROWS:  # every row count, one order, packed or not: the engine waits for it at start
             return dot.linear(x, w, bias, getattr(w, THIN, None))
     if x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # torch's bf16 GEMM is 5-9x slower here
         if AVX2 and (avx2 := cpu_gemm.Avx2Gemm.loaded()) is not None:

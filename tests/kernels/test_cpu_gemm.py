@@ -119,6 +119,19 @@ def test_dense_takes_the_dot_build_at_every_row_count_packed_or_not(thin, monkey
     assert len(calls) == 8
 
 
+@needs_dot
+def test_the_dot_builds_linear_refuses_what_its_c_would_misread(thin):
+    """x must be a bf16 [M, K] host tensor and w a weight that fits: anything else is a ValueError, not misread."""
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    for bad_x, bad_w in ((x.float(), w), (x.half(), w), (x[None], w), (x[0], w), (x, w[:24]), (x[:, :32], w)):
+        with pytest.raises(ValueError):
+            thin.linear(bad_x, bad_w)
+    with pytest.raises(ValueError):
+        thin.linear(x, w, torch.zeros(31))
+    assert torch.equal(thin.linear(x, w), thin.pack(w)(x))
+
+
 def test_without_avx512_bf16_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw"})
     monkeypatch.setattr(ThinGemm, "_all", {})
