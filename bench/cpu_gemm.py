@@ -48,9 +48,13 @@ def timed(fn, reps: int) -> float:
 
 def measure(x, ws, kind: str, thin, base: str, copies, reps: int, packed=()) -> dict[str, float]:
     """Seconds per call of each way, over the weights in turn (packed: the AVX2 GEMM's panels of each)."""
+
+    def packed_thin():  # either thin build, on its packed copies
+        return [a(x) for a in thin]
+
     calls = {
-        "amx": lambda: [a(x) for a in thin],
-        "dot": lambda: [a(x) for a in thin],
+        "amx": packed_thin,
+        "dot": packed_thin,
         "avx2": lambda: [thin.linear(x, w, None, p) for w, p in zip(ws, packed)],
         "unpacked": lambda: [thin.linear(x, w) for w in ws],
         "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in copies],

@@ -210,9 +210,8 @@ static inline __attribute__((always_inline)) void qk4(const v8 *q, int n, const 
     }
 }
 
-/* Row r's 8 scores at positions p0 .. p0 + 7 from qk4's two halves (x0: positions p0.., x1: p0 + 4..), soft-capped */
-static inline __attribute__((always_inline)) void put_scores(float *dst, v8 x0, v8 x1, float softcap) {
-    v8 x = __builtin_shufflevector(x0, x1, 0, 1, 2, 3, 8, 9, 10, 11);
+/* A row's 8 scores at positions p0 .. p0 + 7, soft-capped, into dst */
+static inline __attribute__((always_inline)) void put_scores(float *dst, v8 x, float softcap) {
     if (softcap > 0.0f)
         for (int j = 0; j < 8; j++) x[j] = softcap * tanhf(x[j] / softcap);
     memcpy(dst, &x, 32);
@@ -339,9 +338,7 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
                 dot8(qb, 2, kp, scale, x);
             else
                 dot8(qb, 1, kp, scale, x);
-            for (int64_t i = 0; i < n; i++)
-                put_scores(sc + (r0 + i) * W + p0 - lo8, x[i], __builtin_shufflevector(x[i], x[i], 4, 5, 6, 7, 0, 1, 2, 3),
-                           softcap);
+            for (int64_t i = 0; i < n; i++) put_scores(sc + (r0 + i) * W + p0 - lo8, x[i], softcap);
         }
     }
 #endif
@@ -361,7 +358,9 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
             else
                 qk4(qv, 1, kp, x[half]);
         }
-        for (int64_t r = 0; r < R; r++) put_scores(sc + r * W + p0 - lo8, x[0][r], x[1][r], softcap);
+        for (int64_t r = 0; r < R; r++) /* qk4's two halves: positions p0.. and p0 + 4.. */
+            put_scores(sc + r * W + p0 - lo8, __builtin_shufflevector(x[0][r], x[1][r], 0, 1, 2, 3, 8, 9, 10, 11),
+                       softcap);
     }
     for (int64_t p0 = lo8; p0 < lo8 + W && !direct && !dot; p0 += 8) {
         if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);

@@ -121,10 +121,6 @@ int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n,
 
 int amx_init(void) { return 0; }
 
-#ifndef PF
-#define PF(t, tiles) ((t) == ((tiles) > 1)) /* the second row tile, or the only one */
-#endif
-
 enum { RT = 6, NT = 4 }; /* a tile: 6 rows x 4 blocks of 16 columns = 24 zmm sums, 4 B rows, 1 broadcast A pair */
 
 /* y rows [0, R) x blocks [0, NB) of b: sums over the K pairs in order (one chain per output, whatever M is), + bias */
@@ -194,8 +190,9 @@ int gemm_any(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, const 
             /* row tiles as even as they go (8 rows: 4 + 4, not 6 + 2): a short tile pays a whole panel pass */
             for (int64_t t = 0, m0 = 0; t < tiles; t++) {
                 const int R = (int)((m - m0) / (tiles - t) + ((m - m0) % (tiles - t) != 0));
-                /* the next group's panel comes from memory while this one's later row tiles compute from L2 */
-                const uint16_t *pf = wp && PF(t, tiles) && g0 + NT < b1 ? b + panel : NULL;
+                /* the next group's packed panel comes from memory while this one's later row tiles compute from L2:
+                 * asked for in the second row tile (or the only one) */
+                const uint16_t *pf = wp && t == (tiles > 1) && g0 + NT < b1 ? b + panel : NULL;
                 uint16_t *yt = y + m0 * n + g0 * 16;
                 switch (nb) { /* a thread's last group may be short */
                 case 4: tile_4(x + m0 * k, k, b, yt, n, bg, pf, R); break;

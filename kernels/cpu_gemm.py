@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 from kernels.cpu_build import NativeKernel, cpu_flags
 
-AMX_MAX_ROWS, DOT_MAX_ROWS = 32, 1 << 40  # AMX: the measured crossing with oneDNN's packed GEMM; dot: every row count
+# dense() hands the AMX build rows up to MAX_ROWS (the measured crossing with oneDNN's packed GEMM), the dot build
+# every row count (DOT_MAX_ROWS: --ab thin-gemm sets both to 0)
+MAX_ROWS, DOT_MAX_ROWS = 32, 1 << 40
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -42,9 +44,6 @@ def thin_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 def has_amx() -> bool:
     return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
-
-
-MAX_ROWS = AMX_MAX_ROWS  # dense() hands the AMX build rows up to here (the dot build: up to DOT_MAX_ROWS)
 
 
 def has_thin() -> bool:
