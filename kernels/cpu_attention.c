@@ -161,30 +161,13 @@ static inline v8 hsum8(const v8 *a) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512DQ__) && HEAD_DIM % 32 == 0
-#define DOT 1 /* a bf16 q against a bf16 cache: scores by vdpbf16ps (AVX512-BF16) */
-/* n bf16 q rows' (HEAD_DIM apart) scores against K rows kp[0..7], times the softmax scale: each K row loaded once
- * for the n rows (n a constant once inlined); each score dot_row's sum then hsum8's tree, the same bits in every
- * path */
-static inline __attribute__((always_inline)) void dot8(const uint16_t *qb, int n, const uint16_t *const *kp,
-                                                       float scale, v8 *out) {
-    v8 a[3][8];
-    for (int j = 0; j < 8; j++) {
-        __m512 t[3];
-        for (int i = 0; i < n; i++) t[i] = _mm512_setzero_ps();
-        for (int c = 0; c < HEAD_DIM / 32; c++) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp[j] + 32 * c);
-            for (int i = 0; i < n; i++)
-                t[i] = _mm512_dpbf16_ps(t[i], (__m512bh)_mm512_loadu_si512(qb + i * HEAD_DIM + 32 * c), kv);
-        }
-        for (int i = 0; i < n; i++)
-            a[i][j] = (v8)_mm256_add_ps(_mm512_castps512_ps256(t[i]), _mm512_extractf32x8_ps(t[i], 1));
-    }
-    for (int i = 0; i < n; i++) out[i] = hsum8(a[i]) * scale;
-}
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && HEAD_DIM % 32 == 0
+#define DOT 1 /* a bf16 q against a bf16 cache: scores and weighted sums by vdpbf16ps (kernels/cpu_attention_dot.h) */
 #else
 #define DOT 0
 #endif
+
+int rounds_weights(void) { return DOT; } /* bf16 q on a bf16 cache: pass 3 rounds the weights to bf16 */
 
 static const uint16_t zero_row[HEAD_DIM]; /* a masked position's K: its scores are dropped in pass 2 */
 
@@ -234,7 +217,7 @@ static inline void prefetch_rows(const void *base, const int32_t *bt, int64_t kh
                                  int64_t hi, int esize) {
     for (int64_t j = 0; j < 8 && p + j < hi; j++) {
         const char *row = (const char *)base + cache_row(bt, kh, nb, bs, p + j) * HEAD_DIM * esize;
-        for (int64_t off = 0; off < HEAD_DIM * esize; off += 64) __builtin_prefetch(row + off, 0, 3);
+        for (int64_t off = 0; off < HEAD_DIM * esize; off += 64) __builtin_prefetch(row + off, 0, 2);
     }
 }
 
@@ -281,10 +264,14 @@ static inline __attribute__((always_inline)) void pv_bf16(v8 *acc, const float *
         for (int c = 0; c < CC; c++) acc[i * NV + c0 + c] = t[i][c];
 }
 
+#if DOT
+#include "cpu_attention_dot.h"
+#endif
+
 /* One item. Its rows are R = (i1 - i0) * rep query vectors, row r = query token i0 + r / rep, head kh * rep + r % rep.
  * Token i sits at position pos = n - nq + i and sees [lo_i, pos] (lo_i > 0 with a window): the item's positions
  * span [lo, hi). Scores live in s [R, W] fp32 over the positions [lo8, lo8 + W) (lo rounded down to 8). */
-static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, float scale, const void *k, const void *v,
+static int run(const item *it, const item *next, const void *q, int64_t q_stride, int q_dtype, float scale, const void *k, const void *v,
                const int32_t *tables, int64_t table_stride, const int32_t *ctx, const int32_t *qsl, void *out, int64_t h, int64_t kvh,
                int64_t nb, int64_t bs, int dtype, const float *k_scale, const float *v_scale, int64_t window, float softcap,
                const float *sinks) {
@@ -294,17 +281,18 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     const int esize = dtype == 0 ? 4 : dtype == 3 ? 1 : 2;
 #define END(r) (first + it->i0 + (r) / rep + 1) /* row r sees positions [START(r), END(r)) */
 #define START(r) (window > 0 && END(r) > window ? END(r) - window : 0)
-    const int64_t lo = START(0), hi = END(R - 1), lo8 = lo & ~(int64_t)7, W = ((hi + 7) & ~(int64_t)7) - lo8;
-    /* q [R, NV] | acc [R, NV] | rows [PB, NV] | scores [R, W] | sums [R] */
-    const size_t bytes = sizeof(v8) * (2 * R + PB) * NV + sizeof(float) * R * (W + 1);
-    v8 *qv = aligned_alloc(32, (bytes + 31) / 32 * 32); /* C11: a multiple of the alignment */
+    /* a bf16 q on a bf16 cache where AVX512-BF16 is: q kept as bf16 (in qv's room), passes 1 and 3 by vdpbf16ps
+     * (kernels/cpu_attention_dot.h) in every path, a prefill's rows and a decode's alike; positions 16 a tile */
+    const int dot = DOT && dtype == 1 && q_dtype == 1;
+    const int64_t al = dot ? 16 : 8, lo = START(0), hi = END(R - 1), lo8 = lo & -al, W = ((hi + al - 1) & -al) - lo8;
+    /* q [R, NV] | acc [R, NV] | rows [PB, NV] | scores [R, W] | sums [R] | dot: bf16 weights [R, W] */
+    const size_t bytes = sizeof(v8) * (2 * R + PB) * NV + sizeof(float) * R * (W + 1) + (dot ? 2 * R * W : 0);
+    v8 *qv = aligned_alloc(64, (bytes + 63) / 64 * 64); /* C11: a multiple of the alignment */
     if (qv == NULL) return 1;
     v8 *acc = qv + R * NV, *row = acc + R * NV;
     float *sc = (float *)(row + PB * NV), *sums = sc + R * W;
+    uint16_t *pw = (uint16_t *)(sums + R); /* dot: pass 2's weights rounded to bf16, pass 3's operand */
     const int qsize = q_dtype == 0 ? 4 : 2;
-    /* a bf16 q on a bf16 cache where AVX512-BF16 is: q kept as bf16 (in qv's room) and the scores by vdpbf16ps,
-     * scaled after the sum, in every path (a prefill's rows and a decode's alike) */
-    const int dot = DOT && dtype == 1 && q_dtype == 1;
     for (int64_t r = 0; r < R && dot; r++)
         memcpy((uint16_t *)qv + r * HEAD_DIM, (const uint16_t *)q + (qsl[s] + it->i0 + r / rep) * q_stride +
                (kh * rep + r % rep) * HEAD_DIM, HEAD_DIM * sizeof(uint16_t));
@@ -318,27 +306,38 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
      * D's order, then hsum8's tree: the same whatever rows share the item. */
     const int direct = dtype == 1 && R <= 3;
     /* direct: the first V rows too, which pass 3 reads before its own prefetches are AHEAD (1.1-1.2x, cold) */
-    for (int64_t p = lo8; p < lo8 + AHEAD && p < hi && direct; p += 8) prefetch_rows(v, bt, kh, nb, bs, p, hi, esize);
+    for (int64_t p = lo8; p < lo8 + AHEAD && p < hi && direct; p += 8) {
+        prefetch_rows(k, bt, kh, nb, bs, p, hi, esize);
+        prefetch_rows(v, bt, kh, nb, bs, p, hi, esize);
+    }
 #if DOT
-    for (int64_t p0 = lo8; p0 < lo8 + W && dot; p0 += 8) { /* K rows where they lie, every row against them */
-        if (p0 + AHEAD < hi) prefetch_rows(k, bt, kh, nb, bs, p0 + AHEAD, hi, esize);
-        const uint16_t *kp[8];
-        for (int j = 0; j < 8; j++) {
+    for (int64_t p0 = lo8; p0 < lo8 + W && dot; p0 += 32) { /* K rows where they lie, transposed once for all rows */
+        const int g = p0 + 16 < lo8 + W ? 2 : 1; /* tiles of 16 positions */
+        for (int64_t p = p0 + AHEAD; p < p0 + AHEAD + 32 && p < hi; p += 8) {
+            prefetch_rows(k, bt, kh, nb, bs, p, hi, 2);
+            if (direct) prefetch_rows(v, bt, kh, nb, bs, p, hi, 2);
+        }
+        const uint16_t *kp[32];
+        for (int j = 0; j < 16 * g; j++) {
             const int64_t p = p0 + j;
             kp[j] = p >= lo && p < hi ? (const uint16_t *)k + cache_row(bt, kh, nb, bs, p) * HEAD_DIM : zero_row;
         }
-        v8 x[3];
-        for (int64_t r0 = 0; r0 < R; r0 += 3) {
-            const int64_t n = R - r0 < 3 ? R - r0 : 3, r1 = r0 + n - 1;
-            if (END(r1) <= p0 || START(r0) >= p0 + 8) continue; /* no position of these rows here */
+        __m512i kt[HEAD_DIM];
+        for (int t = 0; t < g; t++) transpose16(kp + 16 * t, kt + t * HEAD_DIM / 2);
+        for (int64_t r0 = 0; r0 < R; r0 += DQ_ROWS) {
+            const int64_t n = R - r0 < DQ_ROWS ? R - r0 : DQ_ROWS, r1 = r0 + n - 1;
+            if (END(r1) <= p0 || START(r0) >= p0 + 16 * g) continue; /* no position of these rows here */
             const uint16_t *qb = (const uint16_t *)qv + r0 * HEAD_DIM; /* the bf16 rows, HEAD_DIM apart */
-            if (n == 3) /* constant row counts: each tile's sums stay in registers */
-                dot8(qb, 3, kp, scale, x);
-            else if (n == 2)
-                dot8(qb, 2, kp, scale, x);
+            float *dst = sc + r0 * W + p0 - lo8;
+            /* constant row and tile counts: each tile's sums stay in registers */
+            if (n == DQ_ROWS && g == 2)
+                scores16(qb, DQ_ROWS, kt, 2, scale, softcap, dst, W);
+            else if (n == 3 && g == 2)
+                scores16(qb, 3, kt, 2, scale, softcap, dst, W);
             else
-                dot8(qb, 1, kp, scale, x);
-            for (int64_t i = 0; i < n; i++) put_scores(sc + (r0 + i) * W + p0 - lo8, x[i], softcap);
+                for (int64_t i = 0; i < n; i++)
+                    for (int t = 0; t < g; t++)
+                        scores16(qb + i * HEAD_DIM, 1, kt + t * HEAD_DIM / 2, 1, scale, softcap, dst + i * W + 16 * t, W);
         }
     }
 #endif
@@ -426,7 +425,16 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
                     const i8 in = (lane + (float)j >= (float)a) & (lane + (float)j < (float)b);
                     x = (v8)((i8)x & in);
                 }
+#if DOT
+                if (dot) { /* pass 3's operand: the weight rounded to bf16; the sum is of what pass 3 multiplies */
+                    const __m128i hb = (__m128i)_mm256_cvtneps_pbh((__m256)x);
+                    memcpy(pw + r * W + j, &hb, 16);
+                    x = (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(hb), 16);
+                }
+#endif
                 sum += x;
+            } else if (dot) {
+                memset(pw + r * W + j, 0, 16);
             }
             memcpy(sr + j, &x, 32);
         }
@@ -436,14 +444,31 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
      * vectors of D a tile (12 or 24 sums in registers). A weight outside a row's positions is 0: adding 0 * v (v finite:
      * a real token's) leaves its sums as they were, so a row's output is the same whatever rows share the item. */
     memset(acc, 0, sizeof(v8) * R * NV);
-    for (int c0 = 0; c0 < NV && direct; c0 += CW) {
+#if DOT
+    for (int64_t r0 = 0; r0 < R && dot; r0 += DV_ROWS) { /* pairs of positions, V rows where they lie */
+        const int n = R - r0 < DV_ROWS ? (int)(R - r0) : DV_ROWS;
+        const int64_t a = START(r0) & ~(int64_t)1, b = (END(r0 + n - 1) + 1) & ~(int64_t)1;
+        float *t = (float *)acc + r0 * HEAD_DIM;
+        const uint16_t *w = pw + r0 * W;
+        for (int c0 = 0; c0 < HEAD_DIM / 16; c0 += 4) { /* 64 of D a tile */
+            const int cc = HEAD_DIM / 16 - c0 < 4 ? HEAD_DIM / 16 - c0 : 4;
+            if (n == DV_ROWS && cc == 4) /* constant row counts: each tile's sums stay in registers */
+                pv_dot(t, w, W, lo8, v, bt, kh, nb, bs, lo, hi, a, b, DV_ROWS, c0, 4);
+            else if (n == 3 && cc == 4)
+                pv_dot(t, w, W, lo8, v, bt, kh, nb, bs, lo, hi, a, b, 3, c0, 4);
+            else
+                pv_dot(t, w, W, lo8, v, bt, kh, nb, bs, lo, hi, a, b, n, c0, cc);
+        }
+    }
+#endif
+    for (int c0 = 0; c0 < NV && direct && !dot; c0 += CW) {
         const int cc = NV - c0 < CW ? NV - c0 : CW;
         if (R == 3 && cc == CW)
             pv_bf16(acc, sc, W, lo8, v, bt, kh, nb, bs, lo, hi, hi, 3, c0, CW, c0 == 0);
         else
             pv_bf16(acc, sc, W, lo8, v, bt, kh, nb, bs, lo, hi, hi, (int)R, c0, cc, c0 == 0);
     }
-    for (int64_t pb = lo; pb < hi && !direct; pb += PB) {
+    for (int64_t pb = lo; pb < hi && !direct && !dot; pb += PB) {
         const int64_t pe = pb + PB < hi ? pb + PB : hi;
         for (int64_t p = pb; p < pe; p++) {
             if ((p & 7) == 0 && p + AHEAD < hi) prefetch_rows(v, bt, kh, nb, bs, p + AHEAD, hi, esize);
@@ -466,7 +491,11 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     for (int64_t r = 0; r < R; r++) {
         const float inv = 1.0f / sums[r];
         v8 x[NV];
-        for (int c = 0; c < NV; c++) x[c] = acc[r * NV + c] * inv;
+        for (int c = 0; c < NV; c++) x[c] = acc[r * NV + c];
+#if DOT
+        if (dot) dot_unpermute((const float *)(acc + r * NV), x);
+#endif
+        for (int c = 0; c < NV; c++) x[c] *= inv;
         store_row((char *)out + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM * qsize, q_dtype, x);
     }
 #undef START
@@ -517,8 +546,9 @@ int paged_attention(const void *q, int64_t q_stride, int q_dtype, float scale, c
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int64_t i = 0; i < count; i++)
-        failed |= run(items + i, q, q_stride, q_dtype, scale, k, v, tables, table_stride, ctx, qsl, out, h, kvh, nb, bs,
-                      cache_dtype, k_scale, v_scale, window, softcap, sinks);
+        failed |= run(items + i, i + nthreads < count ? items + i + nthreads : NULL, q, q_stride, q_dtype, scale, k, v,
+                      tables, table_stride, ctx, qsl, out, h, kvh, nb, bs, cache_dtype, k_scale, v_scale, window,
+                      softcap, sinks);
     free(items);
     return failed;
 }

@@ -43,6 +43,7 @@ class NativeAttention(NativeKernel):
     def __init__(self, key, cache_dir: Path):
         super().__init__(key, cache_dir)
         self._ones: dict[int, torch.Tensor] = {}  # kvh -> the scales of a cache that has none
+        self.rounds_weights = False  # set by setup() from the build
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.key}",)
@@ -53,6 +54,9 @@ class NativeAttention(NativeKernel):
     def setup(self, lib) -> None:
         lib.paged_attention.argtypes, lib.paged_attention.restype = _ARGTYPES, ctypes.c_int
         lib.init_tables()
+        # the AVX512-BF16 build rounds a bf16 q's softmax weights to bf16 for the weighted sum, as flash attention
+        # does for its PV GEMM (a source before it: --against an older revision)
+        self.rounds_weights = bool(lib.rounds_weights()) if hasattr(lib, "rounds_weights") else False
 
     @classmethod
     def get(cls, head_dim: int, cache_dir: Path, wait: bool = False) -> NativeAttention | None:

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,9 +48,19 @@ def _cpu_identity() -> str:
         return platform.processor() + platform.machine()
 
 
+def local_headers(source: Path) -> list[str]:
+    """The headers beside `source` that it includes (`#include "name.h"`)."""
+    return re.findall(r'^#include "([^"/]+)"', source.read_text(), re.M)
+
+
+def source_text(source: Path) -> str:
+    """What a build compiles: the source and its local headers (the key changes when either does)."""
+    return "\0".join([source.read_text(), *((source.parent / h).read_text() for h in local_headers(source))])
+
+
 def library_path(cache_dir: Path, source: Path, defines: tuple[str, ...], cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = "\0".join([source.read_text(), " ".join(FLAGS), " ".join(defines), version, _cpu_identity()])
+    key = "\0".join([source_text(source), " ".join(FLAGS), " ".join(defines), version, _cpu_identity()])
     tag = "-".join(d.removeprefix("-D").replace("=", "").lower() for d in defines)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{source.stem}{'-' + tag if tag else ''}-{digest}.so"

@@ -1,0 +1,116 @@
+/* kernels/cpu_attention.c's passes 1 and 3 where the CPU has AVX512-BF16, for a bf16 q on a bf16 cache (DOT): both
+ * products by vdpbf16ps on the bf16 pairs as they lie, 16 fp32 lanes a vector.
+ *
+ *   pass 1  16 positions a tile, their K rows transposed (kt[i] lane j: K row j's pair i, D 2i and 2i + 1): a row's
+ *           16 scores are one chain of HEAD_DIM / 2 vdpbf16ps, pair 0 first, then times the softmax scale. No
+ *           horizontal sum: lanes are positions, each sum runs in D's order whatever shares the tile.
+ *   pass 3  two positions a step: their V rows interleaved (vpunpck{l,h}wd: lane i of a 32-bit pair = V[p][d],
+ *           V[p + 1][d]) against the row's two weights rounded to bf16 (as flash attention rounds P for its PV
+ *           GEMM; pass 2 sums the rounded weights, so each output is a weighted mean of V). Pairs start at even
+ *           positions; a position outside a row's own has weight 0, which adds a signed zero: a row's sums are the
+ *           same whatever rows share its tile, so a token's output is the same bits in a prefill and a decode.
+ * The accumulators hold D in vpunpck's order: lanes 4L .. 4L + 3 of acc[2c] are D 32c + 8L + 0..3, of acc[2c + 1]
+ * D 32c + 8L + 4..7 (dot_unpermute puts them back). */
+#include <immintrin.h>
+
+#define DQ_ROWS 6 /* query rows a pass-1 tile takes, against two tiles of 16 positions: 12 sums in registers */
+#define DQ_SUMS 12
+#define DV_ROWS 6 /* rows a pass-3 tile takes: 6 x 4 sums (64 of D) and 4 V pairs in registers */
+
+/* kt[i] lane j = kp[j]'s bf16 pair i, for i < HEAD_DIM / 2: four rounds of 16 shuffles per 16 x 16 block */
+static inline void transpose16(const uint16_t *const *kp, __m512i *kt) {
+    for (int c = 0; c < HEAD_DIM / 32; c++) { /* pairs 16c .. 16c + 15 */
+        __m512i r[16], t[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(kp[j] + 32 * c);
+        for (int j = 0; j < 16; j += 2) { /* in each 128-bit lane L: rows j, j + 1 of columns 4L + 0..1, 4L + 2..3 */
+            t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+            t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 16; j += 4) { /* r[j + k] lane L: rows j .. j + 3 of column 4L + k */
+            r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+            r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+            r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+            r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+        }
+        for (int k = 0; k < 4; k++) { /* the four row groups' lanes L into one column each */
+            t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);      /* lanes: (k, 0) (k, 2) (4 + k, 0) (4 + k, 2) */
+            t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);  /* the odd lanes */
+            t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+            t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+        }
+        for (int k = 0; k < 4; k++) {
+            kt[16 * c + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+            kt[16 * c + 8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+            kt[16 * c + 4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+            kt[16 * c + 12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+        }
+    }
+}
+
+/* n bf16 q rows (HEAD_DIM apart) against g transposed tiles (kt, HEAD_DIM / 2 vectors each): 16 scores a row and
+ * tile, times `scale`, soft-capped, to dst + i * W + 16 * t. n x g chains of vdpbf16ps (n, g constants once inlined,
+ * n x g <= DQ_SUMS): a decode's 3 rows take two tiles, so that 6 chains hide the instruction's latency. */
+static inline __attribute__((always_inline)) void scores16(const uint16_t *qb, int n, const __m512i *kt, int g,
+                                                           float scale, float softcap, float *dst, int64_t W) {
+    __m512 acc[DQ_SUMS];
+    for (int i = 0; i < n * g; i++) acc[i] = _mm512_setzero_ps();
+    const uint32_t *q32 = (const uint32_t *)qb;
+    for (int p = 0; p < HEAD_DIM / 2; p++) {
+        __m512bh kv[2];
+        for (int t = 0; t < g; t++) kv[t] = (__m512bh)kt[t * HEAD_DIM / 2 + p];
+        for (int i = 0; i < n; i++) {
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)q32[i * HEAD_DIM / 2 + p]);
+            for (int t = 0; t < g; t++) acc[i * g + t] = _mm512_dpbf16_ps(acc[i * g + t], qp, kv[t]);
+        }
+    }
+    for (int i = 0; i < n; i++)
+        for (int t = 0; t < g; t++) {
+            __m512 x = _mm512_mul_ps(acc[i * g + t], _mm512_set1_ps(scale));
+            if (softcap > 0.0f) {
+                float f[16];
+                _mm512_storeu_ps(f, x);
+                for (int j = 0; j < 16; j++) f[j] = softcap * tanhf(f[j] / softcap);
+                x = _mm512_loadu_ps(f);
+            }
+            _mm512_storeu_ps(dst + i * W + 16 * t, x);
+        }
+}
+
+/* acc[i * HEAD_DIM + 16 * (c0 + c) ...] (vpunpck's order) += the weighted V rows over the position pairs [a, b) (a,
+ * b even), for rows i < n (a constant once inlined, <= DV_ROWS) and 16-lane vectors c < cc (<= 4): P [n, W] bf16
+ * weights from position base, V rows read where they lie (zero_row outside [lo, hi)): pass 1 prefetched them. */
+static inline __attribute__((always_inline)) void pv_dot(float *acc, const uint16_t *P, int64_t W, int64_t base,
+                                                         const uint16_t *v, const int32_t *bt, int64_t kh, int64_t nb,
+                                                         int64_t bs, int64_t lo, int64_t hi, int64_t a, int64_t b,
+                                                         int n, int c0, int cc) {
+    __m512 t[DV_ROWS][4];
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < cc; c++) t[i][c] = _mm512_setzero_ps();
+    for (int64_t p = a; p < b; p += 2) {
+        const uint16_t *v0 = p >= lo ? v + cache_row(bt, kh, nb, bs, p) * HEAD_DIM : zero_row;
+        const uint16_t *v1 = p + 1 < hi ? v + cache_row(bt, kh, nb, bs, p + 1) * HEAD_DIM : zero_row;
+        __m512bh vp[4];
+        for (int c = 0; c < cc; c += 2) { /* 32 of D: two 16-lane vectors of pairs */
+            const __m512i x0 = _mm512_loadu_si512(v0 + 16 * (c0 + c)), x1 = _mm512_loadu_si512(v1 + 16 * (c0 + c));
+            vp[c] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            vp[c + 1] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+        }
+        for (int i = 0; i < n; i++) {
+            uint32_t w2;
+            memcpy(&w2, P + i * W + p - base, 4);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)w2);
+            for (int c = 0; c < cc; c++) t[i][c] = _mm512_dpbf16_ps(t[i][c], vp[c], w);
+        }
+    }
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < cc; c++) _mm512_storeu_ps(acc + i * HEAD_DIM + 16 * (c0 + c), t[i][c]);
+}
+
+/* pass 3's accumulators of one row (vpunpck's order) -> x[NV] in D's order */
+static inline void dot_unpermute(const float *a, v8 *x) {
+    for (int c = 0; c < HEAD_DIM / 32; c++)
+        for (int l = 0; l < 4; l++) { /* D 32c + 8l .. + 7: lanes 4l.. of the low vector, then of the high one */
+            memcpy((float *)&x[4 * c + l], a + 32 * c + 4 * l, 16);
+            memcpy((float *)&x[4 * c + l] + 4, a + 32 * c + 16 + 4 * l, 16);
+        }
+}
