@@ -223,11 +223,19 @@ def kernel_at(cls, rev: str, *key):
     its own (its own build, beside ours): for the benches' `--against REV`. Returns it loaded, or with its error."""
     import tempfile
 
+    from kernels.cpu_build import local_headers
+
     repo = Path(__file__).resolve().parents[1]
     src = Path(tempfile.mkdtemp()) / cls.SOURCE.name
     rel = cls.SOURCE.resolve().relative_to(repo)
-    src.write_text(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=repo, check=True, capture_output=True,
-                                  text=True).stdout)  # fmt: skip
+
+    def show(path: Path) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+
+    src.write_text(show(rel))
+    for h in local_headers(src):  # the headers it includes, at the same revision
+        (src.parent / h).write_text(show(rel.parent / h))
     return type(f"{cls.__name__}At", (cls,), {"SOURCE": src}).get(*key, src.parent / "build", wait=True)
 
 
