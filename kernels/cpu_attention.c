@@ -401,7 +401,11 @@ static int run(const item *it, const item *next, const void *q, int64_t q_stride
     /* pass 2, per row: exp(s - max) over its own positions, 0 elsewhere; the sum lane-wise over 8-aligned
      * positions, then hsum's tree (the same whatever its item) */
     const v8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int64_t r = 0; r < R; r++) {
+#if DOT
+    for (int64_t r = 0; r < R && dot; r++)
+        sums[r] = softmax_dot(sc + r * W, pw + r * W, W, START(r) - lo8, END(r) - lo8, sinks ? sinks + kh * rep + r % rep : NULL);
+#endif
+    for (int64_t r = 0; r < R && !dot; r++) {
         float *sr = sc + r * W;
         const int64_t a = START(r) - lo8, b = END(r) - lo8, a8 = a & ~(int64_t)7, b8 = (b + 7) & ~(int64_t)7;
         v8 mv = (v8){0} - INFINITY;
@@ -425,16 +429,7 @@ static int run(const item *it, const item *next, const void *q, int64_t q_stride
                     const i8 in = (lane + (float)j >= (float)a) & (lane + (float)j < (float)b);
                     x = (v8)((i8)x & in);
                 }
-#if DOT
-                if (dot) { /* pass 3's operand: the weight rounded to bf16; the sum is of what pass 3 multiplies */
-                    const __m128i hb = (__m128i)_mm256_cvtneps_pbh((__m256)x);
-                    memcpy(pw + r * W + j, &hb, 16);
-                    x = (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(hb), 16);
-                }
-#endif
                 sum += x;
-            } else if (dot) {
-                memset(pw + r * W + j, 0, 16);
             }
             memcpy(sr + j, &x, 32);
         }

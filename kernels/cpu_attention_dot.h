@@ -76,6 +76,50 @@ static inline __attribute__((always_inline)) void scores16(const uint16_t *qb, i
         }
 }
 
+/* exp(x) 16 at a time, as exp_v8 (degree-6 Taylor polynomial on x - n ln2, |r| <= ln2 / 2; relative error < 2e-7),
+ * 2^n by vscalefps; x clamped below at -87 (a NaN stays NaN) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* vmaxps returns its second operand where either is NaN */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x); /* ln2 in two parts */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    static const float c[6] = {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* lanes l of the 16 positions from j with a <= j + l < b */
+static inline __mmask16 lanes_in(int64_t j, int64_t a, int64_t b) {
+    const uint32_t lo = j >= a ? 0xffffu : 0xffffu << (a - j), hi = j + 16 <= b ? 0xffffu : 0xffffu >> (16 - (b - j));
+    return (__mmask16)(lo & hi);
+}
+
+/* pass 2 of one row: pw[j] = bf16(exp(s[j] - max)) over its positions [a, b) (offsets from the item's first, a
+ * multiple of 16), 0 elsewhere in [0, W). Returns the sum of the rounded weights (lane-wise over 16-aligned positions,
+ * then one fixed tree), plus exp(sink - max) where there is a sink. Lanes outside [a, b) are never used (pass 1 left
+ * them unwritten where no row of their tile saw them). */
+static inline float softmax_dot(const float *sr, uint16_t *pw, int64_t W, int64_t a, int64_t b, const float *sink) {
+    const int64_t a16 = a & ~(int64_t)15, b16 = (b + 15) & ~(int64_t)15;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = a16; j < b16; j += 16) mv = _mm512_mask_max_ps(mv, lanes_in(j, a, b), mv, _mm512_loadu_ps(sr + j));
+    float m = _mm512_reduce_max_ps(mv);
+    m = sink && *sink > m ? *sink : m;
+    const __m512 mm = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < W; j += 16) {
+        if (j < a16 || j >= b16) {
+            memset(pw + j, 0, 32);
+            continue;
+        }
+        const __m512 x = _mm512_maskz_mov_ps(lanes_in(j, a, b), exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mm)));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+        _mm256_storeu_si256((__m256i *)(pw + j), h);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    return _mm512_reduce_add_ps(sum) + (sink ? expf(*sink - m) : 0.0f);
+}
+
 /* acc[i * HEAD_DIM + 16 * (c0 + c) ...] (vpunpck's order) += the weighted V rows over the position pairs [a, b) (a,
  * b even), for rows i < n (a constant once inlined, <= DV_ROWS) and 16-lane vectors c < cc (<= 4): P [n, W] bf16
  * weights from position base, V rows read where they lie (zero_row outside [lo, hi)): pass 1 prefetched them. */
