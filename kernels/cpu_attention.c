@@ -486,11 +486,7 @@ static int run(const item *it, const item *next, const void *q, int64_t q_stride
     for (int64_t r = 0; r < R; r++) {
         const float inv = 1.0f / sums[r];
         v8 x[NV];
-        for (int c = 0; c < NV; c++) x[c] = acc[r * NV + c];
-#if DOT
-        if (dot) dot_unpermute((const float *)(acc + r * NV), x);
-#endif
-        for (int c = 0; c < NV; c++) x[c] *= inv;
+        for (int c = 0; c < NV; c++) x[c] = acc[r * NV + c] * inv;
         store_row((char *)out + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM * qsize, q_dtype, x);
     }
 #undef START

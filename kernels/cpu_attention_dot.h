@@ -9,8 +9,8 @@
  *           GEMM; pass 2 sums the rounded weights, so each output is a weighted mean of V). Pairs start at even
  *           positions; a position outside a row's own has weight 0, which adds a signed zero: a row's sums are the
  *           same whatever rows share its tile, so a token's output is the same bits in a prefill and a decode.
- * The accumulators hold D in vpunpck's order: lanes 4L .. 4L + 3 of acc[2c] are D 32c + 8L + 0..3, of acc[2c + 1]
- * D 32c + 8L + 4..7 (dot_unpermute puts them back). */
+ * The sums hold D in vpunpck's order (lanes 4L .. 4L + 3 of a 32-of-D chunk's low vector are D 8L + 0..3, of its
+ * high one D 8L + 4..7) until pv_dot stores them. */
 #include <immintrin.h>
 
 #define DQ_ROWS 6 /* query rows a pass-1 tile takes, against two tiles of 16 positions: 12 sums in registers */
@@ -120,9 +120,10 @@ static inline float softmax_dot(const float *sr, uint16_t *pw, int64_t W, int64_
     return _mm512_reduce_add_ps(sum) + (sink ? expf(*sink - m) : 0.0f);
 }
 
-/* acc[i * HEAD_DIM + 16 * (c0 + c) ...] (vpunpck's order) += the weighted V rows over the position pairs [a, b) (a,
- * b even), for rows i < n (a constant once inlined, <= DV_ROWS) and 16-lane vectors c < cc (<= 4): P [n, W] bf16
- * weights from position base, V rows read where they lie (zero_row outside [lo, hi)): pass 1 prefetched them. */
+/* acc[i * HEAD_DIM + 16 * c0 ...] (D 16 c0 .. 16 (c0 + cc)) = the weighted sum of the V rows over the position
+ * pairs [a, b) (a, b even), for rows i < n (a constant once inlined, <= DV_ROWS), cc (<= 4, even) 16-lane vectors:
+ * P [n, W] bf16 weights from position base, V rows read where they lie (zero_row outside [lo, hi)), which pass 1
+ * prefetched. */
 static inline __attribute__((always_inline)) void pv_dot(float *acc, const uint16_t *P, int64_t W, int64_t base,
                                                          const uint16_t *v, const int32_t *bt, int64_t kh, int64_t nb,
                                                          int64_t bs, int64_t lo, int64_t hi, int64_t a, int64_t b,
@@ -146,15 +147,14 @@ static inline __attribute__((always_inline)) void pv_dot(float *acc, const uint1
             for (int c = 0; c < cc; c++) t[i][c] = _mm512_dpbf16_ps(t[i][c], vp[c], w);
         }
     }
+    /* back in D's order: of 32 of D, lanes 0..3 of the low vector, 0..3 of the high one, 4..7 of each, ... */
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int i = 0; i < n; i++)
-        for (int c = 0; c < cc; c++) _mm512_storeu_ps(acc + i * HEAD_DIM + 16 * (c0 + c), t[i][c]);
-}
-
-/* pass 3's accumulators of one row (vpunpck's order) -> x[NV] in D's order */
-static inline void dot_unpermute(const float *a, v8 *x) {
-    for (int c = 0; c < HEAD_DIM / 32; c++)
-        for (int l = 0; l < 4; l++) { /* D 32c + 8l .. + 7: lanes 4l.. of the low vector, then of the high one */
-            memcpy((float *)&x[4 * c + l], a + 32 * c + 4 * l, 16);
-            memcpy((float *)&x[4 * c + l] + 4, a + 32 * c + 16 + 4 * l, 16);
+        for (int c = 0; c < cc; c += 2) {
+            float *o = acc + i * HEAD_DIM + 16 * (c0 + c);
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(t[i][c], i0, t[i][c + 1]));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(t[i][c], i1, t[i][c + 1]));
         }
 }
+
