@@ -279,25 +279,32 @@ static int run(const item *it, const item *next, const void *q, int64_t q_stride
     const int64_t R = (it->i1 - it->i0) * rep;
     const int32_t *bt = tables + s * table_stride;
     const int esize = dtype == 0 ? 4 : dtype == 3 ? 1 : 2;
-#define END(r) (first + it->i0 + (r) / rep + 1) /* row r sees positions [START(r), END(r)) */
-#define START(r) (window > 0 && END(r) > window ? END(r) - window : 0)
+#define END_T(t) (first + it->i0 + (t) + 1) /* the item's token t sees positions [START_T(t), END_T(t)) */
+#define START_T(t) (window > 0 && END_T(t) > window ? END_T(t) - window : 0)
+#define END(r) END_T(tok[r]) /* row r's */
+#define START(r) START_T(tok[r])
+#define HEAD(r) (kh * rep + (r) - tok[r] * rep) /* row r's query head */
     /* a bf16 q on a bf16 cache where AVX512-BF16 is: q kept as bf16 (in qv's room), passes 1 and 3 by vdpbf16ps
      * (kernels/cpu_attention_dot.h) in every path, a prefill's rows and a decode's alike; positions 16 a tile */
     const int dot = DOT && dtype == 1 && q_dtype == 1;
-    const int64_t al = dot ? 16 : 8, lo = START(0), hi = END(R - 1), lo8 = lo & -al, W = ((hi + al - 1) & -al) - lo8;
-    /* q [R, NV] | acc [R, NV] | rows [PB, NV] | scores [R, W] | sums [R] | dot: bf16 weights [R, W] */
-    const size_t bytes = sizeof(v8) * (2 * R + PB) * NV + sizeof(float) * R * (W + 1) + (dot ? 2 * R * W : 0);
+    const int64_t al = dot ? 16 : 8, lo = START_T(0), hi = END_T(it->i1 - it->i0 - 1), lo8 = lo & -al;
+    const int64_t W = ((hi + al - 1) & -al) - lo8;
+    /* q [R, NV] | acc [R, NV] | rows [PB, NV] | scores [R, W] | sums [R] | tokens [R] | dot: bf16 weights [R, W] */
+    const size_t bytes = sizeof(v8) * (2 * R + PB) * NV + sizeof(float) * R * (W + 2) + (dot ? 2 * R * W : 0);
     v8 *qv = aligned_alloc(64, (bytes + 63) / 64 * 64); /* C11: a multiple of the alignment */
     if (qv == NULL) return 1;
     v8 *acc = qv + R * NV, *row = acc + R * NV;
     float *sc = (float *)(row + PB * NV), *sums = sc + R * W;
-    uint16_t *pw = (uint16_t *)(sums + R); /* dot: pass 2's weights rounded to bf16, pass 3's operand */
+    int32_t *tok = (int32_t *)(sums + R); /* row r's token within the item, r / rep (no division in the loops) */
+    uint16_t *pw = (uint16_t *)(tok + R); /* dot: pass 2's weights rounded to bf16, pass 3's operand */
+    for (int64_t t = 0, r = 0; r < R; t++)
+        for (int64_t j = 0; j < rep; j++) tok[r++] = (int32_t)t;
     const int qsize = q_dtype == 0 ? 4 : 2;
     for (int64_t r = 0; r < R && dot; r++)
-        memcpy((uint16_t *)qv + r * HEAD_DIM, (const uint16_t *)q + (qsl[s] + it->i0 + r / rep) * q_stride +
-               (kh * rep + r % rep) * HEAD_DIM, HEAD_DIM * sizeof(uint16_t));
+        memcpy((uint16_t *)qv + r * HEAD_DIM, (const uint16_t *)q + (qsl[s] + it->i0 + tok[r]) * q_stride +
+               HEAD(r) * HEAD_DIM, HEAD_DIM * sizeof(uint16_t));
     for (int64_t r = 0; r < R && !dot; r++) /* token i0 + r / rep's query head kh * rep + r % rep */
-        load_q((const char *)q + ((qsl[s] + it->i0 + r / rep) * q_stride + (kh * rep + r % rep) * HEAD_DIM) * qsize,
+        load_q((const char *)q + ((qsl[s] + it->i0 + tok[r]) * q_stride + HEAD(r) * HEAD_DIM) * qsize,
                q_dtype, scale, qv + r * NV);
     /* pass 1: scores, 8 positions at a time. A decode's few rows (R <= 3: a token's query heads of one kv head) on a
      * bf16 cache read each K row where it lies, widened in registers, all R rows x 4 positions a tile (`direct`, qk4:
@@ -403,7 +410,7 @@ static int run(const item *it, const item *next, const void *q, int64_t q_stride
     const v8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
 #if DOT
     for (int64_t r = 0; r < R && dot; r++)
-        sums[r] = softmax_dot(sc + r * W, pw + r * W, W, START(r) - lo8, END(r) - lo8, sinks ? sinks + kh * rep + r % rep : NULL);
+        sums[r] = softmax_dot(sc + r * W, pw + r * W, W, START(r) - lo8, END(r) - lo8, sinks ? sinks + HEAD(r) : NULL);
 #endif
     for (int64_t r = 0; r < R && !dot; r++) {
         float *sr = sc + r * W;
@@ -417,7 +424,7 @@ static int run(const item *it, const item *next, const void *q, int64_t q_stride
         }
         float m = mv[0];
         for (int l = 1; l < 8; l++) m = mv[l] > m ? mv[l] : m;
-        const float sink = sinks ? sinks[kh * rep + r % rep] : -INFINITY;
+        const float sink = sinks ? sinks[HEAD(r)] : -INFINITY;
         m = sink > m ? sink : m;
         v8 sum = (v8){0};
         for (int64_t j = 0; j < W; j += 8) {
@@ -487,10 +494,13 @@ static int run(const item *it, const item *next, const void *q, int64_t q_stride
         const float inv = 1.0f / sums[r];
         v8 x[NV];
         for (int c = 0; c < NV; c++) x[c] = acc[r * NV + c] * inv;
-        store_row((char *)out + ((qsl[s] + it->i0 + r / rep) * h + kh * rep + r % rep) * HEAD_DIM * qsize, q_dtype, x);
+        store_row((char *)out + ((qsl[s] + it->i0 + tok[r]) * h + HEAD(r)) * HEAD_DIM * qsize, q_dtype, x);
     }
+#undef HEAD
 #undef START
 #undef END
+#undef START_T
+#undef END_T
     free(qv);
     return 0;
 }
