@@ -6,12 +6,11 @@
  * A work item is one kv head of one sequence and up to TQ of its query tokens, whose `rep` query heads share each
  * K/V row while it is in L1. Three passes over the item's positions: scores (q . k, soft-cap), fp32 exp(s - max)
  * per row over the positions it sees (causal, sliding window), then the weighted sum of V rows, normalized once at
- * the end. fp32 arithmetic throughout; the cache is converted a row at a time into an fp32 copy that all R rows
- * read, except for a decode's few rows on a bf16 cache, which widen each K / V vector in registers as they use it
- * (GCC/Clang vector extensions: 8 lanes, whatever the ISA). Where the CPU has AVX512-BF16, a bf16 q's scores on a
- * bf16 cache are vdpbf16ps sums of the bf16 pairs in place (no widening), scaled after the sum, in every path.
- * Every sum runs in one order per query row whatever shares its item, in either path: a token's output is the same
- * from a prefill of 300 tokens, a prefix-cache hit's 5, or a decode.
+ * the end. Two ways to compute them: fp32 arithmetic on rows widened from the cache (cpu_attention_f32.h: any CPU,
+ * any cache dtype), or, where the CPU has AVX512-BF16 and a bf16 q meets a bf16 cache, vdpbf16ps on the bf16 rows
+ * as they lie, with the softmax's weights rounded to bf16 for the weighted sum (cpu_attention_dot.h). Every sum
+ * runs in one order per query row whatever shares its item, in either path: a token's output is the same from a
+ * prefill of 300 tokens, a prefix-cache hit's 5, or a decode.
  *
  *   q        [T, H, D] in `q_dtype` (0 fp32, 1 bf16, 2 fp16), tokens q_stride elements apart, heads contiguous;
  *            multiplied by the softmax scale `scale` in fp32 as it is read; sequence s's tokens are rows
@@ -47,6 +46,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u8 __attribute__((vector_size(32)));
 typedef uint16_t h8 __attribute__((vector_size(16)));
 typedef _Float16 f8 __attribute__((vector_size(16)));
+typedef int32_t i8 __attribute__((vector_size(32)));
 
 static float fp8_lut[256];
 
@@ -60,107 +60,6 @@ void init_tables(void) {
     for (int i = 0; i < 256; i++) fp8_lut[i] = fp8_e4m3fn((uint8_t)i);
 }
 
-/* 8 bf16 (8 lanes of D) as fp32: bf16 is the top half of an fp32 */
-static inline v8 widen8(const uint16_t *p) {
-#ifdef __AVX2__ /* one vpmovzxwd to 8 lanes: GCC's convertvector splits it into two halves and a merge */
-    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#else
-    h8 raw;
-    memcpy(&raw, p, 16);
-    u8 w = __builtin_convertvector(raw, u8) << 16;
-    v8 f;
-    memcpy(&f, &w, 32);
-    return f;
-#endif
-}
-
-/* dst[0:NV] = cache row `idx` as fp32 (times `scale` for fp8) */
-static inline void load_row(const void *base, int64_t idx, int dtype, float scale, v8 *dst) {
-    if (dtype == 1) {
-        const uint16_t *p = (const uint16_t *)base + idx * HEAD_DIM;
-        for (int c = 0; c < NV; c++) dst[c] = widen8(p + 8 * c);
-    } else if (dtype == 0) {
-        memcpy(dst, (const float *)base + idx * HEAD_DIM, HEAD_DIM * sizeof(float));
-    } else if (dtype == 2) {
-        const _Float16 *p = (const _Float16 *)base + idx * HEAD_DIM;
-        for (int c = 0; c < NV; c++) {
-            f8 raw;
-            memcpy(&raw, p + 8 * c, 16);
-            dst[c] = __builtin_convertvector(raw, v8);
-        }
-    } else {
-        const uint8_t *p = (const uint8_t *)base + idx * HEAD_DIM;
-        float *f = (float *)dst;
-        for (int i = 0; i < HEAD_DIM; i++) f[i] = fp8_lut[p[i]] * scale;
-    }
-}
-
-typedef int32_t i8 __attribute__((vector_size(32)));
-
-/* dst[0:NV] = a query row in `dtype` (0 fp32, 1 bf16, 2 fp16) times `scale`, in fp32 (as torch's q.float() * scale) */
-static inline void load_q(const void *src, int dtype, float scale, v8 *dst) {
-    if (dtype == 0) {
-        memcpy(dst, src, HEAD_DIM * sizeof(float));
-    } else {
-        load_row(src, 0, dtype, 1.0f, dst);
-    }
-    for (int c = 0; c < NV; c++) dst[c] *= scale;
-}
-
-/* dst[0:HEAD_DIM] in `dtype` = x, rounded to nearest even; a NaN stays a (quiet) NaN */
-static inline void store_row(void *dst, int dtype, const v8 *x) {
-    if (dtype == 0) {
-        memcpy(dst, x, HEAD_DIM * sizeof(float));
-    } else if (dtype == 1) {
-        for (int c = 0; c < NV; c++) {
-            u8 u;
-            memcpy(&u, &x[c], 32);
-            /* NaN: |u| past inf's bits, from the difference's sign (AVX2 has no unsigned compare) */
-            const u8 nan = (u8)(((i8){0} + 0x7f800000 - (i8)(u & 0x7fffffffu)) >> 31);
-            const u8 r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan);
-            const h8 hv = __builtin_convertvector(r, h8);
-            memcpy((uint16_t *)dst + 8 * c, &hv, 16);
-        }
-    } else {
-        for (int c = 0; c < NV; c++) {
-            const f8 hv = __builtin_convertvector(x[c], f8);
-            memcpy((_Float16 *)dst + 8 * c, &hv, 16);
-        }
-    }
-}
-
-/* exp(x) for x <= 0 (the softmax's s - max), 8 at a time: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
- * Taylor polynomial (relative error < 2e-7, as expf's few ulp), 2^n through the exponent bits. Below -87 it gives
- * 2^-126-ish instead of a denormal: a weight that small is 0 beside the max's 1. */
-static inline v8 exp_v8(v8 x) {
-    const v8 lo = (v8){0} - 87.0f, log2e = (v8){0} + 1.44269504f, round = (v8){0} + 12582912.0f;
-    const i8 under = x < lo; /* lanes: -1 where true; C has no vector ?: */
-    x = (v8)(((i8)x & ~under) | ((i8)lo & under)); /* same-size vector casts reinterpret the bits */
-    v8 n = (x * log2e + round) - round; /* round to nearest */
-    v8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f; /* ln2 in two parts */
-    v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    i8 e = (__builtin_convertvector(n, i8) + 127) << 23;
-    v8 scale;
-    memcpy(&scale, &e, 32);
-    return p * scale;
-}
-
-static inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
-
-/* The horizontal sums of a[0], ..., a[7] in one vector: three rounds of pairwise shuffles and adds (a transpose-and-add),
- * instead of eight horizontal sums. Lane j sums a[j]'s lanes as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
-static inline v8 hsum8(const v8 *a) {
-    v8 t[4], u[2];
-    for (int i = 0; i < 4; i++) /* lanes: rows 2i, 2i + 1 alternate, each the sum of two neighbours */
-        t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int i = 0; i < 2; i++) /* lanes: rows 4i..4i+3 twice (their first halves, then their second) */
-        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && HEAD_DIM % 32 == 0
 #define DOT 1 /* a bf16 q against a bf16 cache: scores and weighted sums by vdpbf16ps (kernels/cpu_attention_dot.h) */
 #else
@@ -170,35 +69,6 @@ static inline v8 hsum8(const v8 *a) {
 int rounds_weights(void) { return DOT; } /* bf16 q on a bf16 cache: pass 3 rounds the weights to bf16 */
 
 static const uint16_t zero_row[HEAD_DIM]; /* a masked position's K: its scores are dropped in pass 2 */
-
-/* out[i] lanes 0..3 = the scores of query row i < n (q + i * NV; n 1 to 3, a constant once inlined) against 4 bf16
- * K rows of the cache kp[0..3], widened in registers as they are read: n x 4 sums in registers. A score is q . k
- * summed lane-wise in D's order from 0, then by hsum8's tree, as the fp32 copy's tiles sum it: the same bits. */
-static inline __attribute__((always_inline)) void qk4(const v8 *q, int n, const uint16_t *const *kp, v8 *out) {
-    v8 a[3][4];
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < 4; j++) a[i][j] = (v8){0};
-    for (int c = 0; c < NV; c++)
-        for (int j = 0; j < 4; j++) {
-            const v8 kv = widen8(kp[j] + 8 * c);
-            for (int i = 0; i < n; i++) a[i][j] += q[i * NV + c] * kv;
-        }
-    /* hsum8 takes 8: two rows' 4 sums, or one row's twice (the other half unused) */
-    const v8 pair[8] = {a[0][0], a[0][1], a[0][2], a[0][3], a[n > 1][0], a[n > 1][1], a[n > 1][2], a[n > 1][3]};
-    out[0] = hsum8(pair);
-    out[1] = __builtin_shufflevector(out[0], out[0], 4, 5, 6, 7, 4, 5, 6, 7);
-    if (n == 3) {
-        const v8 third[8] = {a[2][0], a[2][1], a[2][2], a[2][3], a[2][0], a[2][1], a[2][2], a[2][3]};
-        out[2] = hsum8(third);
-    }
-}
-
-/* A row's 8 scores at positions p0 .. p0 + 7, soft-capped, into dst */
-static inline __attribute__((always_inline)) void put_scores(float *dst, v8 x, float softcap) {
-    if (softcap > 0.0f)
-        for (int j = 0; j < 8; j++) x[j] = softcap * tanhf(x[j] / softcap);
-    memcpy(dst, &x, 32);
-}
 
 /* A work item: kv head kh of sequence s, its query tokens [i0, i1) (indices within the sequence's chunk). */
 typedef struct {
@@ -221,49 +91,7 @@ static inline void prefetch_rows(const void *base, const int32_t *bt, int64_t kh
     }
 }
 
-/* acc[i * NV + c] += w[i * W + p] * v[p * NV + c] for rows i < RR, vectors c < CC, rows of v [a, b) in order:
- * RR x CC sums held in registers (constants once inlined) */
-static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *w, int64_t W, const v8 *v, int64_t a,
-                                                          int64_t b, int RR, int CC) {
-    v8 t[3][CW];
-    for (int i = 0; i < RR; i++)
-        for (int c = 0; c < CC; c++) t[i][c] = acc[i * NV + c];
-    for (int64_t p = a; p < b; p++)
-        for (int i = 0; i < RR; i++) {
-            const float x = w[i * W + p];
-            for (int c = 0; c < CC; c++) t[i][c] += x * v[p * NV + c];
-        }
-    for (int i = 0; i < RR; i++)
-        for (int c = 0; c < CC; c++) acc[i * NV + c] = t[i][c];
-}
-
-/* pass 3 for a decode's rows (RR <= 3) on a bf16 cache: acc[i * NV + c0 + c] += w[i * W + p - lo8] * v_p[c0 + c] for
- * c < CC, positions [a, b) in order, the V rows read where they lie and widened in registers: pv_tile's sums, bit for
- * bit. RR, CC constants once inlined; `ahead`: prefetch the V rows AHEAD positions on (the first c0 pass). */
-static inline __attribute__((always_inline)) void pv_bf16(v8 *acc, const float *w, int64_t W, int64_t lo8,
-                                                          const uint16_t *v, const int32_t *bt, int64_t kh, int64_t nb,
-                                                          int64_t bs, int64_t a, int64_t b, int64_t hi, int RR, int c0,
-                                                          int CC, int ahead) {
-    v8 t[3][CW];
-    for (int i = 0; i < RR; i++)
-        for (int c = 0; c < CC; c++) t[i][c] = acc[i * NV + c0 + c];
-    for (int64_t p = a; p < b;) {
-        const int64_t end = (p / bs + 1) * bs < b ? (p / bs + 1) * bs : b; /* a block's rows are consecutive */
-        const uint16_t *vr = v + cache_row(bt, kh, nb, bs, p) * HEAD_DIM + 8 * c0;
-        for (; p < end; p++, vr += HEAD_DIM) {
-            if (ahead && (p & 7) == 0 && p + AHEAD < hi) prefetch_rows(v, bt, kh, nb, bs, p + AHEAD, hi, 2);
-            float x[3];
-            for (int i = 0; i < RR; i++) x[i] = w[i * W + p - lo8];
-            for (int c = 0; c < CC; c++) {
-                const v8 vv = widen8(vr + 8 * c);
-                for (int i = 0; i < RR; i++) t[i][c] += x[i] * vv;
-            }
-        }
-    }
-    for (int i = 0; i < RR; i++)
-        for (int c = 0; c < CC; c++) acc[i * NV + c0 + c] = t[i][c];
-}
-
+#include "cpu_attention_f32.h"
 #if DOT
 #include "cpu_attention_dot.h"
 #endif
@@ -271,7 +99,7 @@ static inline __attribute__((always_inline)) void pv_bf16(v8 *acc, const float *
 /* One item. Its rows are R = (i1 - i0) * rep query vectors, row r = query token i0 + r / rep, head kh * rep + r % rep.
  * Token i sits at position pos = n - nq + i and sees [lo_i, pos] (lo_i > 0 with a window): the item's positions
  * span [lo, hi). Scores live in s [R, W] fp32 over the positions [lo8, lo8 + W) (lo rounded down to 8). */
-static int run(const item *it, const item *next, const void *q, int64_t q_stride, int q_dtype, float scale, const void *k, const void *v,
+static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, float scale, const void *k, const void *v,
                const int32_t *tables, int64_t table_stride, const int32_t *ctx, const int32_t *qsl, void *out, int64_t h, int64_t kvh,
                int64_t nb, int64_t bs, int dtype, const float *k_scale, const float *v_scale, int64_t window, float softcap,
                const float *sinks) {
@@ -547,9 +375,8 @@ int paged_attention(const void *q, int64_t q_stride, int q_dtype, float scale, c
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int64_t i = 0; i < count; i++)
-        failed |= run(items + i, i + nthreads < count ? items + i + nthreads : NULL, q, q_stride, q_dtype, scale, k, v,
-                      tables, table_stride, ctx, qsl, out, h, kvh, nb, bs, cache_dtype, k_scale, v_scale, window,
-                      softcap, sinks);
+        failed |= run(items + i, q, q_stride, q_dtype, scale, k, v, tables, table_stride, ctx, qsl, out, h, kvh, nb, bs,
+                      cache_dtype, k_scale, v_scale, window, softcap, sinks);
     free(items);
     return failed;
 }

@@ -157,14 +157,20 @@ def test_modules_it_runs_import():
 
 
 def test_the_installed_package_carries_the_files_the_code_reads_beside_it(tmp_path):
-    """The image runs a regular install (not the source tree): kernels/cpu_attention.c, compiled at run time, must
-    be in the wheel as package data."""
+    """The image runs a regular install (not the source tree): the C kernels compiled at run time, and the local
+    headers they include, must be in the wheel as package data."""
     pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
     if importlib.util.find_spec("setuptools"):  # else pip fetches pyproject's build requirement itself
         pip.append("--no-build-isolation")
     subprocess.run([*pip, str(REPO), "-w", str(tmp_path)], check=True, timeout=300)
     (wheel,) = tmp_path.glob("*.whl")
-    assert "kernels/cpu_attention.c" in zipfile.ZipFile(wheel).namelist()
+    names = set(zipfile.ZipFile(wheel).namelist())
+    from kernels.cpu_build import local_headers
+
+    for src in sorted((REPO / "kernels").glob("*.c")):
+        want = [src.name, *local_headers(src)]
+        assert all(f"kernels/{n}" in names for n in want), f"{want} not all in the wheel"
+    assert "kernels/cpu_attention_dot.h" in names
 
 
 def test_runs_as_non_root():

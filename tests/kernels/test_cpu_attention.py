@@ -105,7 +105,9 @@ def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, h, 
     whole = cpu(make_batch([(41, 41)], h=h, kvh=kvh, d=64, bs=16, dtype=dtype, seed=3, poison=False))
     k = kernel(64, kernel_dir)
     ref = paged_attention_cpu(**whole, window=window, kernel=k)
-    assert_close(ref, paged_attention_ref(**whole, window=window), "whole prefill vs the reference", **tolerance(k, whole))
+    assert_close(
+        ref, paged_attention_ref(**whole, window=window), "whole prefill vs the reference", **tolerance(k, whole)
+    )
 
     def token(t, nq, others=(), threads=None):
         """Token t's output with the sequence cut to its first t + 1 tokens, the last nq of them queried (after
@@ -210,6 +212,20 @@ def test_a_build_is_cached_and_shared(kernel_dir, monkeypatch):
     assert cpu_build.build(kernel_dir, NativeAttention.SOURCE, ("-DHEAD_DIM=64",)) == path
     assert path.stat().st_mtime_ns == mtime  # not built again
     assert NativeAttention.get(20, kernel_dir) is None  # head_dim 20: not a multiple of 8
+
+
+def test_a_local_header_is_part_of_the_builds_key(tmp_path):
+    """A source's `#include "x.h"` beside it counts in its build's name: a changed header builds anew, not the cached
+    object of the old one."""
+    src = tmp_path / "k.c"
+    src.write_text('#include <math.h>\n#include "k_part.h"\nint f(void) { return PART; }\n')
+    (tmp_path / "k_part.h").write_text("#define PART 1\n")
+    assert cpu_build.local_headers(src) == ["k_part.h"]
+    cc = cpu_build.compiler()
+    before = cpu_build.library_path(tmp_path, src, (), cc)
+    (tmp_path / "k_part.h").write_text("#define PART 2\n")
+    assert cpu_build.library_path(tmp_path, src, (), cc) != before
+    assert "cpu_attention_dot.h" in cpu_build.local_headers(NativeAttention.SOURCE)
 
 
 def test_without_a_compiler_attention_keeps_the_torch_path_and_the_log_says_why(kernel_dir, monkeypatch, caplog):
