@@ -5,10 +5,12 @@
  *
  *   add_rms_norm: x, res [rows, n] -> res_out = bf16(x + res); out = bf16(w * bf16(res_out * rsqrt(mean(res_out^2)
  *                 + eps))); res NULL: a plain RMSNorm of x (res_out unused)
- *   silu_and_mul: x [rows, 2 * inter] = [gate | up] -> out = bf16(bf16(gate / (1 + exp(-gate))) * up), as
- *                 F.silu(gate) * up rounds (silu_and_mul_ref); exp is a polynomial's (exp16), which gave torch's
- *                 bits at every bf16 gate (tests/kernels/test_cpu_ops.py)
+ *   silu_and_mul_lut: x [rows, 2 * inter] = [gate | up] -> out = bf16(silu[gate] * up), as F.silu(gate) * up
+ *                 rounds (silu_and_mul_ref): silu a table of torch's own F.silu at every bf16 gate, read by gathers
  * Rows go to OpenMP threads only past PAR_MIN elements: a decode step's few rows cost less than waking them. */
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -120,46 +122,39 @@ void add_rms_norm(const uint16_t *x, const uint16_t *res, const uint16_t *w, uin
     }
 }
 
-/* exp(x) 16 at a time: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error
- * about 2e-7, a few ulp), times 2^(n - 1) * 2 through the exponent bits (n - 1 fits one for n = 128). x is clamped
- * to [-87, 88.8]: above 88.72 the result is inf, as expf's; at -87 and below it is 0 where expf's is a tiny normal
- * or denormal (1 + it is 1 either way, the only use here). */
-static inline f16v exp16(f16v x) {
-    /* lanes: -1 below -87 / above 88.8, from the differences' signs: a 16-lane float compare went lane by lane on
-     * AVX2, as the unsigned one in to_bf16 (a NaN lane gets some finite x: the gate it came from makes the output
-     * NaN anyway) */
-    const f16v dlo = x + 87.0f, dhi = 88.8f - x;
-    i16v lo, hi, xi;
-    memcpy(&lo, &dlo, 64);
-    memcpy(&hi, &dhi, 64);
-    lo >>= 31;
-    hi >>= 31;
-    memcpy(&xi, &x, 64);
-    const f16v flo = (f16v){0} - 87.0f, fhi = (f16v){0} + 88.8f;
-    i16v ilo, ihi;
-    memcpy(&ilo, &flo, 64);
-    memcpy(&ihi, &fhi, 64);
-    xi = (xi & ~(lo | hi)) | (ilo & lo) | (ihi & hi);
-    memcpy(&x, &xi, 64);
-    const f16v n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const f16v r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f; /* ln2 in two parts */
-    const f16v p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    const i16v e = (__builtin_convertvector(n, i16v) + 126) << 23;
-    f16v scale;
-    memcpy(&scale, &e, 64);
-    return p * scale * 2.0f;
+/* silu[g]: the bf16 bits of F.silu at the bf16 gate whose bits are g, for every g (kernels/cpu_ops.py builds the
+ * table with torch: torch's bits by construction), padded by one entry (a lookup reads 32 bits, the entry and the
+ * next). */
+static inline f16v silu_at(const uint16_t *g, const uint16_t *silu) {
+#ifdef __AVX512F__
+    const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)g));
+    const __m512i t = _mm512_slli_epi32(_mm512_i32gather_epi32(idx, (const void *)silu, 2), 16);
+#elif defined(__AVX2__)
+    const __m256i i0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)g));
+    const __m256i i1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + 8)));
+    const __m256i t0 = _mm256_slli_epi32(_mm256_i32gather_epi32((const int *)silu, i0, 2), 16);
+    const __m256i t1 = _mm256_slli_epi32(_mm256_i32gather_epi32((const int *)silu, i1, 2), 16);
+    u16v t;
+    memcpy(&t, &t0, 32);
+    memcpy((char *)&t + 32, &t1, 32);
+#else
+    u16v t;
+    for (int l = 0; l < 16; l++) t[l] = (uint32_t)silu[g[l]] << 16;
+#endif
+    f16v f;
+    memcpy(&f, &t, 64);
+    return f;
 }
 
-void silu_and_mul(const uint16_t *x, int64_t rows, int64_t inter, int64_t sx, uint16_t *out, int nthreads) {
-    /* x rows sx elements apart, out [rows, inter] contiguous; inter a multiple of 16 */
+void silu_and_mul_lut(const uint16_t *x, int64_t rows, int64_t inter, int64_t sx, const uint16_t *silu, uint16_t *out,
+                      int nthreads) {
+    /* x rows sx elements apart, out [rows, inter] contiguous; inter a multiple of 16. silu(gate) is a bf16 value and
+     * so is up: their product is exact in fp32, rounded once to bf16, as torch rounds F.silu(gate) * up */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter >= PAR_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * sx, *u = g + inter;
         uint16_t *o = out + r * inter;
-        for (int64_t j = 0; j < inter; j += 16) {
-            const f16v gv = ld(g + j);
-            st(o + j, round_bf16(gv / (1.0f + exp16(-gv))) * ld(u + j));
-        }
+        for (int64_t j = 0; j < inter; j += 16) st(o + j, silu_at(g + j, silu) * ld(u + j));
     }
 }
 

@@ -6,16 +6,19 @@ Why: the norm's reference is 9 torch ops, each a dispatch and a pass over memory
 prefill chunk of SmolLM2 on 2 threads of the Xeon VM, 2.8-8.3 ms against the C pass's 1.1, and at a decode step's
 16 rows 71 us against 27. The rotary's is 5 ops for q and 5 for k. Built like the attention kernel
 (kernels/cpu_build.py) and used once loaded; until then, for fp32 (whose greedy output must equal HF's token for
-token) and for fp16, the references run. The rotary and SiLU-and-mul are bit for bit their references (the latter's
-polynomial exp agreed with torch's at every bf16 gate); the norm is not: the mean's sum runs in another order, so an
-output can differ by a bf16 step or two (tests/kernels/test_cpu_ops.py bounds it)."""
+token) and for fp16, the references run. The rotary and SiLU-and-mul are bit for bit their references (the latter
+looks F.silu up in a table torch computed for every bf16 gate, `silu_table`: a bf16 gate has 65536 values); the norm
+is not: the mean's sum runs in another order, so an output can differ by a bf16 step or two
+(tests/kernels/test_cpu_ops.py bounds it)."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu_build import NativeKernel
 
@@ -32,7 +35,10 @@ class CpuOps(NativeKernel):
         lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_int]
         lib.rope.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, ctypes.c_int]
         lib.add_rms_norm.restype = lib.rope.restype = None
-        if hasattr(lib, "silu_and_mul"):  # a source before it (bench/cpu_ops.py --against an older revision)
+        if hasattr(lib, "silu_and_mul_lut"):
+            lib.silu_and_mul_lut.argtypes = [_P, _I64, _I64, _I64, _P, _P, ctypes.c_int]
+            lib.silu_and_mul_lut.restype = None
+        elif hasattr(lib, "silu_and_mul"):  # a past revision's, by a polynomial exp (bench/cpu_ops.py --against REV)
             lib.silu_and_mul.argtypes, lib.silu_and_mul.restype = [_P, _I64, _I64, _I64, _P, ctypes.c_int], None
 
     @classmethod
@@ -62,13 +68,26 @@ def add_rms_norm(lib, x: torch.Tensor, residual: torch.Tensor | None, weight: to
     return out, res
 
 
+@functools.cache
+def silu_table() -> torch.Tensor:
+    """F.silu at every bf16 value, indexed by its bits: [65536 + 1] int16 (the C reads 32 bits at an entry: it and
+    the next). torch computes it, so the C op's SiLU is torch's bit for bit."""
+    bits = torch.arange(65536, dtype=torch.int32)
+    x = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+    return torch.cat([F.silu(x).view(torch.int16), torch.zeros(1, dtype=torch.int16)])
+
+
 def silu_and_mul(lib, x: torch.Tensor) -> torch.Tensor | None:
     """silu_and_mul_ref(x) for x [T, 2 * I] (rows may be apart) as a new [T, I]; None when I is not a multiple of 16."""
     if x.dim() != 2 or x.shape[1] % 32:
         return None
     t, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(t, inter)
-    lib.silu_and_mul(x.data_ptr(), t, inter, x.stride(0), out.data_ptr(), torch.get_num_threads())
+    if hasattr(lib, "silu_and_mul_lut"):
+        lib.silu_and_mul_lut(x.data_ptr(), t, inter, x.stride(0), silu_table().data_ptr(), out.data_ptr(),
+                             torch.get_num_threads())  # fmt: skip
+    else:  # a past revision's (bench/cpu_ops.py --against REV)
+        lib.silu_and_mul(x.data_ptr(), t, inter, x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
 
 
