@@ -90,6 +90,27 @@ def test_rope_is_bit_for_bit_its_reference(lib, t, d):
     assert cpu_ops.rope(lib, qkv[:, :48].view(t, 1, 48), c[..., :48], s[..., :48]) is None  # D / 2 not whole vectors
 
 
+def test_rounding_keeps_denormals_as_torch_does(lib):
+    """Products and sums in bf16's denormal range round as torch's casts round them, not to zero (the AVX512-BF16
+    conversion flushes a denormal: a vector with one takes the integer rounding); NaN and infinity pass."""
+    from engine.layers.rotary import RotaryCache
+    from kernels.rotary import rotary_rows, rotate_ref
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 2, 64, generator=g) * 1e-38).bfloat16()  # rotated: products below bf16's smallest normal
+    x[0, 0, :16] = 3.0  # a vector of normal values beside them
+    x[1, 0, 5], x[1, 0, 40] = float("inf"), float("nan")
+    rc = RotaryCache(64, 64, 10000.0, None, "cpu")
+    c, s = rotary_rows(rc.cos, rc.sin, torch.arange(6), torch.bfloat16)
+    want = rotate_ref(x, c, s)
+    assert (want.float().abs() < torch.finfo(torch.float32).tiny).sum() > 100 and (want != 0).any()
+    got = cpu_ops.rope(lib, x, c, s)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])
+    res = (torch.randn(4, 64, generator=g) * 1e-38).bfloat16()  # the norm's residual sum, in the denormal range
+    out, summed = cpu_ops.add_rms_norm(lib, -res * 0.5, res, torch.ones(64).bfloat16(), 1e-6)
+    assert torch.equal(summed, res + -res * 0.5) and (summed != 0).any()
+
+
 def test_rotary_takes_the_c_op_for_bf16_on_cpu(lib, monkeypatch):
     from engine.layers.rotary import RotaryCache
 
