@@ -139,6 +139,7 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     float *sc = (float *)(row + PB * NV), *sums = sc + R * W;
     int32_t *tok = (int32_t *)(sums + R); /* row r's token within the item, r / rep (no division in the loops) */
     uint16_t *pw = (uint16_t *)(tok + R); /* dot: pass 2's weights rounded to bf16, pass 3's operand */
+    (void)pw; /* unused where DOT is 0 */
     for (int64_t t = 0, r = 0; r < R; t++)
         for (int64_t j = 0; j < rep; j++) tok[r++] = (int32_t)t;
     const int qsize = q_dtype == 0 ? 4 : 2;
@@ -226,13 +227,12 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
             v8 x[2];
             for (int half = 0; half < 2; half++) {
                 const v8 *kr = row + 4 * half * NV;
-                v8 a[8]; /* from 0, as qk4's: `q0 * k0 + q1 * k1` may contract either product into the FMA (GCC fuses
-                          * across statements), and paths built differently could choose differently */
+                v8 a[8]; /* from 0, as qk4's, by mac8 as qk4's */
                 for (int j = 0; j < 8; j++) a[j] = (v8){0};
                 for (int c = 0; c < NV; c++)
                     for (int j = 0; j < 4; j++) {
-                        a[j] += qa[c] * kr[j * NV + c];
-                        a[4 + j] += qb[c] * kr[j * NV + c];
+                        a[j] = mac8(a[j], qa[c], kr[j * NV + c]);
+                        a[4 + j] = mac8(a[4 + j], qb[c], kr[j * NV + c]);
                     }
                 x[half] = hsum8(a); /* row r0's 4 positions, then row r1's */
             }

@@ -54,7 +54,8 @@ static inline __attribute__((always_inline)) void scores16(const uint16_t *qb, i
                                                            float scale, float softcap, float *dst, int64_t W) {
     __m512 acc[DQ_SUMS];
     for (int i = 0; i < n * g; i++) acc[i] = _mm512_setzero_ps();
-    const uint32_t *q32 = (const uint32_t *)qb;
+    typedef uint32_t u32a __attribute__((may_alias)); /* the bf16 pairs of q, read as 32-bit words */
+    const u32a *q32 = (const u32a *)qb;
     for (int p = 0; p < HEAD_DIM / 2; p++) {
         __m512bh kv[2];
         for (int t = 0; t < g; t++) kv[t] = (__m512bh)kt[t * HEAD_DIM / 2 + p];
@@ -122,8 +123,8 @@ static inline float softmax_dot(const float *sr, uint16_t *pw, int64_t W, int64_
 
 /* acc[i * HEAD_DIM + 16 * c0 ...] (D 16 c0 .. 16 (c0 + cc)) = the weighted sum of the V rows over the position
  * pairs [a, b) (a, b even), for rows i < n (a constant once inlined, <= DV_ROWS), cc (<= 4, even) 16-lane vectors:
- * P [n, W] bf16 weights from position base, V rows read where they lie (zero_row outside [lo, hi)), which pass 1
- * prefetched. */
+ * P [n, W] bf16 weights from position base, V rows read where they lie (zero_row outside [lo, hi); a decode's were
+ * prefetched by pass 1). */
 static inline __attribute__((always_inline)) void pv_dot(float *acc, const uint16_t *P, int64_t W, int64_t base,
                                                          const uint16_t *v, const int32_t *bt, int64_t kh, int64_t nb,
                                                          int64_t bs, int64_t lo, int64_t hi, int64_t a, int64_t b,

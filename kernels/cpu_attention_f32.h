@@ -3,6 +3,18 @@
  * summed lane-wise in D's order then by hsum8's tree, the softmax in fp32, and the weighted sum of fp32 V rows in
  * the positions' order. 8-lane vectors (GCC / Clang vector extensions), whatever the ISA. */
 
+/* acc + a * b, one rounding where the CPU has FMA, two where it has not, in every loop. Not left to the compiler:
+ * GCC contracted `acc += a * b` into an FMA in some of a loop's unswitched copies and not in others (its avoid-fma
+ * tuning for some -march=native targets), so a token's scores differed by an ulp between a prefill and a decode
+ * (head_dim 72 with a soft cap; tests/kernels/test_cpu_attention.py) */
+static inline v8 mac8(v8 acc, v8 a, v8 b) {
+#ifdef __FMA__
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b; /* no FMA instruction: nothing to contract into */
+#endif
+}
+
 /* 8 bf16 (8 lanes of D) as fp32: bf16 is the top half of an fp32 */
 static inline v8 widen8(const uint16_t *p) {
 #ifdef __AVX2__ /* one vpmovzxwd to 8 lanes: GCC's convertvector splits it into two halves and a merge */
@@ -77,9 +89,12 @@ static inline v8 exp_v8(v8 x) {
     const v8 lo = (v8){0} - 87.0f, log2e = (v8){0} + 1.44269504f, round = (v8){0} + 12582912.0f;
     const i8 under = x < lo; /* lanes: -1 where true; C has no vector ?: */
     x = (v8)(((i8)x & ~under) | ((i8)lo & under)); /* same-size vector casts reinterpret the bits */
-    v8 n = (x * log2e + round) - round; /* round to nearest */
-    v8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f; /* ln2 in two parts */
-    v8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    /* by mac8, as the sums: one rounding per step whatever loop copy the compiler inlines this into */
+    const v8 n = mac8(round, x, log2e) - round; /* round to nearest */
+    const v8 r = mac8(mac8(x, n, (v8){0} - 0.693145751953125f), n, (v8){0} - 1.428606765330187e-06f); /* ln2 in 2 */
+    static const float c[6] = {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    v8 p = (v8){0} + 1.0f / 720;
+    for (int i = 0; i < 6; i++) p = mac8((v8){0} + c[i], p, r);
     i8 e = (__builtin_convertvector(n, i8) + 127) << 23;
     v8 scale;
     memcpy(&scale, &e, 32);
@@ -112,7 +127,7 @@ static inline __attribute__((always_inline)) void qk4(const v8 *q, int n, const 
     for (int c = 0; c < NV; c++)
         for (int j = 0; j < 4; j++) {
             const v8 kv = widen8(kp[j] + 8 * c);
-            for (int i = 0; i < n; i++) a[i][j] += q[i * NV + c] * kv;
+            for (int i = 0; i < n; i++) a[i][j] = mac8(a[i][j], q[i * NV + c], kv);
         }
     /* hsum8 takes 8: two rows' 4 sums, or one row's twice (the other half unused) */
     const v8 pair[8] = {a[0][0], a[0][1], a[0][2], a[0][3], a[n > 1][0], a[n > 1][1], a[n > 1][2], a[n > 1][3]};
@@ -141,7 +156,7 @@ static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *
     for (int64_t p = a; p < b; p++)
         for (int i = 0; i < RR; i++) {
             const float x = w[i * W + p];
-            for (int c = 0; c < CC; c++) t[i][c] += x * v[p * NV + c];
+            for (int c = 0; c < CC; c++) t[i][c] = mac8(t[i][c], (v8){0} + x, v[p * NV + c]);
         }
     for (int i = 0; i < RR; i++)
         for (int c = 0; c < CC; c++) acc[i * NV + c] = t[i][c];
@@ -166,7 +181,7 @@ static inline __attribute__((always_inline)) void pv_bf16(v8 *acc, const float *
             for (int i = 0; i < RR; i++) x[i] = w[i * W + p - lo8];
             for (int c = 0; c < CC; c++) {
                 const v8 vv = widen8(vr + 8 * c);
-                for (int i = 0; i < RR; i++) t[i][c] += x[i] * vv;
+                for (int i = 0; i < RR; i++) t[i][c] = mac8(t[i][c], (v8){0} + x[i], vv);
             }
         }
     }

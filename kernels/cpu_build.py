@@ -49,8 +49,9 @@ def _cpu_identity() -> str:
 
 
 def local_headers(source: Path) -> list[str]:
-    """The headers beside `source` that it includes (`#include "name.h"`)."""
-    return re.findall(r'^#include "([^"/]+)"', source.read_text(), re.M)
+    """The headers beside `source` that it includes (`#include "name.h"`; not the headers those include: ours
+    include none)."""
+    return re.findall(r'^\s*#\s*include\s+"([^"/]+)"', source.read_text(), re.M)
 
 
 def source_text(source: Path) -> str:

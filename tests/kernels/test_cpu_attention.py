@@ -130,6 +130,24 @@ def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, h, 
         assert torch.equal(token(t, nq, others, threads), ref[t]), (t, nq, others, threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_fp32_paths_bits_hold_at_other_head_dims_with_a_soft_cap(dtype, kernel_dir):
+    """head_dim 72 takes the fp32 path on every CPU (no 32-wide bf16 pairs): each token of a 45-token prompt, bit for
+    bit, from the whole prompt, a decode and chunks of 2, 5 and 17, with a soft cap and GQA 8. (GCC once contracted
+    its multiply-adds into FMAs in some loop copies and not others: an ulp apart here.)"""
+    b = cpu(make_batch([(45, 45)], h=8, kvh=1, d=72, bs=16, dtype=dtype, seed=81, poison=True))
+    k = kernel(72, kernel_dir)
+    whole = paged_attention_cpu(**b, softcap=2.5, kernel=k)
+    for t in range(0, 45, 4):
+        for nq in {1, 2, 5, 17, t + 1}:
+            if nq > t + 1:
+                continue
+            seq = {"seq_lens": torch.tensor([t + 1], dtype=torch.int32), "block_tables": b["block_tables"][:1],
+                   "query_start_loc": torch.tensor([0, nq], dtype=torch.int32)}  # fmt: skip
+            part = paged_attention_cpu(**{**b, **seq, "q": b["q"][t + 1 - nq : t + 1]}, softcap=2.5, kernel=k)
+            assert torch.equal(part[-1], whole[t]), (t, nq)
+
+
 @pytest.mark.parametrize("prefill", [True, False], ids=["all", "decodes-only"])
 def test_the_engines_torch_backend_gives_the_same_output_with_and_without_it(prefill, kernel_dir, monkeypatch):
     """TorchAttention's whole step through the kernel (one call per layer, no buckets) against its gather and SDPA
