@@ -15,6 +15,9 @@ static inline v8 mac8(v8 acc, v8 a, v8 b) {
 #endif
 }
 
+/* x in every lane: a broadcast (`(v8){0} + x` is an add, -0 + 0 being +0) */
+static inline v8 bcast8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
 /* 8 bf16 (8 lanes of D) as fp32: bf16 is the top half of an fp32 */
 static inline v8 widen8(const uint16_t *p) {
 #ifdef __AVX2__ /* one vpmovzxwd to 8 lanes: GCC's convertvector splits it into two halves and a merge */
@@ -156,7 +159,7 @@ static inline __attribute__((always_inline)) void pv_tile(v8 *acc, const float *
     for (int64_t p = a; p < b; p++)
         for (int i = 0; i < RR; i++) {
             const float x = w[i * W + p];
-            for (int c = 0; c < CC; c++) t[i][c] = mac8(t[i][c], (v8){0} + x, v[p * NV + c]);
+            for (int c = 0; c < CC; c++) t[i][c] = mac8(t[i][c], bcast8(x), v[p * NV + c]);
         }
     for (int i = 0; i < RR; i++)
         for (int c = 0; c < CC; c++) acc[i * NV + c] = t[i][c];
@@ -181,7 +184,7 @@ static inline __attribute__((always_inline)) void pv_bf16(v8 *acc, const float *
             for (int i = 0; i < RR; i++) x[i] = w[i * W + p - lo8];
             for (int c = 0; c < CC; c++) {
                 const v8 vv = widen8(vr + 8 * c);
-                for (int i = 0; i < RR; i++) t[i][c] = mac8(t[i][c], (v8){0} + x[i], vv);
+                for (int i = 0; i < RR; i++) t[i][c] = mac8(t[i][c], bcast8(x[i]), vv);
             }
         }
     }
