@@ -130,13 +130,14 @@ def test_a_tokens_output_is_the_same_whatever_shares_its_call(dtype, window, h, 
         assert torch.equal(token(t, nq, others, threads), ref[t]), (t, nq, others, threads)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_fp32_paths_bits_hold_at_other_head_dims_with_a_soft_cap(dtype, kernel_dir):
-    """head_dim 72 takes the fp32 path on every CPU (no 32-wide bf16 pairs): each token of a 45-token prompt, bit for
-    bit, from the whole prompt, a decode and chunks of 2, 5 and 17, with a soft cap and GQA 8. (GCC once contracted
-    its multiply-adds into FMAs in some loop copies and not others: an ulp apart here.)"""
-    b = cpu(make_batch([(45, 45)], h=8, kvh=1, d=72, bs=16, dtype=dtype, seed=81, poison=True))
-    k = kernel(72, kernel_dir)
+@pytest.mark.parametrize("d,dtype", [(72, torch.float32), (72, torch.bfloat16), (128, torch.bfloat16)], ids=str)
+def test_a_tokens_bits_hold_at_other_head_dims_with_a_soft_cap(d, dtype, kernel_dir):
+    """Each token of a 45-token prompt, bit for bit, from the whole prompt, a decode and chunks of 2, 5 and 17, with a
+    soft cap and GQA 8. head_dim 72 takes the fp32 path on every CPU (no 32-wide bf16 pairs; GCC once contracted its
+    multiply-adds into FMAs in some loop copies and not others: an ulp apart here); 128 in bf16 the AVX512-BF16 path
+    where the CPU has it (two 64-wide passes of the weighted sum)."""
+    b = cpu(make_batch([(45, 45)], h=8, kvh=1, d=d, bs=16, dtype=dtype, seed=81, poison=True))
+    k = kernel(d, kernel_dir)
     whole = paged_attention_cpu(**b, softcap=2.5, kernel=k)
     for t in range(0, 45, 4):
         for nq in {1, 2, 5, 17, t + 1}:
