@@ -155,7 +155,7 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
      * two rows x four positions a tile (8 sums of 8 lanes along D). Either way a score is q . k summed lane-wise in
      * D's order, then hsum8's tree: the same whatever rows share the item. */
     const int direct = dtype == 1 && R <= 3;
-    /* direct: the first V rows too, which pass 3 reads before its own prefetches are AHEAD (1.1-1.2x, cold) */
+    /* direct: the first K and V rows, read before the loops' own prefetches are AHEAD (1.1-1.2x, cold) */
     for (int64_t p = lo8; p < lo8 + AHEAD && p < hi && direct; p += 8) {
         prefetch_rows(k, bt, kh, nb, bs, p, hi, esize);
         prefetch_rows(v, bt, kh, nb, bs, p, hi, esize);
@@ -287,7 +287,7 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     /* pass 3: acc[r] += w[r, p] * v_p in the positions' order, PB V rows converted at a time; three rows x CW
      * vectors of D a tile (12 or 24 sums in registers). A weight outside a row's positions is 0: adding 0 * v (v finite:
      * a real token's) leaves its sums as they were, so a row's output is the same whatever rows share the item. */
-    memset(acc, 0, sizeof(v8) * R * NV);
+    if (!dot) memset(acc, 0, sizeof(v8) * R * NV); /* pv_dot stores its sums whole */
 #if DOT
     for (int64_t r0 = 0; r0 < R && dot; r0 += DV_ROWS) { /* pairs of positions, V rows where they lie */
         const int n = R - r0 < DV_ROWS ? (int)(R - r0) : DV_ROWS;
