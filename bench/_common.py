@@ -341,10 +341,20 @@ def _avx2_gemm(llm, on: bool) -> None:
     dense.AVX2 = on
 
 
+def _native_stack(llm, on: bool) -> None:
+    """Every layer of a step in one C call (engine/layers/native_stack.py), or the layers' loop in Python over the
+    same kernels (the same bits)."""
+    from engine.layers import native_stack
+    from kernels.cpu_layers import NativeLayers
+
+    assert NativeLayers.current() is not None and NativeLayers.current().wait(), "no C layer loop here"
+    native_stack.ENABLED = on
+
+
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
 AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "native-prefill": _native_prefill,
       "thin-gemm": _thin_gemm, "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "avx2-gemm": _avx2_gemm,
-      "native-write": _native_write}  # fmt: skip
+      "native-write": _native_write, "native-stack": _native_stack}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

@@ -4,7 +4,8 @@
  * Called through kernels/cpu_ops.py.
  *
  *   add_rms_norm: x, res [rows, n] -> res_out = bf16(x + res); out = bf16(w * bf16(res_out * rsqrt(mean(res_out^2)
- *                 + eps))); res NULL: a plain RMSNorm of x (res_out unused)
+ *                 + eps))); res NULL: a plain RMSNorm of x (res_out unused); res_out may be res (each element is
+ *                 read before it is written: kernels/cpu_layers.c updates the residual in place)
  *   silu_and_mul_lut: x [rows, 2 * inter] = [gate | up] -> out = bf16(silu[gate] * up), as F.silu(gate) * up
  *                 rounds (silu_and_mul_ref): silu a table of torch's own F.silu at every bf16 gate, read by gathers
  * Rows go to OpenMP threads only past PAR_MIN elements: a decode step's few rows cost less than waking them. */

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UnsupportedModelError
+from engine.layers import native_stack
 from engine.layers.dense import dense
 from engine.layers.rotary import RotaryCache
 from engine.models import loading
@@ -179,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
         Returns the final hidden states before the last norm: [T, hidden]."""
         eps = self.spec.rms_norm_eps
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        stack = None if lora is not None else native_stack.stack_for(self, LlamaForCausalLM, DecoderLayer)
+        if stack is not None and (out := stack(h, positions, kv_caches, attn, meta)) is not None:
+            return out  # CPU: every layer in one C call, the loop below's bits
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = self.input_norm(h, residual, layer)

@@ -1,0 +1,142 @@
+"""The CPU's whole decoder stack in one C call (kernels/cpu_layers.c), for a plain Llama-family model in bf16.
+
+It runs the kernels LlamaForCausalLM.forward's layers call on CPU (the linears' GEMM, add + RMSNorm, rotary,
+attention with its cache writes, SiLU-and-mul), in the same order on the same inputs: the same bits, without the
+Python between them (kernels/cpu_layers.py says what that cost). `stack_for` says when a step can take it: the model
+is LlamaForCausalLM itself with its plain layers (no subclass: Gemma, the MoE and hybrid families change the layer),
+16-bit linears with no quantization, LoRA or tensor parallelism, full rotary, no q/k norm, gate or sinks; every
+kernel is loaded; and the attention backend's C kernel takes every row of the step, writing a bf16 cache itself.
+Otherwise the layers run from Python, with the same result."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers import attention as attention_mod
+from engine.layers import dense
+from kernels import cpu_gemm, cpu_ops
+from kernels._common import use_triton
+from kernels.cpu_layers import GEMM_KINDS, Layer, Linear, Model, NativeLayers, Step, address
+from kernels.rotary import rotary_rows
+
+ENABLED = True  # bench/_common.py's --ab native-stack switches it
+NAMES = ("qkv", "o_proj", "gate_up", "down")  # DecoderLayer.LINEARS, as Layer's fields qkv, o, gate_up, down
+
+
+def _plain(model, family: type, layer: type) -> bool:
+    """Whether the model's layers are exactly what run_layers computes (checked once per model): family and layer
+    are LlamaForCausalLM and DecoderLayer (engine/models/llama.py passes them)."""
+    s = model.spec
+    return (
+        type(model) is family and all(type(x) is layer for x in model.layers)
+        and model.embed.device.type == "cpu" and model.embed.dtype == torch.bfloat16
+        and model.tp is None and model.quantization is None and model.layer_quant is None and not model.dense
+        and not (s.attn_gate or s.qk_norm or s.attention_sinks) and (s.rotary_dim or s.head_dim) == s.head_dim
+        and s.head_dim % 32 == 0 and s.intermediate_size % 16 == 0
+        and all(layer.quant_linears is None and not layer.fp8_scales for layer in model.layers)
+        and all(getattr(layer, n).dtype == torch.bfloat16 and cpu_gemm.fits(getattr(layer, n))
+                for layer in model.layers for n in NAMES)
+    )  # fmt: skip
+
+
+class NativeStack:
+    """One model's structures for run_layers: rebuilt when its weights' packed copies change (dense.pack)."""
+
+    def __init__(self, model):
+        self.model, self.packs, self.kv = model, None, None
+        self.layers = (Layer * len(model.layers))()
+        self.biases: list = []  # the fp32 biases the layers point at (kept alive here)
+
+    def _gemm(self, rows: int):
+        """(kind, kernel) of the GEMM dense() gives these bf16 linears at `rows`, or None (oneDNN's: not in C)."""
+        if (dot := dense._dot()) is not None:
+            return ("dot", dot) if rows <= cpu_gemm.DOT_MAX_ROWS else None
+        if (avx2 := dense._avx2()) is not None:
+            return "avx2", avx2
+        return None
+
+    def _linear(self, w, bias, kind) -> Linear:
+        packed = getattr(w, dense.THIN if kind == "dot" else dense.AVX2_PACKED, None)
+        if packed is not None and kind == "dot":
+            packed = packed.packed
+        b = None if bias is None else bias.float().contiguous()
+        self.biases.append(b)
+        return Linear(w.data_ptr(), None if packed is None else packed.data_ptr(), None if b is None else b.data_ptr(),
+                      w.shape[0], w.shape[1])  # fmt: skip
+
+    def _plan(self, kind) -> None:
+        self.biases = []
+        for layer, c in zip(self.model.layers, self.layers):
+            c.qkv = self._linear(layer.qkv, layer.qkv_bias, kind)
+            c.o = self._linear(layer.o_proj, layer.o_proj_bias, kind)
+            c.gate_up = self._linear(layer.gate_up, None, kind)
+            c.down = self._linear(layer.down, None, kind)
+            c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+        self.packs = (dense.PACKS, kind)
+
+    def __call__(self, h, positions, kv_caches, attn, meta) -> torch.Tensor | None:
+        """The last layer's output + residual for h [T, hidden] (the embedding rows, overwritten), or None when
+        this step cannot run here (the caller runs the layers itself)."""
+        m, s = self.model, self.model.spec
+        # each as the Python path would take it (bench/_common.py's --ab switches turn them off there too)
+        if use_triton(h) or h.dtype != torch.bfloat16 or h.device.type != "cpu":
+            return None
+        gemm, ops, loop = self._gemm(h.shape[0]), cpu_ops.library(h), NativeLayers.loaded()
+        native, n = getattr(attn, "native", None), getattr(meta, "native", None)
+        if (
+            gemm is None
+            or ops is None
+            or loop is None
+            or native is None
+            or native.lib is None
+            or n is None
+            or n.rows is not None
+            or not attention_mod.NATIVE_WRITE
+            or meta.slot_mapping.dtype != torch.int64
+            or attn.k_scales is not None
+            or kv_caches.dtype != torch.bfloat16
+            or not kv_caches.is_contiguous()
+        ):
+            return None  # fmt: skip
+        kind, g = gemm
+        if self.packs != (dense.PACKS, kind):
+            self._plan(kind)
+        if self.kv != (kv_caches.data_ptr(), kv_caches.shape):
+            base, size = kv_caches.data_ptr(), kv_caches.element_size()
+            for i, c in enumerate(self.layers):
+                at = base + m.kv_index[i] * kv_caches.stride(0) * size
+                c.k_cache, c.v_cache = at, at + kv_caches.stride(1) * size
+                c.window = attn.window(i) or 0
+            self.kv = (kv_caches.data_ptr(), kv_caches.shape)
+        t, hd = h.shape[0], s.head_dim
+        kvh, blocks, bs = kv_caches.shape[2], kv_caches.shape[3], kv_caches.shape[4]
+        ones = native._scale(None, kvh)
+        model = Model(
+            address(g.lib.gemm_any if kind == "dot" else g.lib.gemm), GEMM_KINDS[kind], address(ops.add_rms_norm),
+            address(ops.rope), address(ops.silu_and_mul_lut), address(native.lib.paged_attention),
+            cpu_ops.silu_table().data_ptr(), s.hidden_size, s.num_heads, kvh, hd, s.intermediate_size, blocks, bs,
+            s.rms_norm_eps, attn.scale, attn.softcap or 0.0, ones.data_ptr(), ones.data_ptr(),
+        )  # fmt: skip
+        c, sn = rotary_rows(m.rotary.cos, m.rotary.sin, positions, h.dtype)  # [T, 1, D] each
+        slots = meta.slot_mapping.contiguous()
+        nq, nkv = s.num_heads * hd, kvh * hd
+        bufs = [h.new_empty(t, w) for w in (s.hidden_size, nq + 2 * nkv, nq, nkv, nq, 2 * s.intermediate_size,
+                                            s.intermediate_size)]  # fmt: skip
+        step = Step(t, n.ctx.shape[0], n.tables.shape[1], c.data_ptr(), sn.data_ptr(), slots.data_ptr(),
+                    n.tables.data_ptr(), n.ctx.data_ptr(), n.qsl.data_ptr(), *(b.data_ptr() for b in bufs))  # fmt: skip
+        res = torch.empty_like(h)
+        loop.run(model, self.layers, step, h.data_ptr(), res.data_ptr(), torch.get_num_threads())
+        return h + res
+
+
+def stack_for(model, family: type, layer: type) -> NativeStack | None:
+    """The model's NativeStack when its layers can run in C (decided once per model), else None."""
+    stack = getattr(model, "_native_stack", False)
+    if stack is False:
+        stack = model._native_stack = NativeStack(model) if _plain(model, family, layer) else None
+    return stack if ENABLED else None
+
+
+def start(cache_dir) -> None:
+    """Build or load the loop (a thread; steps use it once it is loaded)."""
+    NativeLayers.get(cache_dir)
