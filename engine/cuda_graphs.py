@@ -41,6 +41,7 @@ import torch
 from engine.layers.dense import onednn_bf16, pack, pack_pieces
 from engine.memory import graph_buckets
 from kernels.cpu_gemm import ThinGemm
+from kernels.cpu_layers import NativeLayers
 from kernels.cpu_ops import CpuOps
 from kernels.grammar_mask import apply_token_bitmask, new_bitmask
 
@@ -297,7 +298,7 @@ class IdleWork:
         """Run the pieces now: every kernel piece, then the graph captures (up to one holding `batch` decodes when
         given), and wait for the CPU kernels' builds (the attention's was waited for at start: build_attention).
         LLM.generate before its first step; python -m warmup, so the volume's caches hold them all."""
-        for native in (ThinGemm.current(), CpuOps.current()):  # packing makes the thin GEMM's copies too
+        for native in (ThinGemm.current(), CpuOps.current(), NativeLayers.current()):  # packing: the GEMM's copies
             if native is not None:
                 native.wait()
         while self.pending and (self.host or self.pack or self.warm_shapes or self.mask_rows or batch is None):
