@@ -1,6 +1,6 @@
 /* A Llama-family decoder stack on CPU in one call: every layer of a step (prefill chunks and decodes alike) runs the
  * very kernels the Python path calls, in the same order on the same buffers, so its result is the Python path's bit
- * for bit (tests/kernels/test_cpu_layers.py). What it saves is the Python between them: at a decode step of SmolLM2
+ * for bit (tests/test_native_stack.py). What it saves is the Python between them: at a decode step of SmolLM2
  * about ten kernel calls a layer, each a ctypes call, a few torch ops and checks, while the second core waits.
  * Called through kernels/cpu_layers.py, which hands over the other builds' functions as pointers (one OpenMP pool:
  * torch's libgomp), the layers' weights and caches, and the step's tables and scratch buffers.

@@ -128,7 +128,6 @@ def pack_pieces(model) -> list[list[torch.Tensor]]:
     return [p for p in [*pieces, [head] if packable(head) else []] if p]
 
 
-PACKS = 0  # calls of pack() that packed something
 PACK_HEADROOM = 1 << 30  # bytes a piece's copies must leave free: the steps' temporaries, the KV region's growth
 
 
@@ -151,8 +150,6 @@ def pack(weights: list[torch.Tensor], room=memory_room) -> int:
         log.warning("CPU weight packing stopped: %d MiB left, its copies need %d MiB and %d to spare; the rest of "
                     "the linears stay unpacked", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
         return 0
-    global PACKS
-    PACKS += 1  # engine/layers/native_stack.py reads the copies' addresses again
     for w, a in zip(weights, amx):
         if avx2 is not None:
             setattr(w, AVX2_PACKED, avx2.pack(w))

@@ -21,31 +21,41 @@ from kernels.rotary import rotary_rows
 
 ENABLED = True  # bench/_common.py's --ab native-stack switches it
 NAMES = ("qkv", "o_proj", "gate_up", "down")  # DecoderLayer.LINEARS, as Layer's fields qkv, o, gate_up, down
+OTHERS = ("qkv_bias", "o_proj_bias", "input_norm", "post_norm")  # the layer's other tensors the C reads
+
+
+def _bf16(t) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
 
 
 def _plain(model, family: type, layer: type) -> bool:
-    """Whether the model's layers are exactly what run_layers computes (checked once per model): family and layer
-    are LlamaForCausalLM and DecoderLayer (engine/models/llama.py passes them)."""
-    s = model.spec
+    """Whether the model's layers are exactly what run_layers computes: family and layer are LlamaForCausalLM and
+    DecoderLayer (engine/models/llama.py passes them); the weights are checked again whenever one changes."""
+    s, hd = model.spec, model.spec.head_dim
+    qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * hd
     return (
         type(model) is family and all(type(x) is layer for x in model.layers)
         and model.embed.device.type == "cpu" and model.embed.dtype == torch.bfloat16
         and model.tp is None and model.quantization is None and model.layer_quant is None and not model.dense
-        and not (s.attn_gate or s.qk_norm or s.attention_sinks) and (s.rotary_dim or s.head_dim) == s.head_dim
-        and s.head_dim % 32 == 0 and s.intermediate_size % 16 == 0
-        and all(layer.quant_linears is None and not layer.fp8_scales for layer in model.layers)
-        and all(getattr(layer, n).dtype == torch.bfloat16 and cpu_gemm.fits(getattr(layer, n))
-                for layer in model.layers for n in NAMES)
+        and not (s.attn_gate or s.qk_norm or s.attention_sinks) and (s.rotary_dim or hd) == hd
+        and hd % 32 == 0 and s.intermediate_size % 16 == 0
+        and all(x.quant_linears is None and not x.fp8_scales and x.qkv.shape[0] == qkv_rows for x in model.layers)
+        and all(_bf16(w) and cpu_gemm.fits(w) for x in model.layers for w in (getattr(x, n) for n in NAMES))
+        and all(t is None or _bf16(t) for x in model.layers for t in (getattr(x, n) for n in OTHERS))
     )  # fmt: skip
 
 
 class NativeStack:
-    """One model's structures for run_layers: rebuilt when its weights' packed copies change (dense.pack)."""
+    """One model's structures for run_layers, built again whenever a tensor they point at changes: a parameter
+    replaced, changed in place, or given its packed copy (dense.pack)."""
 
-    def __init__(self, model):
-        self.model, self.packs, self.kv = model, None, None
+    def __init__(self, model, family: type, layer: type):
+        self.model, self.family, self.layer = model, family, layer
         self.layers = (Layer * len(model.layers))()
-        self.biases: list = []  # the fp32 biases the layers point at (kept alive here)
+        self.signature: list | None = None  # what the structures were built from (`_signature`)
+        self.held: list = []  # the tensors the signature names by id, and the fp32 biases the C reads: kept alive
+        self.plain = False
+        self.kv = None
 
     def _gemm(self, rows: int):
         """(kind, kernel) of the GEMM dense() gives these bf16 linears at `rows`, or None (oneDNN's: not in C)."""
@@ -55,24 +65,37 @@ class NativeStack:
             return "avx2", avx2
         return None
 
+    def _signature(self, kind: str) -> tuple[list, list]:
+        """(each tensor the C reads: its id, address and in-place version; the tensors): 0.16 ms a step for
+        SmolLM2's 30 layers. A packed copy (dense.pack) is its weight's attribute: by id."""
+        copy = dense.THIN if kind == "dot" else dense.AVX2_PACKED
+        weights = [getattr(layer, n) for layer in self.model.layers for n in NAMES]
+        others = [getattr(layer, n) for layer in self.model.layers for n in OTHERS]
+        copies = [getattr(w, copy, None) for w in weights]
+        tensors = [t for t in weights + others if t is not None]
+        sig = [kind, *map(id, copies), *map(id, tensors), *(t.data_ptr() for t in tensors)]
+        sig += [t._version for t in tensors]
+        held = tensors + copies
+        return sig, held
+
     def _linear(self, w, bias, kind) -> Linear:
         packed = getattr(w, dense.THIN if kind == "dot" else dense.AVX2_PACKED, None)
         if packed is not None and kind == "dot":
             packed = packed.packed
         b = None if bias is None else bias.float().contiguous()
-        self.biases.append(b)
+        self.held.append(b)
         return Linear(w.data_ptr(), None if packed is None else packed.data_ptr(), None if b is None else b.data_ptr(),
                       w.shape[0], w.shape[1])  # fmt: skip
 
-    def _plan(self, kind) -> None:
-        self.biases = []
-        for layer, c in zip(self.model.layers, self.layers):
+    def _plan(self, kind, signature, held) -> None:
+        self.signature, self.held = signature, held
+        self.plain = _plain(self.model, self.family, self.layer)
+        for layer, c in zip(self.model.layers, self.layers) if self.plain else ():
             c.qkv = self._linear(layer.qkv, layer.qkv_bias, kind)
             c.o = self._linear(layer.o_proj, layer.o_proj_bias, kind)
             c.gate_up = self._linear(layer.gate_up, None, kind)
             c.down = self._linear(layer.down, None, kind)
             c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-        self.packs = (dense.PACKS, kind)
 
     def __call__(self, h, positions, kv_caches, attn, meta) -> torch.Tensor | None:
         """The last layer's output + residual for h [T, hidden] (the embedding rows, overwritten), or None when
@@ -86,28 +109,35 @@ class NativeStack:
         if (
             gemm is None
             or ops is None
+            or not hasattr(ops, "silu_and_mul_lut")
             or loop is None
             or native is None
             or native.lib is None
             or n is None
             or n.rows is not None
             or not attention_mod.NATIVE_WRITE
-            or meta.slot_mapping.dtype != torch.int64
             or attn.k_scales is not None
             or kv_caches.dtype != torch.bfloat16
             or not kv_caches.is_contiguous()
+            or kv_caches.shape[2] != s.num_kv_heads
+            or kv_caches.shape[5] != s.head_dim
+            or meta.slot_mapping.dtype != torch.int64
+            or meta.slot_mapping.shape != (h.shape[0],)
         ):
             return None  # fmt: skip
         kind, g = gemm
-        if self.packs != (dense.PACKS, kind):
-            self._plan(kind)
-        if self.kv != (kv_caches.data_ptr(), kv_caches.shape):
+        signature, held = self._signature(kind)
+        if signature != self.signature:
+            self._plan(kind, signature, held)
+        if not self.plain:
+            return None
+        if self.kv != (kv_caches.data_ptr(), kv_caches.shape, id(attn)):
             base, size = kv_caches.data_ptr(), kv_caches.element_size()
             for i, c in enumerate(self.layers):
                 at = base + m.kv_index[i] * kv_caches.stride(0) * size
                 c.k_cache, c.v_cache = at, at + kv_caches.stride(1) * size
                 c.window = attn.window(i) or 0
-            self.kv = (kv_caches.data_ptr(), kv_caches.shape)
+            self.kv = (kv_caches.data_ptr(), kv_caches.shape, id(attn))
         t, hd = h.shape[0], s.head_dim
         kvh, blocks, bs = kv_caches.shape[2], kv_caches.shape[3], kv_caches.shape[4]
         ones = native._scale(None, kvh)
@@ -130,10 +160,11 @@ class NativeStack:
 
 
 def stack_for(model, family: type, layer: type) -> NativeStack | None:
-    """The model's NativeStack when its layers can run in C (decided once per model), else None."""
+    """The model's NativeStack when its layers can run in C (its classes and spec: decided once per model; its
+    weights: at each step), else None."""
     stack = getattr(model, "_native_stack", False)
     if stack is False:
-        stack = model._native_stack = NativeStack(model) if _plain(model, family, layer) else None
+        stack = model._native_stack = NativeStack(model, family, layer) if _plain(model, family, layer) else None
     return stack if ENABLED else None
 
 
