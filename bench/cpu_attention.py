@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from bench._common import kernel_at, producer, write_section
-from bench.cpu_gemm import REPO, copy_rate, timed
+from bench.cpu_gemm import REPO, alternated, copy_rate, timed
 
 H, KVH, D, BS = 9, 3, 64, 16  # SmolLM2-135M
 
@@ -61,17 +59,6 @@ def run(attn, q, k, v, caches, layout) -> None:
     meta = attn.build(layout, torch.device("cpu"))
     for kc, vc in caches:
         attn.forward(q, k, v, kc, vc, meta)
-
-
-def alternated(a, b, reps: int) -> tuple[float, float]:
-    """Medians of a() and b() timed in alternating rounds (which goes first alternates too)."""
-    ta, tb = [], []
-    for i in range(reps):
-        for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def main(argv=None) -> int:

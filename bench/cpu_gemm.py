@@ -10,7 +10,10 @@ holds, as a decode step reads them), past that over 2 (the GEMM is compute-bound
 microseconds per call, the weights' read rate (GB/s) or GFLOP/s, and the machine's copy rate in the same run (read +
 write of 512 MiB) for scale.
 
-Usage: python -m bench.cpu_gemm [--reps 15] [--no-write]"""
+`--against REV` (the thin kernel's builds) also builds git revision REV's kernels/cpu_gemm.c and times its packed
+copies and ours in alternating rounds (these machines drift between minutes): it ÷ ours per row count.
+
+Usage: python -m bench.cpu_gemm [--reps 15] [--against REV] [--no-write]"""
 
 from __future__ import annotations
 
@@ -46,6 +49,17 @@ def timed(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def alternated(a, b, reps: int) -> tuple[float, float]:
+    """Medians of a() and b() timed in alternating rounds (which goes first alternates too)."""
+    ta, tb = [], []
+    for i in range(reps):
+        for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def measure(x, ws, kind: str, thin, base: str, copies, reps: int, packed=()) -> dict[str, float]:
     """Seconds per call of each way, over the weights in turn (packed: the AVX2 GEMM's panels of each)."""
 
@@ -75,8 +89,10 @@ def copy_rate() -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--against", default=None, help="a git revision whose thin kernel to time beside ours")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
+    from bench._common import kernel_at
     from engine.host_memory import keep_freed_memory
     from engine.layers.dense import onednn_bf16
     from kernels.cpu_gemm import Avx2Gemm, ThinGemm, has_amx
@@ -93,6 +109,10 @@ def main(argv=None) -> int:
     if thin.lib is None:
         print("our GEMM did not build:", thin.error)
         return 1
+    then = kernel_at(ThinGemm, args.against) if args.against and kind != "avx2" else None
+    if then is not None and then.lib is None:
+        print(f"{args.against}'s thin GEMM did not build: {then.error}")
+        return 1
     copy = copy_rate()
     print(f"copy {copy:.1f} GB/s (read + write), {torch.get_num_threads()} threads", flush=True)
     rows_out, series = [], {}
@@ -102,16 +122,23 @@ def main(argv=None) -> int:
         thin_all = [thin.pack(w) for w in ws_all] if kind != "avx2" else thin
         packed_all = [thin.pack(w) for w in ws_all] if kind == "avx2" else []
         base_all = [torch.ops.mkldnn._reorder_linear_weight(w, None) if base == "onednn" else w.float() for w in ws_all]
+        then_all = [then.pack(w) for w in ws_all] if then is not None else []
         for m in ROWS[kind]:
             few = slice(None) if m <= 64 else slice(2)  # compute-bound past a decode's rows: 2 weights are enough
             ws, copies = ws_all[few], base_all[few]
-            t = measure(torch.randn(m, k).bfloat16(), ws, kind, thin_all if kind == "avx2" else thin_all[few],
-                        base, copies, args.reps, packed_all[few])  # fmt: skip
+            x = torch.randn(m, k).bfloat16()
+            t = measure(x, ws, kind, thin_all if kind == "avx2" else thin_all[few], base, copies, args.reps,
+                        packed_all[few])  # fmt: skip
+            if then is not None:  # ours and REV's on their own packed copies, alternated
+                mine, theirs = thin_all[few], then_all[few]
+                ours, was = alternated(lambda: [a(x) for a in mine], lambda: [a(x) for a in theirs], args.reps)  # noqa: B023
+                t[kind], t["then"] = ours / len(ws), was / len(ws)
             rate = {s: (n * k * 2 if kind == "amx" else 2 * m * n * k) / v / 1e9 for s, v in t.items()}
             rows_out.append((name, n, k, m, t, rate))
             for s in t:
                 series.setdefault((name, s), []).append((m, rate[s]))
             others = " | ".join(f"{s} {v * 1e6:8.1f} us" for s, v in t.items() if s != kind)
+            others += f" | {args.against} / ours {t['then'] / t[kind]:.2f}x" if "then" in t else ""
             print(f"  {name:8s} {m:4d} rows: {kind} {t[kind] * 1e6:8.1f} us {rate[kind]:6.1f} {unit} | {others} | "
                   f"{base} / {kind} {t[base] / t[kind]:.2f}x", flush=True)  # fmt: skip
     if args.no_write:
@@ -138,22 +165,33 @@ def main(argv=None) -> int:
     md = [
         f"## CPU GEMM ({k_name})",
         "",
-        producer("python -m bench.cpu_gemm", "cpu") + f" {torch.get_num_threads()} threads; copy rate "
+        producer("python -m bench.cpu_gemm" + (f" --against {args.against}" if then else ""), "cpu")
+        + f" {torch.get_num_threads()} threads; copy rate "
         f"{copy:.1f} GB/s (read + write, 512 MiB).",
         "",
         f"SmolLM2-135M's linear shapes (bf16): {what}. Up to 64 rows each is timed over as many weights as the model "
         f"has of it (30 layers), past that over 2; median of the reps. {unit}: "
-        + ("the bf16 weights' bytes over the time." if kind == "amx" else "2 x rows x N x K over the time."),
+        + ("the bf16 weights' bytes over the time." if kind == "amx" else "2 x rows x N x K over the time.")
+        + (
+            f" {k_name} at {args.against}: that revision's kernel on its own packed copies, timed in rounds "
+            "alternating with ours."
+            if then
+            else ""
+        ),  # fmt: skip
         "",
         f"| weight [N, K] | rows | {k_name} µs | {b_name} µs{extra} | F.linear µs | {k_name} {unit} | "
-        f"{b_name} {unit} | {b_name} ÷ {k_name} |",
-        "|---|---:|---:|---:|" + ("---:|---:|" if extra else "") + "---:|---:|---:|---:|",
+        f"{b_name} {unit} | {b_name} ÷ {k_name} |" + (f" {k_name} at {args.against} µs | it ÷ ours |" if then else ""),
+        "|---|---:|---:|---:|"
+        + ("---:|---:|" if extra else "")
+        + "---:|---:|---:|---:|"
+        + ("---:|---:|" if then else ""),
     ]
     for name, n, k, m, t, rate in rows_out:
         wide = f" {t['unpacked'] * 1e6:.0f} | {t['widened'] * 1e6:.0f} |" if extra else ""
         plain = f"{t['plain'] * 1e6:.0f}" if "plain" in t else "–"
         md.append(f"| {name} [{n}, {k}] | {m} | {t[kind] * 1e6:.0f} | {t[base] * 1e6:.0f} |{wide} {plain} | "
-                  f"{rate[kind]:.1f} | {rate[base]:.1f} | {t[base] / t[kind]:.2f}× |")  # fmt: skip
+                  f"{rate[kind]:.1f} | {rate[base]:.1f} | {t[base] / t[kind]:.2f}× |"
+                  + (f" {t['then'] * 1e6:.0f} | {t['then'] / t[kind]:.2f}× |" if "then" in t else ""))  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")

@@ -123,10 +123,11 @@ int amx_init(void) { return 0; }
 
 enum { RT = 6, NT = 4 }; /* a tile: 6 rows x 4 blocks of 16 columns = 24 zmm sums, 4 B rows, 1 broadcast A pair */
 
-/* y rows [0, R) x blocks [0, NB) of b: sums over the K pairs in order (one chain per output, whatever M is), + bias */
+/* y rows [0, R) x blocks [0, NB) of b: sums over the K pairs in order (one chain per output, whatever M is), + bias;
+ * pf: the next panel, whose blocks [pj0, pj1) this tile prefetches */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t k, const uint16_t *b, uint16_t *y,
-                                                       int64_t n, const float *bias, const uint16_t *pf, const int R,
-                                                       const int NB) {
+                                                       int64_t n, const float *bias, const uint16_t *pf, int pj0,
+                                                       int pj1, const int R, const int NB) {
     const int64_t kp = k / 2;
     __m512 acc[RT][NT];
     for (int r = 0; r < R; r++)
@@ -135,7 +136,10 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         __m512bh bv[NT];
         for (int j = 0; j < NB; j++) bv[j] = (__m512bh)_mm512_loadu_si512(b + (j * kp + p) * 32);
         if (pf)
-            for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(pf + (j * kp + p) * 32), _MM_HINT_T1);
+            if (pj1 - pj0 == NB) /* the whole panel (one row tile): unrolled, as NB is a constant */
+                for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(pf + (j * kp + p) * 32), _MM_HINT_T1);
+            else /* this tile's share of its blocks (a runtime loop here cost a 1-row call 5-10 %) */
+                for (int j = pj0; j < pj1; j++) _mm_prefetch((const char *)(pf + (j * kp + p) * 32), _MM_HINT_T1);
         for (int r = 0; r < R; r++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + r * k + 2 * p));
             for (int j = 0; j < NB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, bv[j]);
@@ -150,14 +154,14 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 
 #define TILE_R(NB)                                                                                                     \
     static void tile_##NB(const uint16_t *x, int64_t k, const uint16_t *b, uint16_t *y, int64_t n, const float *bias, \
-                          const uint16_t *pf, int R) {                                                                 \
+                          const uint16_t *pf, int pj0, int pj1, int R) {                                               \
         switch (R) { /* constant R and NB: the sums stay in registers */                                             \
-        case 1: tile(x, k, b, y, n, bias, pf, 1, NB); break;                                                               \
-        case 2: tile(x, k, b, y, n, bias, pf, 2, NB); break;                                                               \
-        case 3: tile(x, k, b, y, n, bias, pf, 3, NB); break;                                                               \
-        case 4: tile(x, k, b, y, n, bias, pf, 4, NB); break;                                                               \
-        case 5: tile(x, k, b, y, n, bias, pf, 5, NB); break;                                                               \
-        default: tile(x, k, b, y, n, bias, pf, 6, NB);                                                                     \
+        case 1: tile(x, k, b, y, n, bias, pf, pj0, pj1, 1, NB); break;                                                 \
+        case 2: tile(x, k, b, y, n, bias, pf, pj0, pj1, 2, NB); break;                                                 \
+        case 3: tile(x, k, b, y, n, bias, pf, pj0, pj1, 3, NB); break;                                                 \
+        case 4: tile(x, k, b, y, n, bias, pf, pj0, pj1, 4, NB); break;                                                 \
+        case 5: tile(x, k, b, y, n, bias, pf, pj0, pj1, 5, NB); break;                                                 \
+        default: tile(x, k, b, y, n, bias, pf, pj0, pj1, 6, NB);                                                       \
         }                                                                                                              \
     }
 TILE_R(1)
@@ -190,15 +194,19 @@ int gemm_any(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, const 
             /* row tiles as even as they go (8 rows: 4 + 4, not 6 + 2): a short tile pays a whole panel pass */
             for (int64_t t = 0, m0 = 0; t < tiles; t++) {
                 const int R = (int)((m - m0) / (tiles - t) + ((m - m0) % (tiles - t) != 0));
-                /* the next group's packed panel comes from memory while this one's later row tiles compute from L2:
-                 * asked for in the second row tile (or the only one) */
-                const uint16_t *pf = wp && t == (tiles > 1) && g0 + NT < b1 ? b + panel : NULL;
+                /* the next group's packed panel comes from memory while this one's row tiles compute from L2, its
+                 * blocks asked for a share in each of the first (up to) NT tiles. All in one tile (the second), as
+                 * before, the prefetches came in a burst the core's misses in flight could not hold, and 8-24 rows
+                 * ran up to 1.1-1.3x slower (python -m bench.cpu_gemm --against REV) */
+                const int64_t ts = tiles < NT ? tiles : NT;
+                const uint16_t *pf = wp && t < ts && g0 + NT < b1 ? b + panel : NULL;
+                const int pj0 = (int)(t * NT / ts), pj1 = (int)((t + 1) * NT / ts);
                 uint16_t *yt = y + m0 * n + g0 * 16;
                 switch (nb) { /* a thread's last group may be short */
-                case 4: tile_4(x + m0 * k, k, b, yt, n, bg, pf, R); break;
-                case 3: tile_3(x + m0 * k, k, b, yt, n, bg, pf, R); break;
-                case 2: tile_2(x + m0 * k, k, b, yt, n, bg, pf, R); break;
-                default: tile_1(x + m0 * k, k, b, yt, n, bg, pf, R);
+                case 4: tile_4(x + m0 * k, k, b, yt, n, bg, pf, pj0, pj1, R); break;
+                case 3: tile_3(x + m0 * k, k, b, yt, n, bg, pf, pj0, pj1, R); break;
+                case 2: tile_2(x + m0 * k, k, b, yt, n, bg, pf, pj0, pj1, R); break;
+                default: tile_1(x + m0 * k, k, b, yt, n, bg, pf, pj0, pj1, R);
                 }
                 m0 += R;
             }
