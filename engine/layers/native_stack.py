@@ -32,15 +32,21 @@ def _plain(model, family: type, layer: type) -> bool:
     """Whether the model's layers are exactly what run_layers computes: family and layer are LlamaForCausalLM and
     DecoderLayer (engine/models/llama.py passes them); the weights are checked again whenever one changes."""
     s, hd = model.spec, model.spec.head_dim
-    qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * hd
+    shapes = {  # what the C's buffers are sized for
+        "qkv": ((s.num_heads + 2 * s.num_kv_heads) * hd, s.hidden_size),
+        "o_proj": (s.hidden_size, s.num_heads * hd),
+        "gate_up": (2 * s.intermediate_size, s.hidden_size),
+        "down": (s.hidden_size, s.intermediate_size),
+    }
     return (
         type(model) is family and all(type(x) is layer for x in model.layers)
         and model.embed.device.type == "cpu" and model.embed.dtype == torch.bfloat16
         and model.tp is None and model.quantization is None and model.layer_quant is None and not model.dense
         and not (s.attn_gate or s.qk_norm or s.attention_sinks) and (s.rotary_dim or hd) == hd
         and hd % 32 == 0 and s.intermediate_size % 16 == 0
-        and all(x.quant_linears is None and not x.fp8_scales and x.qkv.shape[0] == qkv_rows for x in model.layers)
-        and all(_bf16(w) and cpu_gemm.fits(w) for x in model.layers for w in (getattr(x, n) for n in NAMES))
+        and all(x.quant_linears is None and not x.fp8_scales for x in model.layers)
+        and all(_bf16(w := getattr(x, n)) and cpu_gemm.fits(w) and tuple(w.shape) == shapes[n] for x in model.layers
+                for n in NAMES)
         and all(t is None or _bf16(t) for x in model.layers for t in (getattr(x, n) for n in OTHERS))
     )  # fmt: skip
 
