@@ -105,6 +105,20 @@ static inline void prefetch_rows(const void *base, const int32_t *bt, int64_t kh
     }
 }
 
+/* A decode item's first AHEAD positions of K and V (what run() would ask for at its start), asked for while the
+ * thread's item before it runs: the latency at each item's start, where nothing of it was in flight yet. */
+static void prefetch_item(const item *it, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
+                          const int32_t *ctx, const int32_t *qsl, int64_t nb, int64_t bs, int dtype, int64_t window) {
+    const int64_t n = ctx[it->s], nq = qsl[it->s + 1] - qsl[it->s];
+    if (nq != 1 || dtype == 3) return; /* a prefill's rows read their K rows many times over: not latency-bound */
+    const int64_t hi = n, lo = window > 0 && n > window ? n - window : 0, esize = dtype == 0 ? 4 : 2;
+    const int32_t *bt = tables + it->s * table_stride;
+    for (int64_t p = lo & -8; p < (lo & -8) + AHEAD && p < hi; p += 8) {
+        prefetch_rows(k, bt, it->kh, nb, bs, p, hi, (int)esize);
+        prefetch_rows(v, bt, it->kh, nb, bs, p, hi, (int)esize);
+    }
+}
+
 #include "cpu_attention_f32.h"
 #if DOT
 #include "cpu_attention_dot.h"
@@ -387,10 +401,15 @@ int paged_attention(const void *q, int64_t q_stride, int q_dtype, float scale, c
             for (int64_t kh = 0; kh < kvh; kh++) items[m++] = (item){s, kh, i1 - tq > 0 ? i1 - tq : 0, i1};
     }
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
-    for (int64_t i = 0; i < count; i++)
+    int64_t next = 0; /* the next item no thread has taken: each thread takes one ahead, to prefetch its first rows */
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    for (int64_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED); i < count;) {
+        const int64_t j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+        if (j < count) prefetch_item(items + j, k, v, tables, table_stride, ctx, qsl, nb, bs, cache_dtype, window);
         failed |= run(items + i, q, q_stride, q_dtype, scale, k, v, tables, table_stride, ctx, qsl, out, h, kvh, nb, bs,
                       cache_dtype, k_scale, v_scale, window, softcap, sinks);
+        i = j;
+    }
     free(items);
     return failed;
 }
