@@ -9,9 +9,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
-from engine.layers import dense, native_stack
+from engine.layers import dense
 from kernels.cpu_attention import NativeAttention
 from kernels.cpu_gemm import Avx2Gemm, ThinGemm
+from kernels.cpu_layers import NativeLayers
 from kernels.cpu_ops import CpuOps
 
 
@@ -39,4 +40,4 @@ def start_cpu(cfg: EngineConfig, facts, wait: bool = False) -> None:
         if ThinGemm.get(native_dir(cfg, device), wait=wait) is None and not dense.onednn_bf16():
             Avx2Gemm.get(native_dir(cfg, device), wait=wait)
         CpuOps.get(native_dir(cfg, device))
-        native_stack.start(native_dir(cfg, device))
+        NativeLayers.get(native_dir(cfg, device))  # engine/layers/native_stack.py runs it once loaded

@@ -105,18 +105,32 @@ static inline void prefetch_rows(const void *base, const int32_t *bt, int64_t kh
     }
 }
 
-/* A decode item's first AHEAD positions of K and V (what run() would ask for at its start), asked for while the
- * thread's item before it runs: the latency at each item's start, where nothing of it was in flight yet. */
-static void prefetch_item(const item *it, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
-                          const int32_t *ctx, const int32_t *qsl, int64_t nb, int64_t bs, int dtype, int64_t window) {
-    const int64_t n = ctx[it->s], nq = qsl[it->s + 1] - qsl[it->s];
-    if (nq != 1 || dtype == 3) return; /* a prefill's rows read their K rows many times over: not latency-bound */
-    const int64_t hi = n, lo = window > 0 && n > window ? n - window : 0, esize = dtype == 0 ? 4 : 2;
-    const int32_t *bt = tables + it->s * table_stride;
+/* The positions [lo, hi) an item's rows see: its last token's causal end, its first token's window start */
+static inline void item_span(const item *it, const int32_t *ctx, const int32_t *qsl, int64_t window, int64_t *lo,
+                             int64_t *hi) {
+    const int64_t first = ctx[it->s] - (qsl[it->s + 1] - qsl[it->s]), end0 = first + it->i0 + 1;
+    *lo = window > 0 && end0 > window ? end0 - window : 0;
+    *hi = first + it->i1;
+}
+
+/* A `direct` item's (a decode's few rows on a bf16 cache) first AHEAD positions of K and V, from memory into L2 */
+static inline void prefetch_first(const void *k, const void *v, const int32_t *bt, int64_t kh, int64_t nb, int64_t bs,
+                                  int64_t lo, int64_t hi) {
     for (int64_t p = lo & -8; p < (lo & -8) + AHEAD && p < hi; p += 8) {
-        prefetch_rows(k, bt, it->kh, nb, bs, p, hi, (int)esize);
-        prefetch_rows(v, bt, it->kh, nb, bs, p, hi, (int)esize);
+        prefetch_rows(k, bt, kh, nb, bs, p, hi, 2);
+        prefetch_rows(v, bt, kh, nb, bs, p, hi, 2);
     }
+}
+
+/* What run() asks for first on a `direct` item, asked for while the thread's item before it runs: the latency at
+ * each item's start, where nothing of it was in flight yet. */
+static void prefetch_item(const item *it, const void *k, const void *v, const int32_t *tables, int64_t table_stride,
+                          const int32_t *ctx, const int32_t *qsl, int64_t nb, int64_t bs, int dtype, int64_t window,
+                          int64_t rep) {
+    if (dtype != 1 || (it->i1 - it->i0) * rep > 3) return; /* not `direct`: its rows read each K row many times */
+    int64_t lo, hi;
+    item_span(it, ctx, qsl, window, &lo, &hi);
+    prefetch_first(k, v, tables + it->s * table_stride, it->kh, nb, bs, lo, hi);
 }
 
 #include "cpu_attention_f32.h"
@@ -143,7 +157,9 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     /* a bf16 q on a bf16 cache where AVX512-BF16 is: q kept as bf16 (in qv's room), passes 1 and 3 by vdpbf16ps
      * (kernels/cpu_attention_dot.h) in every path, a prefill's rows and a decode's alike; positions 16 a tile */
     const int dot = DOT && dtype == 1 && q_dtype == 1;
-    const int64_t al = dot ? 16 : 8, lo = START_T(0), hi = END_T(it->i1 - it->i0 - 1), lo8 = lo & -al;
+    int64_t lo, hi;
+    item_span(it, ctx, qsl, window, &lo, &hi); /* START_T(0), END_T(i1 - i0 - 1) */
+    const int64_t al = dot ? 16 : 8, lo8 = lo & -al;
     const int64_t W = ((hi + al - 1) & -al) - lo8;
     /* q [R, NV] | acc [R, NV] | rows [PB, NV] | scores [R, W] | sums [R] | tokens [R] | dot: bf16 weights [R, W] */
     const size_t bytes = sizeof(v8) * (2 * R + PB) * NV + sizeof(float) * R * (W + 2) + (dot ? 2 * R * W : 0);
@@ -170,10 +186,7 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
      * D's order, then hsum8's tree: the same whatever rows share the item. */
     const int direct = dtype == 1 && R <= 3;
     /* direct: the first K and V rows, read before the loops' own prefetches are AHEAD (1.1-1.2x, cold) */
-    for (int64_t p = lo8; p < lo8 + AHEAD && p < hi && direct; p += 8) {
-        prefetch_rows(k, bt, kh, nb, bs, p, hi, esize);
-        prefetch_rows(v, bt, kh, nb, bs, p, hi, esize);
-    }
+    if (direct) prefetch_first(k, v, bt, kh, nb, bs, lo, hi);
 #if DOT
     for (int64_t p0 = lo8; p0 < lo8 + W && dot; p0 += 32) { /* K rows where they lie, transposed once for all rows */
         const int g = p0 + 16 < lo8 + W ? 2 : 1; /* tiles of 16 positions */
@@ -405,7 +418,7 @@ int paged_attention(const void *q, int64_t q_stride, int q_dtype, float scale, c
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     for (int64_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED); i < count;) {
         const int64_t j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
-        if (j < count) prefetch_item(items + j, k, v, tables, table_stride, ctx, qsl, nb, bs, cache_dtype, window);
+        if (j < count) prefetch_item(items + j, k, v, tables, table_stride, ctx, qsl, nb, bs, cache_dtype, window, rep);
         failed |= run(items + i, q, q_stride, q_dtype, scale, k, v, tables, table_stride, ctx, qsl, out, h, kvh, nb, bs,
                       cache_dtype, k_scale, v_scale, window, softcap, sinks);
         i = j;

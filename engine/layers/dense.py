@@ -55,14 +55,14 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     rows = x.shape[0]
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype == torch.float32:
         return F.linear(x, w, bias)
-    if x.dtype == torch.bfloat16 == w.dtype and (dot := _dot()) is not None and cpu_gemm.fits(w):
-        if rows <= cpu_gemm.DOT_MAX_ROWS:  # every row count, one order, packed or not: the engine waits for it at start
-            return dot.linear(x, w, bias, getattr(w, THIN, None))
-    if x.dtype == torch.bfloat16 == w.dtype and not onednn_bf16():  # torch's bf16 GEMM is 5-9x slower here
-        if AVX2 and (avx2 := cpu_gemm.Avx2Gemm.loaded()) is not None:
-            # every row count, one order, packed or not: the engine waits for the kernel at start
-            return avx2.linear(x, w, bias, getattr(w, AVX2_PACKED, None))
-        if rows > EXACT:  # no compiler: MKL's fp32 GEMM on the weight widened per call, which pays from a few rows
+    if x.dtype == torch.bfloat16 == w.dtype:
+        # ours at every row count, in one order, packed or not (the engine waits for the kernel at start)
+        if (gemm := our_gemm(w, rows)) is not None:
+            kind, kernel = gemm
+            return kernel.linear(x, w, bias, getattr(w, COPIES[kind], None))
+        # no oneDNN bf16 GEMM (torch's is 5-9x slower here) and no kernel of ours (no compiler): MKL's fp32 GEMM on
+        # the weight widened per call, which pays from a few rows
+        if not onednn_bf16() and rows > EXACT:
             return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, THIN, None)) is not None and x.dtype == torch.bfloat16:
         return amx(x, bias)  # no bucket: the kernel keeps nothing per shape
@@ -80,6 +80,7 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy
 THIN = "thin_packed"  # and its AMX copy for a thin GEMM's few rows (kernels/cpu_gemm.py)
 AVX2_PACKED = "avx2_packed"  # or, where oneDNN has no bf16 GEMM, its copy in the AVX2 GEMM's panels
+COPIES = {"dot": THIN, "avx2": AVX2_PACKED}  # our_gemm's kind -> the attribute holding a weight's copy for it
 # Where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), torch's bf16
 # GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every row count from 16 to 2048,
 # against MKL's fp32 GEMM at 96-174 (576 x 1536): every bf16 linear runs our AVX2 GEMM instead.
@@ -110,6 +111,15 @@ def _dot():
 def _avx2():
     """The AVX2 GEMM where it runs the bf16 linears (no oneDNN bf16 GEMM, the kernel loaded), else None."""
     return cpu_gemm.Avx2Gemm.loaded() if AVX2 and not onednn_bf16() else None
+
+
+def our_gemm(w: torch.Tensor, rows: int):
+    """(kind, kernel) of the GEMM of ours that dense() runs bf16 weight w on at `rows` rows: the thin GEMM's dot
+    build ("dot") or the AVX2 GEMM ("avx2"); None where oneDNN's (or MKL's fp32) runs it. Its `linear` takes the
+    weight's packed copy, the attribute COPIES[kind] (engine/layers/native_stack.py drives the same kernels)."""
+    if (dot := _dot()) is not None and cpu_gemm.fits(w) and rows <= cpu_gemm.DOT_MAX_ROWS:
+        return "dot", dot
+    return None if (avx2 := _avx2()) is None else ("avx2", avx2)
 
 
 def packable(w) -> bool:

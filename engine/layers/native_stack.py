@@ -63,18 +63,10 @@ class NativeStack:
         self.plain = False
         self.kv = None
 
-    def _gemm(self, rows: int):
-        """(kind, kernel) of the GEMM dense() gives these bf16 linears at `rows`, or None (oneDNN's: not in C)."""
-        if (dot := dense._dot()) is not None:
-            return ("dot", dot) if rows <= cpu_gemm.DOT_MAX_ROWS else None
-        if (avx2 := dense._avx2()) is not None:
-            return "avx2", avx2
-        return None
-
     def _signature(self, kind: str) -> tuple[list, list]:
         """(each tensor the C reads: its id, address and in-place version; the tensors): 0.16 ms a step for
         SmolLM2's 30 layers. A packed copy (dense.pack) is its weight's attribute: by id."""
-        copy = dense.THIN if kind == "dot" else dense.AVX2_PACKED
+        copy = dense.COPIES[kind]
         weights = [getattr(layer, n) for layer in self.model.layers for n in NAMES]
         others = [getattr(layer, n) for layer in self.model.layers for n in OTHERS]
         copies = [getattr(w, copy, None) for w in weights]
@@ -85,8 +77,8 @@ class NativeStack:
         return sig, held
 
     def _linear(self, w, bias, kind) -> Linear:
-        packed = getattr(w, dense.THIN if kind == "dot" else dense.AVX2_PACKED, None)
-        if packed is not None and kind == "dot":
+        packed = getattr(w, dense.COPIES[kind], None)
+        if packed is not None and kind == "dot":  # a ThinWeight
             packed = packed.packed
         b = None if bias is None else bias.float().contiguous()
         self.held.append(b)
@@ -110,7 +102,8 @@ class NativeStack:
         # each as the Python path would take it (bench/_common.py's --ab switches turn them off there too)
         if use_triton(h) or h.dtype != torch.bfloat16 or h.device.type != "cpu":
             return None
-        gemm, ops, loop = self._gemm(h.shape[0]), cpu_ops.library(h), NativeLayers.loaded()
+        # the layers' linears all fit (_plain): one answer for every one of them
+        gemm, ops, loop = dense.our_gemm(m.layers[0].qkv, h.shape[0]), cpu_ops.library(h), NativeLayers.loaded()
         native, n = getattr(attn, "native", None), getattr(meta, "native", None)
         if (
             gemm is None
@@ -172,8 +165,3 @@ def stack_for(model, family: type, layer: type) -> NativeStack | None:
     if stack is False:
         stack = model._native_stack = NativeStack(model, family, layer) if _plain(model, family, layer) else None
     return stack if ENABLED else None
-
-
-def start(cache_dir) -> None:
-    """Build or load the loop (a thread; steps use it once it is loaded)."""
-    NativeLayers.get(cache_dir)
