@@ -1,18 +1,16 @@
-/* A bf16 linear for few rows on CPUs with AVX512-BF16: y = x W^T (+ bias), fp32 sums, rounded to bf16 once (round
- * to nearest even, as oneDNN). The CPU's answer to a decode step's GEMMs, which are weight-read-bound: oneDNN's packed
- * GEMM reads the weights at 5-9 GB/s at 1-32 rows on a 2-core Xeon VM, this at 9-16 (kernels/cpu_gemm.py,
- * bench/cpu_gemm.py). Checked against thin_linear_ref. Two builds of one layout: AMX tiles where the CPU has them
- * (Intel Sapphire Rapids and later), else AVX512-BF16 dot products (AMD Zen 4 and later): AMX's B tile is, 64 bytes
- * at a time, the operand of vdpbf16ps.
+/* The bf16 linear on CPUs with AVX512-BF16, at every row count: y = x W^T (+ bias), fp32 sums, rounded to bf16 once
+ * (round to nearest even, as oneDNN). Each output is one chain over K in order whatever M is, so a token's sums do
+ * not depend on the step it came in (a decode's few rows or a prefill chunk's thousands). Checked against
+ * thin_linear_ref; timed against oneDNN's packed GEMM by bench/cpu_gemm.py. Two builds of one layout: AMX tiles
+ * where the CPU has them (Intel Sapphire Rapids and later), else AVX512-BF16 dot products (AMD Zen 4 and later):
+ * AMX's B tile is, 64 bytes at a time, the operand of vdpbf16ps.
  *
  *   w        [N, K] bf16, packed once (pack) into AMX's B tiles, each tile's K pairs side by side:
  *   wp       [N / 16][K / 32][16 (k pairs)][16 (n)][2] bf16: one N block's K tiles are 1 KiB each, in a row, so a
  *            thread streams its blocks front to back (block nb's k pair p is the 64 bytes at (nb K / 2 + p) 32)
  *   x        [M, K] bf16, rows contiguous; y [M, N] bf16; bias [N] fp32 or NULL
- * gemm reads the packed copy; the dot build's gemm_any also reads w itself, packing each panel as it goes.
- * AMX: each thread takes whole N blocks. Per block, up to 64 rows at a time: four 16x16 fp32 sums (tiles 0-3), a B
- * tile (4) loaded once per K step and multiplied with up to four A tiles (5, 6). A last partial 16-row group of x is
- * copied into a zero-padded buffer first (an A tile always reads 16 rows). Threads: OpenMP, in torch's libgomp. */
+ * gemm_any reads the packed copy, or w itself where there is none yet, packing each panel as it goes; gemm is
+ * gemm_any on the packed copy. Threads: OpenMP, in torch's libgomp. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -49,72 +47,131 @@ typedef struct {
  * 0 on success. oneDNN asks too; asking twice is harmless. */
 int amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
-/* 0 on success, 1 when the tail buffer could not be allocated */
-int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
-         int nthreads) {
+enum { MC_BYTES = 1 << 20, STREAM_BYTES = 4 << 20 }; /* the rows of x a thread's column groups pass over at a time: half of L2 */
+
+/* rows [q0, q1) of a 32-row step's sums ([2 halves][2 blocks][16 rows][16] fp32) + bias -> y's rows r0 + q, nb
+ * blocks of 16 columns, a row's columns in one store (a whole cache line where nb is 2); rows at m and past are not
+ * x's */
+static inline void put_rows(const float *sums, int64_t q0, int64_t q1, int64_t r0, int64_t m, int nb, __m512 bv0,
+                            __m512 bv1, uint16_t *y, int64_t n, int stream) {
+    for (int64_t q = q0; q < q1 && r0 + q < m; q++) {
+        const float *s = sums + (q / 16) * 512 + (q % 16) * 16;
+        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s), bv0));
+        if (nb > 1) {
+            const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s + 256), bv1));
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            if (stream)
+                _mm512_stream_si512((__m512i *)(y + (r0 + q) * n), v);
+            else
+                _mm512_storeu_si512(y + (r0 + q) * n, v);
+        } else
+            _mm256_storeu_si256((__m256i *)(y + (r0 + q) * n), lo);
+    }
+}
+
+/* y rows [m0, m1) x one group's nb (1 or 2) column blocks b (K / 32 tiles of 1 KiB each, in a row), 32 rows at a time:
+ * C tiles 0-3 = A tiles 4, 5 (16 rows each) x B tiles 6, 7, over K's tiles in order. Every output is its own chain
+ * over K whatever the rows and columns beside it, so a row's bits do not depend on the step it came in. A step's
+ * sums are rounded and stored to y a few rows per K step of the next one: done after the tiles, that work left the
+ * tiles idle for 40 % of the time at K 576 (the instruction has a long latency and leaves the other ports free). */
+static void rows_x_group(const uint16_t *x, const uint16_t *tail, int64_t full, int64_t m0, int64_t m1, int64_t m,
+                         int64_t k, const uint16_t *b, int nb, uint16_t *y, int64_t n, const float *bias,
+                         const char *pf, int64_t pf_lines, int stream) {
+    const int64_t kt = k / 32, steps = (m1 - m0 + 31) / 32;
+    /* the next group's panel (pf_lines of 64 bytes) asked for into L2 at an even rate over this group's K steps */
+    const int64_t per_kb = (pf_lines + steps * kt - 1) / (steps * kt), rows_kb = (32 + kt - 1) / kt;
+    int64_t line = 0, prev = -1; /* prev: the step whose sums wait to be stored (its first row), or -1 */
+    float sums[4 * 256] __attribute__((aligned(64)));
+    const uint16_t *b1 = b + kt * 512;
+    const __m512 bv0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bv1 = bias && nb > 1 ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int64_t r0 = m0; r0 < m1; r0 += 32) {
+        const int two = r0 + 16 < m1;
+        const uint16_t *a0 = r0 < full ? x + r0 * k : tail, *a1 = r0 + 16 < full ? x + (r0 + 16) * k : tail;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < kt; kb++) {
+            for (int64_t e = line + per_kb < pf_lines ? line + per_kb : pf_lines; line < e; line++)
+                _mm_prefetch(pf + line * 64, _MM_HINT_T1);
+            _tile_loadd(6, b + kb * 512, 64);
+            _tile_loadd(4, a0 + kb * 32, k * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+                _tile_loadd(5, a1 + kb * 32, k * 2);
+                _tile_dpbf16ps(2, 5, 6);
+            }
+            if (nb > 1) {
+                _tile_loadd(7, b1 + kb * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) _tile_dpbf16ps(3, 5, 7);
+            }
+            if (prev >= 0) put_rows(sums, kb * rows_kb, (kb + 1) * rows_kb, prev, m1, nb, bv0, bv1, y, n, stream);
+        }
+        _tile_stored(0, sums, 64);
+        if (nb > 1) _tile_stored(1, sums + 256, 64);
+        if (two) {
+            _tile_stored(2, sums + 512, 64);
+            if (nb > 1) _tile_stored(3, sums + 768, 64);
+        }
+        prev = r0;
+    }
+    put_rows(sums, 0, 32, prev, m1, nb, bv0, bv1, y, n, stream);
+}
+
+/* y = x W^T (+ bias) at any row count, from the packed copy wp, or where it is NULL from w [N, K] itself, each group's
+ * panel packed into a buffer of the thread's as it is reached: the same sums either way. Each thread takes an even
+ * share of the column blocks, in groups of 2; rows go in chunks whose A (chunk x K bf16) stays in L2 while the
+ * thread's groups pass over it, each group's panel read once per chunk (all rows at once up to a chunk: a decode).
+ * A last partial 16-row group of x is copied into a zero-padded buffer first (an A tile always reads 16 rows).
+ * 0 on success, 1 when a buffer could not be allocated. */
+int gemm_any(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, const uint16_t *w, int64_t n, uint16_t *y,
+             const float *bias, int nthreads) {
     const int64_t kt = k / 32, nbs = n / 16, full = m / 16 * 16;
+    const int64_t chunk = (MC_BYTES / (k * 2)) / 32 * 32 > 32 ? (MC_BYTES / (k * 2)) / 32 * 32 : 32;
     uint16_t *tail = NULL; /* rows full..m-1 of x, then zeros: [16, K] */
+    /* a y past L2 goes to memory either way: stored past the caches, without reading each line in first (a row's
+     * pair of blocks is a whole aligned line where y and its rows are 64-byte aligned) */
+    const int stream = m * n * 2 > STREAM_BYTES && ((uintptr_t)y | (n * 2)) % 64 == 0;
+    int failed = 0;
+    if (m == 0) return 0;
     if (full < m) {
         tail = calloc(16 * k, sizeof(uint16_t));
         if (tail == NULL) return 1;
         memcpy(tail, x + full * k, (m - full) * k * sizeof(uint16_t));
     }
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t g1 = nbs * (id + 1) / nt;
+        uint16_t *buf = wp ? NULL : aligned_alloc(64, 2 * kt * 512 * sizeof(uint16_t));
         tile_config cfg = {0};
         cfg.palette = 1;
-        for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
         _tile_loadconfig(&cfg);
-        float sums[16 * 16] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < nbs; nb++) {
-            const uint16_t *b = wp + nb * kt * 512;
-            const __m512 bv = bias ? _mm512_loadu_ps(bias + nb * 16) : _mm512_setzero_ps();
-            for (int64_t m0 = 0; m0 < m; m0 += 64) {
-                const int64_t left = (m - m0 + 15) / 16, mt = left < 4 ? left : 4;
-                /* A tile i: rows m0 + 16 i of x, or the tail buffer */
-                const uint16_t *a[4];
-                for (int i = 0; i < mt; i++) a[i] = m0 + 16 * i < full ? x + (m0 + 16 * i) * k : tail;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kb = 0; kb < kt; kb++) {
-                    _tile_loadd(4, b + kb * 512, 64);
-                    _tile_loadd(5, a[0] + kb * 32, k * 2);
-                    _tile_dpbf16ps(0, 5, 4);
-                    if (mt > 1) {
-                        _tile_loadd(6, a[1] + kb * 32, k * 2);
-                        _tile_dpbf16ps(1, 6, 4);
-                    }
-                    if (mt > 2) {
-                        _tile_loadd(5, a[2] + kb * 32, k * 2);
-                        _tile_dpbf16ps(2, 5, 4);
-                    }
-                    if (mt > 3) {
-                        _tile_loadd(6, a[3] + kb * 32, k * 2);
-                        _tile_dpbf16ps(3, 6, 4);
-                    }
-                }
-                for (int i = 0; i < mt; i++) {
-                    switch (i) { /* tile numbers are immediates */
-                    case 0: _tile_stored(0, sums, 64); break;
-                    case 1: _tile_stored(1, sums, 64); break;
-                    case 2: _tile_stored(2, sums, 64); break;
-                    default: _tile_stored(3, sums, 64);
-                    }
-                    for (int r = 0; r < 16 && m0 + 16 * i + r < m; r++) {
-                        const __m512 v = _mm512_add_ps(_mm512_load_ps(sums + 16 * r), bv);
-                        _mm256_storeu_si256((__m256i *)(y + (m0 + 16 * i + r) * n + nb * 16),
-                                            (__m256i)_mm512_cvtneps_pbh(v));
-                    }
-                }
+        failed = !wp && !buf;
+        for (int64_t m0 = 0; m0 < m && !failed; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            for (int64_t g = nbs * id / nt; g < g1; g += 2) {
+                const int nb = g1 - g < 2 ? (int)(g1 - g) : 2;
+                for (int j = 0; j < nb && !wp; j++) pack_block(w, k, g + j, buf + j * kt * 512);
+                const int64_t next = g1 - g - nb < 2 ? g1 - g - nb : 2; /* blocks in the thread's next group */
+                rows_x_group(x, tail, full, m0, m1, m, k, wp ? wp + g * kt * 512 : buf, nb, y + g * 16, n,
+                             bias ? bias + g * 16 : NULL, wp ? (const char *)(wp + (g + nb) * kt * 512) : NULL,
+                             wp ? next * kt * 16 : 0, stream);
             }
         }
         _tile_release();
+        free(buf);
     }
     free(tail);
-    return 0;
+    return failed;
+}
+
+int gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, int64_t n, uint16_t *y, const float *bias,
+         int nthreads) {
+    return gemm_any(x, m, k, wp, NULL, n, y, bias, nthreads);
 }
 
 #else /* AVX512-BF16 alone */
