@@ -289,14 +289,12 @@ def _native_prefill(llm, on: bool) -> None:
 
 
 def _thin_gemm(llm, on: bool) -> None:
-    """A decode's few rows through the thin GEMM (kernels/cpu_gemm.py), or oneDNN's packed GEMM. Its dot build
-    (AVX512-BF16 without AMX) runs every row count and no oneDNN copy is made there: off is F.linear on the plain
-    weight."""
+    """Every bf16 linear through the thin GEMM (kernels/cpu_gemm.py), or (off) F.linear on the plain weight: no
+    oneDNN copy is made where the kernel runs."""
     from kernels import cpu_gemm
 
     assert cpu_gemm.ThinGemm.loaded() is not None, "no thin GEMM here (a CPU without AVX512-BF16, or no compiler)"
     cpu_gemm.MAX_ROWS = AB_DEFAULTS.setdefault("max_rows", cpu_gemm.MAX_ROWS) if on else 0
-    cpu_gemm.DOT_MAX_ROWS = AB_DEFAULTS.setdefault("dot_max_rows", cpu_gemm.DOT_MAX_ROWS) if on else 0
 
 
 def _cpu_ops(llm, on: bool) -> None:

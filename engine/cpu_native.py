@@ -26,17 +26,15 @@ def start_cpu(cfg: EngineConfig, facts, wait: bool = False) -> None:
     the model's head_dim (unless the Triton kernels run attention); for bf16, the thin GEMM where the CPU has
     AVX512-BF16 (its copies are packed after ready), or where oneDNN has no bf16 GEMM the AVX2 GEMM, and the C add +
     RMSNorm, each built or loaded by a thread. `wait` (build_runner; LLMEngine starts them before the weights load):
-    for the attention, the AVX2 GEMM and the thin GEMM (its dot build, without AMX), which then run from the first
-    step on (so a token's result never depends on which path its step got: a server's first requests as its later
-    ones)."""
+    for the attention, the AVX2 GEMM and the thin GEMM, which then run from the first step on (so a token's result
+    never depends on which path its step got: a server's first requests as its later ones)."""
     device, dtype = facts.device, facts.dtype
     if device.type != "cpu":
         return
     keep_freed_memory()
     if facts.kernel_backend != "triton":  # build_attention takes this one
         NativeAttention.get(facts.rank_spec.head_dim, native_dir(cfg, device), wait=wait)
-    if dtype == torch.bfloat16:  # waited for: which build it is (AMX, or the dot build that runs every bf16 linear
-        # from the first step) is the compiler's to say (-march=native), not /proc/cpuinfo's
+    if dtype == torch.bfloat16:  # waited for: it runs every bf16 linear from the first step
         if ThinGemm.get(native_dir(cfg, device), wait=wait) is None and not dense.onednn_bf16():
             Avx2Gemm.get(native_dir(cfg, device), wait=wait)
         CpuOps.get(native_dir(cfg, device))

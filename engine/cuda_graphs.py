@@ -325,8 +325,8 @@ class IdleWork:
             self.pack.clear()
         elif not self.pack:
             thin = ThinGemm.loaded()
-            how = ("AVX2 panels" if not onednn_bf16() else "oneDNN" if thin is None else
-                   "thin GEMM" if thin.every_row else "oneDNN, thin GEMM")  # fmt: skip
+            how = ("AVX2 panels" if not onednn_bf16() else "oneDNN" if thin is None or not thin.every_row else
+                   "thin GEMM")  # fmt: skip
             log.info("CPU linear weights packed (%s): %d MiB", how, self.packed >> 20)
 
     def _warm(self) -> None:

@@ -1,18 +1,22 @@
-"""A bf16 linear on CPUs with AVX512-BF16, in C (kernels/cpu_gemm.c), against thin_linear_ref: with AMX for a
-decode's few rows, without it (the dot build) for every row count.
+"""The bf16 linear on CPUs with AVX512-BF16, in C (kernels/cpu_gemm.c), against thin_linear_ref: every bf16 linear
+that fits, at every row count (`ThinGemm.linear`), in one summation order, on the weight itself (each panel packed as
+it is reached) until its copy is packed, so a token's sums never depend on its step or on whether packing has
+finished; and that copy is the only one (no oneDNN copy).
 
-Why: a decode step's linears have a row per sequence, and at 1-32 rows they mostly read the weights. oneDNN's packed
-GEMM reads them at 5-9 GB/s there on 2 cores of a Xeon VM whose memory gives 10-16; these AMX tiles, fed one weight
-tile per K step and up to four 16-row A tiles, at 9-16 (`python -m bench.cpu_gemm`, docs/benchmarks.md). From about
-64 rows on the GEMM is compute-bound, and oneDNN's blocking wins: dense() hands this kernel only rows <= MAX_ROWS.
+Why: a decode step's linears have a row per sequence, and at 1-32 rows they mostly read the weights, which oneDNN's
+packed GEMM does at about half the memory's rate on 2 cores; and a prefill chunk's rows in oneDNN's order would
+give a token other sums than its decode does (a whole response and its stream then differ where two tokens tie).
 
-Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later), the same packed layout feeds vdpbf16ps: a tile of
-6 rows x 64 columns, each of the group's panel read from memory once and from L2 for the later row tiles, while
-the next group's panel is prefetched. There it runs every bf16 linear at every row count (`ThinGemm.linear`): at
-1-32 rows 1.1-2.4x oneDNN's packed GEMM, even with it from 64 rows to a 2048-token prefill chunk (`python -m
-bench.cpu_gemm`, docs/benchmarks.md "CPU GEMM (AVX512-BF16)"). One summation order for every row count, on the
-weight itself (each panel packed as it is reached) until its copy is packed, so a token's sums never depend on
-its step or on whether packing has finished; and that copy is the only one (no oneDNN copy).
+With AMX (Intel Sapphire Rapids and later): per thread, groups of 2 column blocks over L2-sized chunks of rows,
+32 rows x 32 columns in four tiles at a time, the next group's panel prefetched, each step's sums rounded and stored
+while the next step's tiles run. On 2 cores of a Xeon with AMX: 1.0-1.4x the old AMX decode kernel (same bits) at
+1-64 rows, 1.0-1.9x oneDNN's packed GEMM at 128-1024 rows, 0.85-1.05x at a 2048-token chunk (`python -m
+bench.cpu_gemm`, docs/benchmarks.md "CPU GEMM (AMX)").
+
+Without AMX (AMD Zen 4 and later) the same packed layout feeds vdpbf16ps: a tile of 6 rows x 64 columns, each of
+the group's panel read from memory once and from L2 for the later row tiles, while the next group's panel is
+prefetched: at 1-32 rows 1.1-2.4x oneDNN's packed GEMM, even with it from 64 rows to a 2048-token prefill chunk
+(docs/benchmarks.md "CPU GEMM (AVX512-BF16)").
 
 The weight is packed once into AMX's B-tile layout (`ThinWeight`, an IdleWork piece a layer, as oneDNN's copy),
 beside the parameter, which the engine still reads. Built like the attention kernel (kernels/cpu_build.py), and only
@@ -31,9 +35,8 @@ import torch.nn.functional as F
 
 from kernels.cpu_build import NativeKernel, cpu_flags
 
-# dense() hands the AMX build rows up to MAX_ROWS (the measured crossing with oneDNN's packed GEMM), the dot build
-# every row count (DOT_MAX_ROWS: --ab thin-gemm sets both to 0)
-MAX_ROWS, DOT_MAX_ROWS = 32, 1 << 40
+# dense() hands the kernel every row count up to MAX_ROWS (--ab thin-gemm sets it to 0)
+MAX_ROWS = 1 << 40
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -69,7 +72,7 @@ class ThinGemm(NativeKernel):
     def setup(self, lib) -> None:
         lib.pack.argtypes, lib.pack.restype = [_P, _I64, _I64, _P], None
         lib.gemm.argtypes, lib.gemm.restype = [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int], ctypes.c_int
-        if hasattr(lib, "gemm_any"):  # the dot build (a past revision's may lack it)
+        if hasattr(lib, "gemm_any"):  # a past revision's AMX build lacks it (bench --against)
             lib.gemm_any.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
             lib.gemm_any.restype = ctypes.c_int
         if lib.amx_init() != 0:
@@ -87,15 +90,16 @@ class ThinGemm(NativeKernel):
 
     @property
     def every_row(self) -> bool:
-        """The dot build (AVX512-BF16 without AMX): dense() gives it every bf16 linear at every row count, on the
-        weight itself until its copy is packed (`linear`), so a token's sums never depend on its step."""
+        """Whether it runs every row count (`linear`; a past revision's AMX build ran a decode's few rows alone):
+        dense() gives it every bf16 linear that fits, on the weight itself until its copy is packed, so a token's
+        sums never depend on its step."""
         return self.lib is not None and hasattr(self.lib, "gemm_any")
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, packed: ThinWeight | None = None) -> torch.Tensor:
         """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16, at any M: from `packed` (pack(w)) when
-        given, else from w, each panel packed as it is reached (the same sums). The dot build only."""
+        given, else from w, each panel packed as it is reached (the same sums)."""
         if not self.every_row:
-            raise RuntimeError("linear: the AMX build reads its packed copy only (ThinWeight)")
+            raise RuntimeError("linear: this revision's AMX build reads its packed copy only (ThinWeight)")
         if (x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[1] != w.shape[1] or not fits(w)
                 or not w.is_cpu or (bias is not None and bias.shape != w.shape[:1])):  # fmt: skip
             raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(w.shape)}, bias "

@@ -40,7 +40,7 @@ class Step(ctypes.Structure):
                 ("attn", _P), ("gu", _P), ("act", _P)]  # fmt: skip
 
 
-GEMM_KINDS = {"dot": 0, "avx2": 1}  # the thin GEMM's gemm_any (AVX512-BF16), the AVX2 GEMM's gemm
+GEMM_KINDS = {"thin": 0, "avx2": 1}  # the thin GEMM's gemm_any (AVX512-BF16), the AVX2 GEMM's gemm
 
 
 def address(fn) -> int:

@@ -106,7 +106,7 @@ def test_cpu_gemm_shapes_are_bounded_and_the_padding_changes_no_row(monkeypatch)
 
     monkeypatch.setattr(dense.F, "linear", record)
     monkeypatch.setattr(dense, "onednn_bf16", lambda: True)  # not widened to fp32 (a CPU with AVX-512)
-    monkeypatch.setattr(dense, "_dot", lambda: None)  # oneDNN's path: the thin GEMM's dot build keeps nothing per shape
+    monkeypatch.setattr(dense, "_thin", lambda: None)  # oneDNN's path: the thin GEMM keeps nothing per shape
     for rows in range(1, 2049):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
         y = dense.dense(x, w, b)

@@ -1,9 +1,9 @@
 """A CPU step's decoder layers in one C call (engine/layers/native_stack.py, kernels/cpu_layers.c): the same tokens
 and logprobs, bit for bit, as the layers run from Python over the same kernels (an engine of each), through chunked
 prefills mixed with decodes, prefix-cache hits, and weights before and after their packed copies; on both GEMMs it
-drives (AVX512-BF16's dot build, and the AVX2 one); with a qkv bias and a sliding window; at shapes whose ops split
-over threads; and it stands aside (the Python loop runs) where it does not apply, per model and per step, and builds
-its structures again when a weight changes."""
+drives (the thin GEMM on AVX512-BF16, AMX or not, and the AVX2 one); with a qkv bias and a sliding window; at shapes
+whose ops split over threads; and it stands aside (the Python loop runs) where it does not apply, per model and per
+step, and builds its structures again when a weight changes."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ SHAPE = dict(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_
 # head_dim 64, GQA 4, rows enough for the norm, rotary and SiLU to split over OpenMP threads (PAR_MIN)
 WIDE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
 KINDS = [
-    pytest.param("dot", marks=pytest.mark.skipif(not cpu_gemm.has_thin(), reason="no AVX512-BF16 here")),
+    pytest.param("thin", marks=pytest.mark.skipif(not cpu_gemm.has_thin(), reason="no AVX512-BF16 here")),
     pytest.param("avx2", marks=pytest.mark.skipif(not cpu_gemm.has_avx2(), reason="no AVX2 + FMA here")),
 ]
 
@@ -38,8 +38,8 @@ def models(tmp_path_factory):
 
 
 def _engine(path, kind, monkeypatch, batched: int = 24, **kw):
-    """An engine whose bf16 linears (on both paths) run `kind`: the dot build, or the AVX2 GEMM, forced where
-    oneDNN or the dot build would take them; its C kernels loaded."""
+    """An engine whose bf16 linears (on both paths) run `kind`: the thin GEMM, or the AVX2 GEMM, forced where
+    oneDNN or the thin GEMM would take them; its C kernels loaded."""
     from engine import LLM
     from engine.cpu_native import native_dir
 
@@ -49,11 +49,11 @@ def _engine(path, kind, monkeypatch, batched: int = 24, **kw):
     if kind == "avx2":
         avx2 = Avx2Gemm.get(cache, wait=True)
         assert avx2.lib is not None, avx2.error
-        monkeypatch.setattr(dense, "_dot", lambda: None)  # dense() then asks onednn_bf16(), as on an AVX2 CPU
+        monkeypatch.setattr(dense, "_thin", lambda: None)  # dense() then asks onednn_bf16(), as on an AVX2 CPU
         monkeypatch.setattr(dense, "onednn_bf16", lambda: False)
         assert dense._avx2() is avx2
     else:
-        assert dense._dot() is not None, "the dot build did not load"
+        assert dense._thin() is not None, "the thin GEMM did not load"
     assert CpuOps.get(cache, wait=True).lib is not None and NativeLayers.get(cache, wait=True).lib is not None
     return llm
 
@@ -131,13 +131,13 @@ def test_the_stack_stands_aside_for_a_step_it_does_not_take(models, monkeypatch,
     """Per step: an fp8 KV cache (its rows are quantized by torch), the C attention not writing the rows, the
     GEMM not taking the rows: the Python loop runs, with the Python loop's result."""
     prompts, params = _prompts(), _params(6)
-    ref = _run(_engine(models["llama"], "dot", monkeypatch), prompts, params, False)
-    fp8 = _engine(models["llama"], "dot", monkeypatch, kv_cache_dtype="fp8")
+    ref = _run(_engine(models["llama"], "thin", monkeypatch), prompts, params, False)
+    fp8 = _engine(models["llama"], "thin", monkeypatch, kv_cache_dtype="fp8")
     calls.clear()
     _run(fp8, prompts, params, True)
     assert calls and all(r is None for r in calls)
-    for switch in ((attention, "NATIVE_WRITE", False), (cpu_gemm, "DOT_MAX_ROWS", 0)):
-        llm = _engine(models["llama"], "dot", monkeypatch)
+    for switch in ((attention, "NATIVE_WRITE", False), (cpu_gemm, "MAX_ROWS", 0)):
+        llm = _engine(models["llama"], "thin", monkeypatch)
         with monkeypatch.context() as m:
             m.setattr(*switch)
             calls.clear()
@@ -152,7 +152,7 @@ def test_the_stack_follows_a_weight_that_changes(models, monkeypatch, calls):
     """A bias changed in place and a weight replaced are read again (the structures hold addresses); a layer made
     fp8 (quantize_fp8) leaves the C loop for the Python one."""
     prompts, params = _prompts(), _params(6)
-    llms = {on: _engine(models["qwen2"], "dot", monkeypatch) for on in (True, False)}
+    llms = {on: _engine(models["qwen2"], "thin", monkeypatch) for on in (True, False)}
     before = _run(llms[True], prompts, params, True)
     assert before == _run(llms[False], prompts, params, False)
     for llm in llms.values():  # after the structures were built

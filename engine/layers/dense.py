@@ -12,10 +12,11 @@ faster at up to 64 rows than the plain weight F.linear hands oneDNN on every cal
 (tests/test_dense_pack.py; 576 x 3072 at 64 rows: 0.64 ms -> 0.46 ms on 2 threads of a Xeon with AMX). The packed
 copy is memory of its own, beside the parameter (which the rest of the engine still reads).
 
-Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later), every bf16 linear whose shape fits runs the thin
-GEMM's dot build (kernels/cpu_gemm.py) at every row count, in one summation order: on the weight itself, each panel
-packed as it goes, until IdleWork has packed its copy (the only one: oneDNN's is not made), then on that copy. The
-engine waits for the kernel at start, so a server's first requests get the sums its later ones get.
+Where the CPU has AVX512-BF16 (AMX on Intel Sapphire Rapids and later, vdpbf16ps on AMD Zen 4 and later), every bf16
+linear whose shape fits runs the thin GEMM (kernels/cpu_gemm.py) at every row count, in one summation order: on the
+weight itself, each panel packed as it goes, until IdleWork has packed its copy (the only one: oneDNN's is not made),
+then on that copy. The engine waits for the kernel at start, so a server's first requests get the sums its later ones
+get. oneDNN's packed copy is for CPUs with its bf16 GEMM but no AVX512-BF16 (Skylake-SP to Ice Lake).
 
 Where oneDNN has no bf16 GEMM for the CPU (AVX2 alone), a bf16 linear runs our AVX2 GEMM at every row count, in one
 summation order (kernels/cpu_gemm_avx2.c): a row's result does not depend on the rows beside it. It reads the weight's
@@ -64,8 +65,6 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
         # the weight widened per call, which pays from a few rows
         if not onednn_bf16() and rows > EXACT:
             return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
-    if rows <= cpu_gemm.MAX_ROWS and (amx := getattr(w, THIN, None)) is not None and x.dtype == torch.bfloat16:
-        return amx(x, bias)  # no bucket: the kernel keeps nothing per shape
     linear = F.linear
     if (packed := getattr(w, PACKED, None)) is not None and x.dtype == w.dtype:
         w, linear = packed, _packed_linear
@@ -78,9 +77,9 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy
-THIN = "thin_packed"  # and its AMX copy for a thin GEMM's few rows (kernels/cpu_gemm.py)
+THIN = "thin_packed"  # or its copy in the thin GEMM's tiles (kernels/cpu_gemm.py)
 AVX2_PACKED = "avx2_packed"  # or, where oneDNN has no bf16 GEMM, its copy in the AVX2 GEMM's panels
-COPIES = {"dot": THIN, "avx2": AVX2_PACKED}  # our_gemm's kind -> the attribute holding a weight's copy for it
+COPIES = {"thin": THIN, "avx2": AVX2_PACKED}  # our_gemm's kind -> the attribute holding a weight's copy for it
 # Where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), torch's bf16
 # GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every row count from 16 to 2048,
 # against MKL's fp32 GEMM at 96-174 (576 x 1536): every bf16 linear runs our AVX2 GEMM instead.
@@ -102,8 +101,8 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _dot():
-    """The thin GEMM's dot build where it runs every bf16 linear (AVX512-BF16 without AMX, loaded), else None."""
+def _thin():
+    """The thin GEMM where it runs every bf16 linear (AVX512-BF16, loaded), else None."""
     thin = cpu_gemm.ThinGemm.loaded()
     return thin if thin is not None and thin.every_row else None
 
@@ -114,11 +113,11 @@ def _avx2():
 
 
 def our_gemm(w: torch.Tensor, rows: int):
-    """(kind, kernel) of the GEMM of ours that dense() runs bf16 weight w on at `rows` rows: the thin GEMM's dot
-    build ("dot") or the AVX2 GEMM ("avx2"); None where oneDNN's (or MKL's fp32) runs it. Its `linear` takes the
+    """(kind, kernel) of the GEMM of ours that dense() runs bf16 weight w on at `rows` rows: the thin GEMM ("thin")
+    or the AVX2 GEMM ("avx2"); None where oneDNN's (or MKL's fp32) runs it. Its `linear` takes the
     weight's packed copy, the attribute COPIES[kind] (engine/layers/native_stack.py drives the same kernels)."""
-    if (dot := _dot()) is not None and cpu_gemm.fits(w) and rows <= cpu_gemm.DOT_MAX_ROWS:
-        return "dot", dot
+    if (thin := _thin()) is not None and cpu_gemm.fits(w) and rows <= cpu_gemm.MAX_ROWS:
+        return "thin", thin
     return None if (avx2 := _avx2()) is None else ("avx2", avx2)
 
 
@@ -142,32 +141,27 @@ PACK_HEADROOM = 1 << 30  # bytes a piece's copies must leave free: the steps' te
 
 
 def pack(weights: list[torch.Tensor], room=memory_room) -> int:
-    """Give each weight its oneDNN-packed copy (dense() uses it from then on), and its AMX copy where the thin GEMM
-    is loaded; where the thin GEMM's dot build runs every row count (AVX512-BF16 without AMX), its copy alone; where
-    oneDNN has no bf16 GEMM, its AVX2 GEMM panels instead. Only when the memory left (`room()`:
+    """Give each weight its copy for the GEMM dense() runs it on from then on: the thin GEMM's (AVX512-BF16, the
+    kernel loaded, the weight's shape fits), else oneDNN's packed copy; where oneDNN has no bf16 GEMM, its AVX2 GEMM
+    panels instead. Only when the memory left (`room()`:
     bytes, None when unknown) holds them with PACK_HEADROOM to spare. Returns the bytes packed; 0 when the memory is
     short (then nothing is, the log says why, and the linears go on as before) or nothing packs here."""
     avx2 = _avx2()  # None wherever oneDNN has a bf16 GEMM
     if avx2 is None and not onednn_bf16():
         return 0
-    thin, dot = cpu_gemm.ThinGemm.loaded(), _dot()
-    amx = [avx2 is None and thin is not None and thin.fits(w) for w in weights]
-    # (the AVX2 panels: the weight's bytes, its rows rounded up to a panel's columns; the dot build's copy alone, as
-    # it runs every row count where it fits)
-    need = sum((-(-w.shape[0] // avx2.NR) * avx2.NR * w.shape[1] * 2 if avx2 else w.numel() * w.element_size()
-                * (1 if dot is not None else 1 + a)) for w, a in zip(weights, amx))  # fmt: skip
+    thin = _thin()
+    # (the AVX2 panels: the weight's bytes, its rows rounded up to a panel's columns; else one copy of its bytes)
+    need = sum(-(-w.shape[0] // avx2.NR) * avx2.NR * w.shape[1] * 2 if avx2 else w.numel() * w.element_size()
+               for w in weights)  # fmt: skip
     if (left := room()) is not None and left < need + PACK_HEADROOM:
         log.warning("CPU weight packing stopped: %d MiB left, its copies need %d MiB and %d to spare; the rest of "
                     "the linears stay unpacked", left >> 20, need >> 20, PACK_HEADROOM >> 20)  # fmt: skip
         return 0
-    for w, a in zip(weights, amx):
+    for w in weights:
         if avx2 is not None:
             setattr(w, AVX2_PACKED, avx2.pack(w))
-            continue
-        if dot is not None and a:
-            setattr(w, THIN, dot.pack(w))
-            continue
-        setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        if a:
+        elif thin is not None and thin.fits(w):
             setattr(w, THIN, thin.pack(w))
+        else:
+            setattr(w, PACKED, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
     return need

@@ -78,7 +78,7 @@ class NativeStack:
 
     def _linear(self, w, bias, kind) -> Linear:
         packed = getattr(w, dense.COPIES[kind], None)
-        if packed is not None and kind == "dot":  # a ThinWeight
+        if packed is not None and kind == "thin":  # a ThinWeight
             packed = packed.packed
         b = None if bias is None else bias.float().contiguous()
         self.held.append(b)
@@ -141,7 +141,7 @@ class NativeStack:
         kvh, blocks, bs = kv_caches.shape[2], kv_caches.shape[3], kv_caches.shape[4]
         ones = native._scale(None, kvh)
         model = Model(
-            address(g.lib.gemm_any if kind == "dot" else g.lib.gemm), GEMM_KINDS[kind], address(ops.add_rms_norm),
+            address(g.lib.gemm_any if kind == "thin" else g.lib.gemm), GEMM_KINDS[kind], address(ops.add_rms_norm),
             address(ops.rope), address(ops.silu_and_mul_lut), address(native.lib.paged_attention),
             cpu_ops.silu_table().data_ptr(), s.hidden_size, s.num_heads, kvh, hd, s.intermediate_size, blocks, bs,
             s.rms_norm_eps, attn.scale, attn.softcap or 0.0, ones.data_ptr(), ones.data_ptr(),
