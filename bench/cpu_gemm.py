@@ -1,13 +1,13 @@
 """Our CPU GEMM (kernels/cpu_gemm.py) against what dense() runs without it and plain F.linear, at SmolLM2's linear
-shapes, bf16, on this machine's threads: on a CPU with AMX its thin AMX kernel against oneDNN's packed GEMM at a
-decode step's row counts (docs section `cpu-gemm`); with AVX512-BF16 but no AMX, the thin kernel's vdpbf16ps build
-against the same, at 1-128 rows (section `cpu-gemm-dot`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the weights'
+shapes, bf16, on this machine's threads: on a CPU with AMX its AMX build against oneDNN's packed GEMM from a
+decode's rows to a 2048-token prefill chunk's (docs section `cpu-gemm`); with AVX512-BF16 but no AMX, the thin
+kernel's vdpbf16ps build against the same, at 1-128 rows (section `cpu-gemm-dot`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the weights'
 packed panels (what dense() runs once IdleWork has packed them) and on the bf16 weights themselves (before: each
 panel packed as the kernel reaches it), against MKL's fp32 GEMM, on fp32 copies (what holding them would give) and
 widened per call (what dense() runs without the kernel), from a decode's rows to a prefill's (section `cpu-gemm-
 avx2`). Up to 64 rows each linear is timed over as many weights as the model has of it (30 layers: more than the L3
 holds, as a decode step reads them), past that over 2 (the GEMM is compute-bound); median of `--reps`. Reported:
-microseconds per call, the weights' read rate (GB/s) or GFLOP/s, and the machine's copy rate in the same run (read +
+microseconds per call, GFLOP/s, and the machine's copy rate in the same run (read +
 write of 512 MiB) for scale.
 
 `--against REV` (the thin kernel's builds) also builds git revision REV's kernels/cpu_gemm.c and times its packed
@@ -36,7 +36,7 @@ SHAPES = {
     "down": (576, 1536, 30),
     "lm_head": (49152, 576, 1),
 }  # fmt: skip  name: (N, K, weights of it in SmolLM2-135M)
-ROWS = {"amx": (1, 4, 8, 16, 32, 48, 64), "dot": (1, 4, 8, 16, 24, 32, 64, 128), "avx2": (1, 4, 16, 64, 256, 1024)}
+ROWS = {"amx": (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), "dot": (1, 4, 8, 16, 24, 32, 64, 128), "avx2": (1, 4, 16, 64, 256, 1024)}
 
 
 def timed(fn, reps: int) -> float:
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     copy = copy_rate()
     print(f"copy {copy:.1f} GB/s (read + write), {torch.get_num_threads()} threads", flush=True)
     rows_out, series = [], {}
-    unit = "GB/s" if kind == "amx" else "GFLOP/s"  # a decode's weight reads, or the GEMM's work up to a prefill's
+    unit = "GFLOP/s"
     for name, (n, k, count) in SHAPES.items():
         ws_all = [torch.randn(n, k).bfloat16() for _ in range(count)]
         thin_all = [thin.pack(w) for w in ws_all] if kind != "avx2" else thin
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                 mine, theirs = thin_all[few], then_all[few]
                 ours, was = alternated(lambda: [a(x) for a in mine], lambda: [a(x) for a in theirs], args.reps)  # noqa: B023
                 t[kind], t["then"] = ours / len(ws), was / len(ws)
-            rate = {s: (n * k * 2 if kind == "amx" else 2 * m * n * k) / v / 1e9 for s, v in t.items()}
+            rate = {s: 2 * m * n * k / v / 1e9 for s, v in t.items()}
             rows_out.append((name, n, k, m, t, rate))
             for s in t:
                 series.setdefault((name, s), []).append((m, rate[s]))
@@ -147,8 +147,9 @@ def main(argv=None) -> int:
         kind, ("AVX2", "MKL fp32 copy")
     )
     what = (
-        "our AMX kernel (`kernels/cpu_gemm.c`), oneDNN's GEMM on its packed copy (what dense() used before), and "
-        "`F.linear` on the plain bf16 weight. dense() takes the kernel up to `MAX_ROWS` rows (kernels/cpu_gemm.py)"
+        "our thin kernel's AMX build (`kernels/cpu_gemm.c`), oneDNN's GEMM on its packed copy (what dense() ran "
+        "before: past 32 rows until 5e06429) at the same rows, and `F.linear` on the plain bf16 weight. dense() runs "
+        "the kernel at every row count"
         if kind == "amx"
         else "our thin kernel's AVX512-BF16 build (`kernels/cpu_gemm.c`: vdpbf16ps on AMX's packed layout), oneDNN's "
         "GEMM on its packed copy at the same rows (dense() pads rows to its buckets for oneDNN: 17-32 rows run as "
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
         "",
         f"SmolLM2-135M's linear shapes (bf16): {what}. Up to 64 rows each is timed over as many weights as the model "
         f"has of it (30 layers), past that over 2; median of the reps. {unit}: "
-        + ("the bf16 weights' bytes over the time." if kind == "amx" else "2 x rows x N x K over the time.")
+        + "2 x rows x N x K over the time."
         + (
             f" {k_name} at {args.against}: that revision's kernel on its own packed copies, timed in rounds "
             "alternating with ours."
@@ -204,9 +205,9 @@ def main(argv=None) -> int:
                 ax.plot(*zip(*series[(name, s)]), style, label=s, markersize=3)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("rows")
-        if kind == "avx2":
+        if kind != "dot":
             ax.set_xscale("log", base=2)
-    axes[0].set_ylabel("weights read, GB/s" if kind == "amx" else "GFLOP/s")
+    axes[0].set_ylabel("GFLOP/s")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     png = REPO / "docs" / f"{key}.png"
