@@ -1,13 +1,13 @@
 """Our CPU GEMM (kernels/cpu_gemm.py) against what dense() runs without it and plain F.linear, at SmolLM2's linear
 shapes, bf16, on this machine's threads: on a CPU with AMX its AMX build against oneDNN's packed GEMM from a
 decode's rows to a 2048-token prefill chunk's (docs section `cpu-gemm`); with AVX512-BF16 but no AMX, the thin
-kernel's vdpbf16ps build against the same, at 1-128 rows (section `cpu-gemm-dot`); where oneDNN has no bf16 GEMM, the AVX2 GEMM on the weights'
-packed panels (what dense() runs once IdleWork has packed them) and on the bf16 weights themselves (before: each
-panel packed as the kernel reaches it), against MKL's fp32 GEMM, on fp32 copies (what holding them would give) and
-widened per call (what dense() runs without the kernel), from a decode's rows to a prefill's (section `cpu-gemm-
-avx2`). Up to 64 rows each linear is timed over as many weights as the model has of it (30 layers: more than the L3
-holds, as a decode step reads them), past that over 2 (the GEMM is compute-bound); median of `--reps`. Reported:
-microseconds per call, GFLOP/s, and the machine's copy rate in the same run (read +
+kernel's vdpbf16ps build against the same, at 1-128 rows (section `cpu-gemm-dot`); where oneDNN has no bf16 GEMM,
+the AVX2 GEMM on the weights' packed panels (what dense() runs once IdleWork has packed them) and on the bf16
+weights themselves (before: each panel packed as the kernel reaches it), against MKL's fp32 GEMM, on fp32 copies
+(what holding them would give) and widened per call (what dense() runs without the kernel), from a decode's rows to
+a prefill's (section `cpu-gemm-avx2`). Up to 64 rows each linear is timed over as many weights as the model has of
+it (30 layers: more than the L3 holds, as a decode step reads them), past that over 2 (the GEMM is compute-bound);
+median of `--reps`. Reported: microseconds per call, GFLOP/s, and the machine's copy rate in the same run (read +
 write of 512 MiB) for scale.
 
 `--against REV` (the thin kernel's builds) also builds git revision REV's kernels/cpu_gemm.c and times its packed
@@ -36,7 +36,11 @@ SHAPES = {
     "down": (576, 1536, 30),
     "lm_head": (49152, 576, 1),
 }  # fmt: skip  name: (N, K, weights of it in SmolLM2-135M)
-ROWS = {"amx": (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), "dot": (1, 4, 8, 16, 24, 32, 64, 128), "avx2": (1, 4, 16, 64, 256, 1024)}
+ROWS = {
+    "amx": (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    "dot": (1, 4, 8, 16, 24, 32, 64, 128),
+    "avx2": (1, 4, 16, 64, 256, 1024),
+}
 
 
 def timed(fn, reps: int) -> float:
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
     )
     what = (
         "our thin kernel's AMX build (`kernels/cpu_gemm.c`), oneDNN's GEMM on its packed copy (what dense() ran "
-        "before: past 32 rows until 5e06429) at the same rows, and `F.linear` on the plain bf16 weight. dense() runs "
+        "before: past 32 rows until a2be456) at the same rows, and `F.linear` on the plain bf16 weight. dense() runs "
         "the kernel at every row count"
         if kind == "amx"
         else "our thin kernel's AVX512-BF16 build (`kernels/cpu_gemm.c`: vdpbf16ps on AMX's packed layout), oneDNN's "
