@@ -56,14 +56,23 @@ static float fp8_e4m3fn(uint8_t x) { /* bias 7, no infinities; 0x7f and 0xff are
     return (x >> 7) ? -v : v;
 }
 
+static void amx_request(void);
+
 void init_tables(void) {
     for (int i = 0; i < 256; i++) fp8_lut[i] = fp8_e4m3fn((uint8_t)i);
+    amx_request();
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && HEAD_DIM % 32 == 0
 #define DOT 1 /* a bf16 q against a bf16 cache: scores and weighted sums by vdpbf16ps (kernels/cpu_attention_dot.h) */
 #else
 #define DOT 0
+#endif
+
+#if DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX 1 /* and where the CPU has AMX, those products as tile GEMMs (kernels/cpu_attention_amx.h) */
+#else
+#define AMX 0
 #endif
 
 int rounds_weights(void) { return DOT; } /* bf16 q on a bf16 cache: pass 3 rounds the weights to bf16 */
@@ -137,6 +146,11 @@ static void prefetch_item(const item *it, const void *k, const void *v, const in
 #if DOT
 #include "cpu_attention_dot.h"
 #endif
+#if AMX
+#include "cpu_attention_amx.h"
+#else
+static void amx_request(void) {}
+#endif
 
 /* One item. Its rows are R = (i1 - i0) * rep query vectors, row r = query token i0 + r / rep, head kh * rep + r % rep.
  * Token i sits at position pos = n - nq + i and sees [lo_i, pos] (lo_i > 0 with a window): the item's positions
@@ -157,18 +171,28 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     /* a bf16 q on a bf16 cache where AVX512-BF16 is: q kept as bf16 (in qv's room), passes 1 and 3 by vdpbf16ps
      * (kernels/cpu_attention_dot.h) in every path, a prefill's rows and a decode's alike; positions 16 a tile */
     const int dot = DOT && dtype == 1 && q_dtype == 1;
+#if AMX
+    const int amx = dot && amx_ok; /* its buffers' rows padded to whole tiles of 16 */
+#else
+    const int amx = 0;
+#endif
+    const int64_t Rp = amx ? (R + 15) & -16 : R;
     int64_t lo, hi;
     item_span(it, ctx, qsl, window, &lo, &hi); /* START_T(0), END_T(i1 - i0 - 1) */
-    const int64_t al = dot ? 16 : 8, lo8 = lo & -al;
+    const int64_t al = amx ? 32 : dot ? 16 : 8, lo8 = lo & -al;
     const int64_t W = ((hi + al - 1) & -al) - lo8;
     /* q [R, NV] | acc [R, NV] | rows [PB, NV] | scores [R, W] | sums [R] | tokens [R] | dot: bf16 weights [R, W] */
-    const size_t bytes = sizeof(v8) * (2 * R + PB) * NV + sizeof(float) * R * (W + 2) + (dot ? 2 * R * W : 0);
+    /* (amx: q, acc and pw of Rp rows, whole tiles; vb [HEAD_DIM / 16, 16, 32] bf16, pass 3's V chunk) */
+    const size_t bytes = sizeof(v8) * (2 * Rp + PB) * NV + sizeof(float) * R * (W + 2) + (dot ? 2 * Rp * W : 0) +
+                         (amx ? 64 + 2 * 32 * HEAD_DIM : 0);
     v8 *qv = aligned_alloc(64, (bytes + 63) / 64 * 64); /* C11: a multiple of the alignment */
     if (qv == NULL) return 1;
-    v8 *acc = qv + R * NV, *row = acc + R * NV;
+    v8 *acc = qv + Rp * NV, *row = acc + Rp * NV;
     float *sc = (float *)(row + PB * NV), *sums = sc + R * W;
     int32_t *tok = (int32_t *)(sums + R); /* row r's token within the item, r / rep (no division in the loops) */
     uint16_t *pw = (uint16_t *)(tok + R); /* dot: pass 2's weights rounded to bf16, pass 3's operand */
+    uint16_t *vb = (uint16_t *)(((uintptr_t)(pw + Rp * W) + 63) & ~(uintptr_t)63); /* amx only */
+    (void)vb;
     (void)pw; /* unused where DOT is 0 */
     for (int64_t t = 0, r = 0; r < R; t++)
         for (int64_t j = 0; j < rep; j++) tok[r++] = (int32_t)t;
@@ -176,6 +200,14 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
     for (int64_t r = 0; r < R && dot; r++)
         memcpy((uint16_t *)qv + r * HEAD_DIM, (const uint16_t *)q + (qsl[s] + it->i0 + tok[r]) * q_stride +
                HEAD(r) * HEAD_DIM, HEAD_DIM * sizeof(uint16_t));
+    if (amx) { /* the padding rows: zeros in q and the weights, sums from 0 */
+        memset((uint16_t *)qv + R * HEAD_DIM, 0, (Rp - R) * HEAD_DIM * sizeof(uint16_t));
+        memset(pw + R * W, 0, (Rp - R) * W * sizeof(uint16_t));
+        memset(acc, 0, sizeof(v8) * Rp * NV);
+#if AMX
+        amx_config();
+#endif
+    }
     for (int64_t r = 0; r < R && !dot; r++) /* token i0 + r / rep's query head kh * rep + r % rep */
         load_q((const char *)q + ((qsl[s] + it->i0 + tok[r]) * q_stride + HEAD(r) * HEAD_DIM) * qsize,
                q_dtype, scale, qv + r * NV);
@@ -201,7 +233,11 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
         }
         __m512i kt[HEAD_DIM];
         for (int t = 0; t < g; t++) transpose16(kp + 16 * t, kt + t * HEAD_DIM / 2);
-        for (int64_t r0 = 0; r0 < R; r0 += DQ_ROWS) {
+#if AMX
+        if (amx) /* g is 2: W is whole chunks of 32 */
+            pass1_amx((const uint16_t *)qv, kt, R, tok, END_T(0), window, p0, scale, softcap, sc + p0 - lo8, W);
+#endif
+        for (int64_t r0 = 0; r0 < R && !amx; r0 += DQ_ROWS) {
             const int64_t n = R - r0 < DQ_ROWS ? R - r0 : DQ_ROWS, r1 = r0 + n - 1;
             if (END(r1) <= p0 || START(r0) >= p0 + 16 * g) continue; /* no position of these rows here */
             const uint16_t *qb = (const uint16_t *)qv + r0 * HEAD_DIM; /* the bf16 rows, HEAD_DIM apart */
@@ -315,8 +351,12 @@ static int run(const item *it, const void *q, int64_t q_stride, int q_dtype, flo
      * vectors of D a tile (12 or 24 sums in registers). A weight outside a row's positions is 0: adding 0 * v (v finite:
      * a real token's) leaves its sums as they were, so a row's output is the same whatever rows share the item. */
     if (!dot) memset(acc, 0, sizeof(v8) * R * NV); /* pv_dot stores its sums whole */
+#if AMX
+    if (amx)
+        pass3_amx((float *)acc, pw, W, lo8, v, bt, kh, nb, bs, lo, hi, R, tok, END_T(0), window, !direct, vb);
+#endif
 #if DOT
-    for (int64_t r0 = 0; r0 < R && dot; r0 += DV_ROWS) { /* pairs of positions, V rows where they lie */
+    for (int64_t r0 = 0; r0 < R && dot && !amx; r0 += DV_ROWS) { /* pairs of positions, V rows where they lie */
         const int n = R - r0 < DV_ROWS ? (int)(R - r0) : DV_ROWS;
         const int64_t a = START(r0) & ~(int64_t)1, b = (END(r0 + n - 1) + 1) & ~(int64_t)1;
         float *t = (float *)acc + r0 * HEAD_DIM;
