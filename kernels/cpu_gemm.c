@@ -131,9 +131,10 @@ int gemm_any(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, const 
     const int64_t kt = k / 32, nbs = n / 16, full = m / 16 * 16;
     const int64_t chunk = (MC_BYTES / (k * 2)) / 32 * 32 > 32 ? (MC_BYTES / (k * 2)) / 32 * 32 : 32;
     uint16_t *tail = NULL; /* rows full..m-1 of x, then zeros: [16, K] */
-    /* a y past L2 goes to memory either way: stored past the caches, without reading each line in first (a row's
-     * pair of blocks is a whole aligned line where y and its rows are 64-byte aligned) */
-    const int stream = m * n * 2 > STREAM_BYTES && ((uintptr_t)y | (n * 2)) % 64 == 0;
+    /* a y past L2 goes to memory either way: stored past the caches, without reading each line in first, where a
+     * group's row is a whole aligned line (its pair of blocks starts 64-byte aligned, as do y's rows: checked per
+     * group, since a thread's share may start at an odd block) */
+    const int stream = m * n * 2 > STREAM_BYTES && (n * 2) % 64 == 0;
     int failed = 0;
     if (m == 0) return 0;
     if (full < m) {
@@ -159,9 +160,10 @@ int gemm_any(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp, const 
                 const int64_t next = g1 - g - nb < 2 ? g1 - g - nb : 2; /* blocks in the thread's next group */
                 rows_x_group(x, tail, full, m0, m1, m, k, wp ? wp + g * kt * 512 : buf, nb, y + g * 16, n,
                              bias ? bias + g * 16 : NULL, wp ? (const char *)(wp + (g + nb) * kt * 512) : NULL,
-                             wp ? next * kt * 16 : 0, stream);
+                             wp ? next * kt * 16 : 0, stream && (uintptr_t)(y + g * 16) % 64 == 0);
             }
         }
+        if (stream) _mm_sfence(); /* the streamed rows visible before the region's barrier lets y be read */
         _tile_release();
         free(buf);
     }

@@ -71,6 +71,24 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(thin, n, k):
 
 
 @needs_thin
+def test_an_output_past_4_mib_whose_thread_shares_start_at_an_odd_block(thin):
+    """The AMX build streams an output of over 4 MiB past the caches where a group's rows are whole aligned lines:
+    with 34 column blocks, 2 threads' shares start at blocks 0 and 17 (a line's middle), and 3 threads' at 0, 11
+    and 22. Each must still get the reference's result (a misaligned streaming store would fault)."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(544, 32, generator=g).bfloat16(), torch.randn(4000, 32, generator=g).bfloat16()
+    ref, packed, threads = thin_linear_ref(x, w), thin.pack(w), torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            got = packed(x)
+            assert ulps(got, ref, x.float().abs() @ w.float().abs().T).max() <= 1, n
+            assert torch.equal(thin.linear(x, w), got), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_thin
 def test_a_strided_input_and_odd_values(thin):
     """A non-contiguous x (a slice of a wider one) is read as its values; inf and NaN pass through as in the
     reference, and a zero row gives zeros."""
