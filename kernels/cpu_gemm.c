@@ -107,7 +107,9 @@ static void rows_x_group(const uint16_t *x, const uint16_t *tail, int64_t full, 
                 _tile_dpbf16ps(1, 4, 7);
                 if (two) _tile_dpbf16ps(3, 5, 7);
             }
-            if (prev >= 0) put_rows(sums, kb * rows_kb, (kb + 1) * rows_kb, prev, m1, nb, bv0, bv1, y, n, stream);
+            if (prev >= 0 && kb * rows_kb < 32) /* (the last K steps may have no row left: 32 is not a multiple) */
+                put_rows(sums, kb * rows_kb, (kb + 1) * rows_kb < 32 ? (kb + 1) * rows_kb : 32, prev, m1, nb, bv0, bv1,
+                         y, n, stream);
         }
         _tile_stored(0, sums, 64);
         if (nb > 1) _tile_stored(1, sums + 256, 64);

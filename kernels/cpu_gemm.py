@@ -59,8 +59,10 @@ def has_avx2() -> bool:
 
 
 def fits(w: torch.Tensor) -> bool:
-    """Whether a weight has the kernel's shape: bf16 [N, K] with N a multiple of 16 and K of 32 (whole tiles)."""
-    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+    """Whether a weight has the kernel's shape: bf16 [N, K] with N a multiple of 16 and K of 32 (whole tiles), neither
+    0 (the kernel divides by K's tiles)."""
+    return (w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+            and w.shape[0] > 0 and w.shape[1] > 0)  # fmt: skip
 
 
 class ThinGemm(NativeKernel):
@@ -188,6 +190,10 @@ class ThinWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] bf16 -> [M, N] bf16."""
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[1] != self.k or (
+                bias is not None and bias.shape != (self.n,)):  # fmt: skip
+            raise ValueError(f"thin weight [{self.n}, {self.k}]: x {tuple(x.shape)} {x.dtype}, bias "
+                             f"{None if bias is None else tuple(bias.shape)} do not fit")  # fmt: skip
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
         b = None if bias is None else bias.float().contiguous()

@@ -6,6 +6,10 @@ oneDNN's copy alone)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,8 +22,13 @@ needs_thin = pytest.mark.skipif(not cpu_gemm.has_thin(), reason="this CPU has no
 
 
 @pytest.fixture(scope="module")
-def thin(tmp_path_factory):
-    k = ThinGemm.get(tmp_path_factory.mktemp("cpu-kernels"), wait=True)
+def kernel_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cpu-kernels")
+
+
+@pytest.fixture(scope="module")
+def thin(kernel_dir):
+    k = ThinGemm.get(kernel_dir, wait=True)
     assert k.lib is not None, k.error
     return k
 
@@ -88,6 +97,36 @@ def test_an_output_past_4_mib_whose_thread_shares_start_at_an_odd_block(thin):
         torch.set_num_threads(threads)
 
 
+WIDE_K = """
+import sys, torch
+from pathlib import Path
+from kernels.cpu_gemm import ThinGemm, thin_linear_ref
+torch.set_num_threads(2)
+thin = ThinGemm.get(Path(sys.argv[1]), wait=True)
+for k in (576, 2560, 4096):
+    g = torch.Generator().manual_seed(k)
+    w, x = torch.randn(64, k, generator=g).bfloat16(), torch.randn(96, k, generator=g).bfloat16()
+    got, packed = thin.pack(w)(x), thin.pack(w)
+    ref = thin_linear_ref(x, w).float()
+    err = ((got.float() - ref).abs() / (ref.abs() + 1)).max().item()  # within a few bf16 steps of the sum
+    alone = all(torch.equal(packed(x[i : i + 1]), got[i : i + 1]) for i in (0, 31, 32, 95))
+    print(k, err, alone, flush=True)
+"""
+
+
+@needs_thin
+def test_wide_k_at_prefill_rows_on_two_threads(thin, kernel_dir):
+    """K past 1024, and K whose 32-deep tiles do not divide 32 (576: 18): the AMX build stores a step's rows a few per
+    K tile of the next, and once read past its 32 rows' sums there: off the top of a fresh OpenMP worker's stack at
+    K 2560-4096 (the process died), inside it at 576 (ASan). In a process of its own, as a worker's first call."""
+    done = subprocess.run([sys.executable, "-c", WIDE_K, str(kernel_dir)], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert [r[0] for r in rows] == ["576", "2560", "4096"] and all(r[2] == "True" for r in rows), done.stdout
+    assert all(float(r[1]) < 2**-6 for r in rows), done.stdout
+
+
 @needs_thin
 def test_a_strided_input_and_odd_values(thin):
     """A non-contiguous x (a slice of a wider one) is read as its values; inf and NaN pass through as in the
@@ -110,6 +149,8 @@ def test_which_weights_fit():
     assert not cpu_gemm.fits(torch.zeros(960, 576))  # fp32: oneDNN's
     assert not cpu_gemm.fits(torch.zeros(24, 64, dtype=torch.bfloat16))  # N not whole 16-column tiles
     assert not cpu_gemm.fits(torch.zeros(32, 48, dtype=torch.bfloat16))  # K not whole 32-deep tiles
+    assert not cpu_gemm.fits(torch.zeros(32, 0, dtype=torch.bfloat16))  # no K at all (the kernel divides by it)
+    assert not cpu_gemm.fits(torch.zeros(0, 32, dtype=torch.bfloat16))
 
 
 @needs_thin
@@ -145,7 +186,11 @@ def test_the_kernels_linear_refuses_what_its_c_would_misread(thin):
             thin.linear(bad_x, bad_w)
     with pytest.raises(ValueError):
         thin.linear(x, w, torch.zeros(31))
-    assert torch.equal(thin.linear(x, w), thin.pack(w)(x))
+    packed = thin.pack(w)
+    for bad_x, bias in ((x.float(), None), (x[:, :32], None), (x[None], None), (x, torch.zeros(31))):
+        with pytest.raises(ValueError):
+            packed(bad_x, bias)
+    assert torch.equal(thin.linear(x, w), packed(x))
 
 
 def test_without_avx512_bf16_nothing_is_built_and_weights_get_onednns_copy_alone(monkeypatch, tmp_path):
