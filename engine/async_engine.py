@@ -149,13 +149,14 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._inbox.put(("abort", request_id, None))
+                self._inbox.put(("abort", request_id, None, False))
 
-    async def abort(self, request_id: str, error: BaseException | None = None) -> None:
+    async def abort(self, request_id: str, error: BaseException | None = None, *, with_parts: bool = False) -> None:
         """Abort and wait until the engine thread has freed the request's blocks. With `error`, the request's
-        generate() raises it (after the outputs already made) instead of waiting for more."""
+        generate() raises it (after the outputs already made) instead of waiting for more. with_parts: also every
+        request named "{request_id}/..." (a batched job's other prompts: handler/openai_completions.py)."""
         done = threading.Event()
-        self._inbox.put(("abort", request_id, done))
+        self._inbox.put(("abort", request_id, done, with_parts))
         if error is not None:
             self._send(request_id, error)
         # a faulted engine frees nothing (its thread may hang in a step): do not wait for it
@@ -317,8 +318,9 @@ class AsyncEngine:
         elif cmd[0] == "release":
             self.engine.idle.held = False
         elif cmd[0] == "abort":
-            _, rid, done = cmd
-            self.engine.abort(rid)
+            _, rid, done, with_parts = cmd
+            for r in [rid, *(k for k in self.engine.output.groups if with_parts and k.startswith(rid + "/"))]:
+                self.engine.abort(r)
             self._stats = self.engine.stats()
             if done is not None:
                 done.set()

@@ -121,9 +121,13 @@ class Worker:
             async for chunk in gen:
                 yield chunk
             outcome = "done"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             # Runpod cancelled the job or the client left: free its KV now, then let cancellation proceed.
-            await asyncio.shield(self.engine.abort(rid))
+            # CancelledError: the job's task was cancelled at one of our awaits. GeneratorExit: it was cancelled while
+            # the SDK sent a chunk (runpod's own generator around this one never closes it), and this generator is
+            # closed later at its yield, with its inner generators still open: so every request of the job is
+            # aborted by id here, a batch's other prompts too, and not left to their generators' finalizers.
+            await asyncio.shield(self.engine.abort(rid, with_parts=True))
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes this job's error object; the worker serves on
             error, outcome = self._job_error(e, job_id)

@@ -83,11 +83,13 @@ class FakeAsyncEngine:
             "prefix_cache_hit_tokens": 0,
         }
 
-    async def abort(self, request_id: str, error: BaseException | None = None) -> None:
-        """Free the request now; with `error`, its generate() raises it at its next step."""
+    async def abort(self, request_id: str, error: BaseException | None = None, *, with_parts: bool = False) -> None:
+        """Free the request now (with_parts: its "{request_id}/..." too); with `error`, its generate() raises it at
+        its next step."""
         if error is not None and request_id in self._blocks:
             self._errors[request_id] = error
-        self._blocks.pop(request_id, None)
+        for rid in [request_id, *(k for k in list(self._blocks) if with_parts and k.startswith(request_id + "/"))]:
+            self._blocks.pop(rid, None)
 
     async def generate(
         self,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 
 import pytest
 
@@ -107,3 +109,40 @@ def test_cancelling_the_job_task_frees_kv(worker):
 
     st = asyncio.run(go())
     assert st["num_free_blocks"] == st["num_total_blocks"] and st["running"] == 0
+
+
+def test_a_job_cancelled_while_the_sdk_sends_a_chunk_frees_every_prompts_kv(worker, caplog):
+    """runpod's handle_job awaits its POST of each chunk outside our generator: a cancel there raises nothing in
+    Worker.handle, which runpod's run_job_generator leaves open and the loop closes later (GeneratorExit at its
+    yield, its inner generators still open). By the time the job's end is logged, every prompt of the batch must be
+    aborted and its KV freed (the emulator's cancel tests read that line)."""
+    from runpod.serverless.modules.rp_job import run_job_generator
+
+    body = {"prompt": ["Tell a long story", "Count to a thousand:", "A, B, C,"], "max_tokens": 1500, "stream": True}
+    job = {"id": "cancel-mid-post", "input": {"openai_route": "/v1/completions", "openai_input": body}}
+
+    async def go():
+        got = asyncio.Event()
+
+        async def consume():  # runpod's handle_job, its stream_result POST standing still
+            async for _ in run_job_generator(worker.handle, job):
+                got.set()
+                await asyncio.sleep(3600)
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(got.wait(), 60)
+        assert worker.engine.stats()["running"] == 3
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the loop closes the abandoned generators once nothing holds them
+            await asyncio.sleep(0.05)
+            if any("cancel-mid-post cancelled" in r.getMessage() for r in caplog.records):
+                break
+
+    with caplog.at_level(logging.INFO, logger="handler"):
+        asyncio.run(go())
+    ends = [r.getMessage() for r in caplog.records if "cancel-mid-post cancelled" in r.getMessage()]
+    assert len(ends) == 1, ends
+    free, total, running, waiting = re.search(r"free (\d+)/(\d+), running (\d+), waiting (\d+)", ends[0]).groups()
+    assert free == total and running == waiting == "0", ends[0]
