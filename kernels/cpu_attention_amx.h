@@ -47,16 +47,7 @@ static inline void scores_amx(const uint16_t *qg, const __m512i *kt, int64_t n, 
     _tile_stored(0, t[0], 64);
     _tile_stored(1, t[1], 64);
     for (int64_t i = 0; i < n; i++)
-        for (int g = 0; g < 2; g++) {
-            __m512 x = _mm512_mul_ps(_mm512_load_ps(t[g] + 16 * i), _mm512_set1_ps(scale));
-            if (softcap > 0.0f) {
-                float f[16];
-                _mm512_storeu_ps(f, x);
-                for (int j = 0; j < 16; j++) f[j] = softcap * tanhf(f[j] / softcap);
-                x = _mm512_loadu_ps(f);
-            }
-            _mm512_storeu_ps(dst + i * W + 16 * g, x);
-        }
+        for (int g = 0; g < 2; g++) scale_cap16(_mm512_load_ps(t[g] + 16 * i), scale, softcap, dst + i * W + 16 * g);
 }
 
 /* V's positions [p0, p0 + 32) as pass 3's B tiles: vb [HEAD_DIM / 16][16 pairs][16 of D][2], tile 2c the low and

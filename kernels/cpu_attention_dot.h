@@ -47,6 +47,18 @@ static inline void transpose16(const uint16_t *const *kp, __m512i *kt) {
     }
 }
 
+/* 16 scores to dst: times scale, then softcap * tanh(x / softcap) where softcap > 0 (the order the reference uses) */
+static inline void scale_cap16(__m512 x, float scale, float softcap, float *dst) {
+    x = _mm512_mul_ps(x, _mm512_set1_ps(scale));
+    if (softcap > 0.0f) {
+        float f[16];
+        _mm512_storeu_ps(f, x);
+        for (int j = 0; j < 16; j++) f[j] = softcap * tanhf(f[j] / softcap);
+        x = _mm512_loadu_ps(f);
+    }
+    _mm512_storeu_ps(dst, x);
+}
+
 /* n bf16 q rows (HEAD_DIM apart) against g transposed tiles (kt, HEAD_DIM / 2 vectors each): 16 scores a row and
  * tile, times `scale`, soft-capped, to dst + i * W + 16 * t. n x g chains of vdpbf16ps (n, g constants once inlined,
  * n x g <= DQ_SUMS): a decode's 3 rows take two tiles, so that 6 chains hide the instruction's latency. */
@@ -65,16 +77,7 @@ static inline __attribute__((always_inline)) void scores16(const uint16_t *qb, i
         }
     }
     for (int i = 0; i < n; i++)
-        for (int t = 0; t < g; t++) {
-            __m512 x = _mm512_mul_ps(acc[i * g + t], _mm512_set1_ps(scale));
-            if (softcap > 0.0f) {
-                float f[16];
-                _mm512_storeu_ps(f, x);
-                for (int j = 0; j < 16; j++) f[j] = softcap * tanhf(f[j] / softcap);
-                x = _mm512_loadu_ps(f);
-            }
-            _mm512_storeu_ps(dst + i * W + 16 * t, x);
-        }
+        for (int t = 0; t < g; t++) scale_cap16(acc[i * g + t], scale, softcap, dst + i * W + 16 * t);
 }
 
 /* exp(x) 16 at a time, as exp_v8 (degree-6 Taylor polynomial on x - n ln2, |r| <= ln2 / 2; relative error < 2e-7),
