@@ -8,6 +8,7 @@ block 16), bf16, on this machine's threads. Three steps:
             two batched matmuls
   cold      the decode of 18 such sequences, each of 30 layers' caches in turn (their KV comes from memory, as in a
             serving step); the kernel only, its KV read rate against the machine's copy rate
+  cold-runs the same, each sequence's blocks consecutive (engine/block_manager.py hands out runs where it can)
 
 Reported: ms per call (median of `--reps`), GFLOP/s (4 x heads x head_dim x the positions each token sees), and the
 kernel's speed-up. `--against REV` also builds git revision REV's kernels/cpu_attention.c and times it and ours in
@@ -29,15 +30,17 @@ from bench.cpu_gemm import REPO, alternated, copy_rate, timed
 H, KVH, D, BS = 9, 3, 64, 16  # SmolLM2-135M
 
 
-def step(spec: list[tuple[int, int]], layers: int = 1, seed: int = 0):
+def step(spec: list[tuple[int, int]], layers: int = 1, seed: int = 0, runs: bool = False):
     """q, k, v for the new tokens of `spec` ([(new tokens, context)]), `layers` KV caches holding every context (its
-    blocks shuffled over the pool, as a long-running server's free list leaves them), and the StepLayout."""
+    blocks shuffled over the pool, the worst a server's free blocks can be; runs: each sequence's consecutive), and
+    the StepLayout."""
     from engine.layers.attention import StepLayout
 
     g = torch.Generator().manual_seed(seed)
     nblk = [-(-ctx // BS) for _, ctx in spec]
     blocks = list(range(sum(nblk)))
-    random.Random(seed).shuffle(blocks)
+    if not runs:
+        random.Random(seed).shuffle(blocks)
     it = iter(blocks)
     tables = [[next(it) for _ in range(n)] for n in nblk]
     caches = [tuple(torch.randn(KVH, len(blocks), BS, D, generator=g).bfloat16() for _ in "kv") for _ in range(layers)]
@@ -90,14 +93,15 @@ def main(argv=None) -> int:
         "decode": [(1, rng.randint(32, 500)) for _ in range(32)],
         "cold": [(1, rng.randint(32, 500)) for _ in range(18)],
     }
+    cases["cold-runs"] = cases["cold"]
     copy = copy_rate()
     rows = []
     for name, spec in cases.items():
-        layers = 30 if name == "cold" else 1
-        q, k, v, caches, layout = step(spec, layers)
+        layers = 30 if name.startswith("cold") else 1
+        q, k, v, caches, layout = step(spec, layers, runs=name == "cold-runs")
         ways = {}
         for way, kernel in (("C", native), ("torch", None)):
-            if name == "cold" and kernel is None:
+            if name.startswith("cold") and kernel is None:
                 continue
             attn = TorchAttention(BS, D**-0.5)
             attn.native = kernel
@@ -126,7 +130,8 @@ def main(argv=None) -> int:
         "(the cache write included): our C kernel (`kernels/cpu_attention.c`, one call for the step) against the "
         "torch path (one SDPA call per prompt; the decodes' gather and batched matmuls). prefill: whole prompts of "
         "U(32, 384) tokens, 2048 or more in all; decode: 32 sequences of U(32, 500) tokens of context; cold: 18 such "
-        "decodes over 30 layers' caches in turn (the KV from memory). GFLOP/s: 4 x heads x head_dim x the positions "
+        "decodes over 30 layers' caches in turn (the KV from memory), each sequence's blocks shuffled over the pool; "
+        "cold-runs: the same with each sequence's blocks consecutive. GFLOP/s: 4 x heads x head_dim x the positions "
         "each token sees; KV GB/s: the K and V bytes the kernel reads over its time. Median of the reps."
         + (f" C at {args.against}: that revision's kernel, timed in rounds alternating with ours." if then else ""),
         "",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,7 +32,11 @@ class BlockManager:
       reads it, so a request admitted in the same step may already share it).
     - A block whose ref count drops to 0 goes to the free queue but keeps its hash: it stays findable
       until it is handed out again (LRU: the least recently freed cached block goes first). Freed blocks
-      without a hash hold nothing reusable and are handed out before any cached block.
+      without a hash hold nothing reusable and are handed out before any cached block: a request's next block is
+      the one after its last where that one is free, else the lowest-numbered. A sequence's KV then lies in runs
+      of consecutive blocks, which a CPU's decode attention reads a little faster (the lines past a block's end
+      that the L2 streamer fetches are the sequence's own): bench/throughput.py's #32 workload on a Xeon, 2
+      threads, 1.03x (median of 4 alternated pairs, 0.98-1.15x), where the most recently freed went out first.
     - The partial last block of a sequence is never registered, so never shared.
     - With `chunk` (a CPU pool, whose pages cost memory only once touched), blocks are handed out from an open
       region [0, num_open) that starts as one chunk and grows by a chunk whenever an allocation would leave less
@@ -56,6 +61,7 @@ class BlockManager:
         self.on_open = on_open
         self.num_open = num_blocks if chunk is None else min(chunk, num_blocks)
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_open))  # front = next out
+        self.plain = list(range(self.num_open))  # heap: free blocks holding nothing cached (stale entries skipped)
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -135,13 +141,35 @@ class BlockManager:
             self.ref_counts[block_id] += 1
             req.block_ids.append(block_id)
         for _ in range(need):
-            block_id, _ = self.free_queue.popitem(last=False)
+            block_id = self._take(req.block_ids[-1] + 1 if req.block_ids else None)
             self._forget(block_id)
             self.ref_counts[block_id] = 1
             req.block_ids.append(block_id)
         if req.cache_key:
             self._register(req, total // self.block_size)
         return True
+
+    def _take(self, after: int | None) -> int:
+        """A free block out of the queue: `after` (the block after the request's last) where it is free and holds
+        nothing cached, else the lowest-numbered such block, else the least recently freed cached one."""
+        if after is not None and after < self.num_open and self._plain_free(after):
+            del self.free_queue[after]  # (its heap entry goes stale)
+            return after
+        while self.plain:
+            block_id = heapq.heappop(self.plain)
+            if self._plain_free(block_id):
+                del self.free_queue[block_id]
+                return block_id
+        return self.free_queue.popitem(last=False)[0]
+
+    def _plain_free(self, block_id: int) -> bool:
+        return self.ref_counts[block_id] == 0 and self.block_hash[block_id] is None and block_id in self.free_queue
+
+    def _free_plain(self, block_id: int) -> None:
+        """A free block that holds nothing: the front of the queue (handed out before any cached block)."""
+        self.free_queue[block_id] = None
+        self.free_queue.move_to_end(block_id, last=False)
+        heapq.heappush(self.plain, block_id)
 
     def _grow(self, taking: int) -> None:
         """Open chunks while taking `taking` blocks from the region's free queue would leave it less than the
@@ -151,8 +179,7 @@ class BlockManager:
         while self.num_open < self.num_blocks and len(self.free_queue) - taking < max(self.chunk, self.num_open // 4):
             end = min(self.num_open + self.chunk, self.num_blocks)
             for block_id in range(end - 1, self.num_open - 1, -1):  # lowest id first out
-                self.free_queue[block_id] = None
-                self.free_queue.move_to_end(block_id, last=False)
+                self._free_plain(block_id)
             self.num_open = end
         if self.num_open > opened and self.on_open is not None:
             self.on_open(self.num_open)
@@ -168,8 +195,7 @@ class BlockManager:
         for block_id in reversed(surplus):
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] == 0 and self.block_hash[block_id] is None, "a lookahead block is private"
-            self.free_queue[block_id] = None
-            self.free_queue.move_to_end(block_id, last=False)
+            self._free_plain(block_id)
 
     def roll_back(self, req: Request) -> None:
         """A step that failed (out of memory) computed nothing: blocks past req's computed tokens hold no KV
@@ -187,8 +213,7 @@ class BlockManager:
         for block_id in reversed(surplus):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_queue[block_id] = None
-                self.free_queue.move_to_end(block_id, last=False)
+                self._free_plain(block_id)
 
     def _register(self, req: Request, num_full: int) -> None:
         """Make req's first num_full blocks findable (they are full once this step has run)."""
@@ -218,8 +243,9 @@ class BlockManager:
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
-                self.free_queue[block_id] = None  # back of the queue: evicted last
-                if self.block_hash[block_id] is None:
-                    self.free_queue.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+                if self.block_hash[block_id] is None:  # nothing to keep: reuse first
+                    self._free_plain(block_id)
+                else:
+                    self.free_queue[block_id] = None  # back of the queue: evicted last
         req.block_ids = []
         req.num_registered_blocks = 0

@@ -32,16 +32,16 @@ def test_the_region_opens_by_chunks_keeping_a_chunk_free():
     assert bm.num_open == 4 and list(bm.free_queue) == [0, 1, 2, 3]
     assert bm.num_free_blocks == 20 and bm.usage() == 0.0  # the unopened blocks count as free
     a = req("a", distinct(4, 100))
-    assert admit(bm, a)  # 4 - 1 < a chunk: the next chunk opens first, its blocks at the front
-    assert bm.num_open == 8 and opened == [8] and a.block_ids == [4]
-    assert list(bm.free_queue) == [5, 6, 7, 0, 1, 2, 3]
+    assert admit(bm, a)  # 4 - 1 < a chunk: the next chunk opens first; the lowest free block goes out
+    assert bm.num_open == 8 and opened == [8] and a.block_ids == [0]
+    assert list(bm.free_queue) == [4, 5, 6, 7, 1, 2, 3]
     assert bm.num_free_blocks == 19 and bm.usage() == pytest.approx(1 / 20)
     b = req("b", distinct(8, 200))
     assert admit(bm, b)  # 7 - 2 >= 4: no growth
-    assert bm.num_open == 8 and opened == [8] and b.block_ids == [5, 6]
+    assert bm.num_open == 8 and opened == [8] and b.block_ids == [1, 2]
     c = req("c", distinct(12, 300))
-    assert admit(bm, c)  # 5 - 3 < 4: one chunk more (once: 9 - 3 >= 4)
-    assert bm.num_open == 12 and opened == [8, 12] and c.block_ids == [8, 9, 10]
+    assert admit(bm, c)  # 5 - 3 < 4: one chunk more (once: 9 - 3 >= 4); a run of consecutive blocks
+    assert bm.num_open == 12 and opened == [8, 12] and c.block_ids == [3, 4, 5]
     bm.free(a), bm.free(b), bm.free(c)
     assert bm.num_free_blocks == 20 and bm.num_open == 12  # the region stays: its pages are resident already
 
@@ -143,3 +143,21 @@ def test_a_draft_models_pool_grows_with_the_targets(tiny_llama, monkeypatch):
     pf.wait()
     assert [p.num_blocks for p in pf._pools] == [bm.num_blocks] * 2  # the target's pool and the draft's
     assert all(p.done == pf.target == min(bm.num_open + 4, bm.num_blocks) for p in pf._pools)
+
+
+def test_a_sequence_grows_into_the_block_after_its_last_and_else_takes_the_lowest_free():
+    """Runs of consecutive blocks per sequence: the CPU attention reads them faster (BlockManager's docstring)."""
+    bm = BlockManager(32, 4)
+    a, b, c = req("a", distinct(3, 100)), req("b", distinct(8, 200)), req("c", distinct(3, 300))
+    assert admit(bm, a) and admit(bm, b) and admit(bm, c)
+    assert (a.block_ids, b.block_ids, c.block_ids) == ([0], [1, 2], [3])
+    b.num_computed_tokens = 8
+    assert bm.allocate_slots(b, 1) and b.block_ids == [1, 2, 4]  # 3 is c's: the lowest free
+    bm.free(a), bm.free(c)  # partial blocks: nothing cached; c's (3) was freed last
+    b.num_computed_tokens = 12
+    assert bm.allocate_slots(b, 1) and b.block_ids == [1, 2, 4, 5]  # after its last
+    d = req("d", distinct(3, 400))
+    assert admit(bm, d) and d.block_ids == [0]  # the lowest, not the most recently freed
+    bm.free(b)  # its prompt's two full blocks are cached: kept, handed out after every plain block
+    e = req("e", distinct(40, 500))
+    assert admit(bm, e) and e.block_ids[0] == 3 and not {1, 2} & set(e.block_ids), e.block_ids
