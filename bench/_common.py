@@ -349,10 +349,17 @@ def _native_stack(llm, on: bool) -> None:
     native_stack.ENABLED = on
 
 
+def _fused_silu(llm, on: bool) -> None:
+    """The native stack's gate_up and SiLU-and-mul in one call (kernels/cpu_gemm.c gemm_silu), or two (same bits)."""
+    from engine.layers import native_stack
+
+    native_stack.FUSED_SILU = on
+
+
 AB_DEFAULTS: dict = {}  # what each switch found on, restored after
 AB = {"gemm-buckets": _gemm_buckets, "native-attention": _native_attention, "native-prefill": _native_prefill,
       "thin-gemm": _thin_gemm, "cpu-ops": _cpu_ops, "heap-keep": _heap_keep, "avx2-gemm": _avx2_gemm,
-      "native-write": _native_write, "native-stack": _native_stack}  # fmt: skip
+      "native-write": _native_write, "native-stack": _native_stack, "fused-silu": _fused_silu}  # fmt: skip
 
 
 def ab(llm, wl: Workload, device, generate, name: str | None, pairs: int = 4) -> None:

@@ -77,6 +77,9 @@ class ThinGemm(NativeKernel):
         if hasattr(lib, "gemm_any"):  # a past revision's AMX build lacks it (bench --against)
             lib.gemm_any.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
             lib.gemm_any.restype = ctypes.c_int
+        if hasattr(lib, "gemm_silu"):
+            lib.gemm_silu.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, ctypes.c_int]
+            lib.gemm_silu.restype = ctypes.c_int
         if lib.amx_init() != 0:
             raise RuntimeError("the kernel refused AMX's tile data to this process (arch_prctl)")
 
@@ -97,26 +100,33 @@ class ThinGemm(NativeKernel):
         sums never depend on its step."""
         return self.lib is not None and hasattr(self.lib, "gemm_any")
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, packed: ThinWeight | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, packed: ThinWeight | None = None,
+               silu: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16, at any M: from `packed` (pack(w)) when
-        given, else from w, each panel packed as it is reached (the same sums)."""
+        given, else from w, each panel packed as it is reached (the same sums). With `silu` (kernels/cpu_ops.py
+        silu_table()), w is [gate; up] and the result [M, N / 2] silu_and_mul's of that product, bit for bit, in one
+        pass (gemm_silu)."""
         if not self.every_row:
             raise RuntimeError("linear: this revision's AMX build reads its packed copy only (ThinWeight)")
         if (x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[1] != w.shape[1] or not fits(w)
-                or not w.is_cpu or (bias is not None and bias.shape != w.shape[:1])):  # fmt: skip
+                or not w.is_cpu or (bias is not None and bias.shape != w.shape[:1])
+                or (silu is not None and (w.shape[0] % 32 or silu.shape != (65537,) or silu.dtype != torch.int16))
+        ):  # fmt: skip
             raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(w.shape)}, bias "
                              f"{None if bias is None else tuple(bias.shape)} do not fit")  # fmt: skip
         if packed is not None and (packed.n, packed.k) != tuple(w.shape):
             raise ValueError(f"linear: packed [{packed.n}, {packed.k}] is not weight {tuple(w.shape)}'s")
         x = x.contiguous()
         w = w if packed is not None else w.contiguous()
-        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        y = torch.empty(x.shape[0], w.shape[0] // (1 if silu is None else 2), dtype=torch.bfloat16)
         b = None if bias is None else bias.float().contiguous()
         wp, raw = (packed.packed.data_ptr(), None) if packed is not None else (None, w.data_ptr())
-        failed = self.lib.gemm_any(
-            x.data_ptr(), x.shape[0], x.shape[1], wp, raw, w.shape[0], y.data_ptr(),
-            None if b is None else b.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        args = (x.data_ptr(), x.shape[0], x.shape[1], wp, raw, w.shape[0], y.data_ptr(),
+                None if b is None else b.data_ptr())  # fmt: skip
+        threads = torch.get_num_threads()
+        failed = (
+            self.lib.gemm_any(*args, threads) if silu is None else self.lib.gemm_silu(*args, silu.data_ptr(), threads)
+        )
         if failed:
             raise MemoryError("CPU thin GEMM: out of memory for its panel buffers")
         return y

@@ -10,7 +10,7 @@
  *                          q, k = rope(qkv's q, k)          [T, H, D], [T, KVH, D]
  *                          a = attention(q; k, v written)   [T, H, D]
  *                          h = a Wo^T (+ b);  x = rms_norm(h + res), res <- h + res
- *                          h = (silu(gate) * up)(x Wgu^T) Wd^T
+ *                          h = (silu(gate) * up)(x Wgu^T) Wd^T   (one call where gemm_silu is given: the same bits)
  * The first layer has no residual yet: x = rms_norm(h), res = h (the caller's embedding rows, then updated in
  * place). The caller adds the last h and res. */
 #include <stdint.h>
@@ -20,6 +20,8 @@ typedef int (*dot_gemm_fn)(const void *x, int64_t m, int64_t k, const void *wp, 
                            const float *bias, int nthreads);
 typedef int (*avx2_gemm_fn)(const void *x, int64_t m, int64_t k, int64_t sx, const void *w, const void *wp, int64_t n,
                             void *y, const float *bias, int nthreads);
+typedef int (*dot_gemm_silu_fn)(const void *x, int64_t m, int64_t k, const void *wp, const void *w, int64_t n, void *y,
+                                const float *bias, const void *silu, int nthreads);
 typedef void (*norm_fn)(const void *x, const void *res, const void *w, void *out, void *res_out, int64_t rows,
                         int64_t n, float eps, int nthreads);
 typedef void (*rope_fn)(const void *x, int64_t rows, int64_t heads, int64_t sr, int64_t sh, const void *c,
@@ -49,6 +51,7 @@ typedef struct {
 typedef struct {
     void *gemm; /* dot_gemm_fn (AVX512-BF16's gemm_any) or avx2_gemm_fn, by gemm_kind */
     int64_t gemm_kind;
+    dot_gemm_silu_fn gemm_silu; /* the thin GEMM's gate_up with SiLU-and-mul in its epilogue, or NULL: two calls */
     norm_fn norm;
     rope_fn rope;
     silu_fn silu;
@@ -100,8 +103,15 @@ int run_layers(const model_t *m, const layer_t *layers, int64_t n_layers, const 
         if (rc) return 1 + rc + 16 * (int)i;
         if (linear(m, &l->o, s->attn, t, h, nthreads)) return 1 + 16 * (int)i;
         m->norm(h, res, l->post_norm, s->x, res, t, m->hidden, m->eps, nthreads);
-        if (linear(m, &l->gate_up, s->x, t, s->gu, nthreads)) return 1 + 16 * (int)i;
-        m->silu(s->gu, t, m->inter, 2 * m->inter, m->silu_table, s->act, nthreads);
+        if (m->gemm_silu && m->gemm_kind == 0) {
+            const linear_t *gu = &l->gate_up;
+            if (m->gemm_silu(s->x, t, gu->k, gu->packed, gu->packed ? 0 : gu->w, gu->n, s->act, gu->bias, m->silu_table,
+                             nthreads))
+                return 1 + 16 * (int)i;
+        } else {
+            if (linear(m, &l->gate_up, s->x, t, s->gu, nthreads)) return 1 + 16 * (int)i;
+            m->silu(s->gu, t, m->inter, 2 * m->inter, m->silu_table, s->act, nthreads);
+        }
         if (linear(m, &l->down, s->act, t, h, nthreads)) return 1 + 16 * (int)i;
     }
     return 0;

@@ -28,10 +28,10 @@ class Layer(ctypes.Structure):
 
 
 class Model(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("gemm_kind", _I64), ("norm", _P), ("rope", _P), ("silu", _P), ("attn", _P),
-                ("silu_table", _P), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-                ("inter", _I64), ("blocks", _I64), ("block_size", _I64), ("eps", _F), ("scale", _F), ("softcap", _F),
-                ("k_scale", _P), ("v_scale", _P)]  # fmt: skip
+    _fields_ = [("gemm", _P), ("gemm_kind", _I64), ("gemm_silu", _P), ("norm", _P), ("rope", _P), ("silu", _P),
+                ("attn", _P), ("silu_table", _P), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
+                ("head_dim", _I64), ("inter", _I64), ("blocks", _I64), ("block_size", _I64), ("eps", _F), ("scale", _F),
+                ("softcap", _F), ("k_scale", _P), ("v_scale", _P)]  # fmt: skip
 
 
 class Step(ctypes.Structure):

@@ -20,6 +20,7 @@ from kernels.cpu_layers import GEMM_KINDS, Layer, Linear, Model, NativeLayers, S
 from kernels.rotary import rotary_rows
 
 ENABLED = True  # bench/_common.py's --ab native-stack switches it
+FUSED_SILU = True  # gate_up with SiLU-and-mul in the GEMM's epilogue (thin GEMM): --ab fused-silu switches it
 NAMES = ("qkv", "o_proj", "gate_up", "down")  # DecoderLayer.LINEARS, as Layer's fields qkv, o, gate_up, down
 OTHERS = ("qkv_bias", "o_proj_bias", "input_norm", "post_norm")  # the layer's other tensors the C reads
 
@@ -140,9 +141,11 @@ class NativeStack:
         t, hd = h.shape[0], s.head_dim
         kvh, blocks, bs = kv_caches.shape[2], kv_caches.shape[3], kv_caches.shape[4]
         ones = native._scale(None, kvh)
+        fused = address(g.lib.gemm_silu) if kind == "thin" and FUSED_SILU and hasattr(g.lib, "gemm_silu") else None
         model = Model(
-            address(g.lib.gemm_any if kind == "thin" else g.lib.gemm), GEMM_KINDS[kind], address(ops.add_rms_norm),
-            address(ops.rope), address(ops.silu_and_mul_lut), address(native.lib.paged_attention),
+            address(g.lib.gemm_any if kind == "thin" else g.lib.gemm), GEMM_KINDS[kind], fused,
+            address(ops.add_rms_norm), address(ops.rope), address(ops.silu_and_mul_lut),
+            address(native.lib.paged_attention),
             cpu_ops.silu_table().data_ptr(), s.hidden_size, s.num_heads, kvh, hd, s.intermediate_size, blocks, bs,
             s.rms_norm_eps, attn.scale, attn.softcap or 0.0, ones.data_ptr(), ones.data_ptr(),
         )  # fmt: skip

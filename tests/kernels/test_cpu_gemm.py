@@ -128,6 +128,41 @@ def test_wide_k_at_prefill_rows_on_two_threads(thin, kernel_dir):
 
 
 @needs_thin
+@pytest.mark.parametrize("inter, k", [(16, 32), (48, 64), (1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_with_silu_in_its_epilogue_is_silu_and_mul_of_the_gemm_bit_for_bit(thin, kernel_dir, inter, k, bias):
+    """gemm_silu (the native stack's MLP): [gate | up] = x W^T, then SiLU-and-mul, in one pass. The bits of the GEMM
+    followed by the C op it replaces, and torch's values: at every row count, on 1-3 threads (a thread's share of
+    gate blocks odd or even), packed or not, with products past fp32's normal range (to_bf16's integer path) and an
+    infinite input row."""
+    from kernels import cpu_ops
+    from kernels.activation import silu_and_mul_ref
+
+    ops = cpu_ops.CpuOps.get(kernel_dir, wait=True).lib
+    g = torch.Generator().manual_seed(inter + k)
+    w = torch.randn(2 * inter, k, generator=g).bfloat16()
+    b = torch.randn(2 * inter, generator=g).bfloat16() if bias else None
+    packed, table, threads = thin.pack(w), cpu_ops.silu_table(), torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for rows, scale in ((1, 1.0), (3, 1.0), (17, 1.0), (33, 1e-20), (70, 1.0), (130, 1.0)):
+                x = (torch.randn(rows, k, generator=g) * scale).bfloat16()
+                if rows == 70:
+                    x[5, 3] = float("inf")
+                gate_up = thin.linear(x, w, b, packed)
+                want = cpu_ops.silu_and_mul(ops, gate_up)
+                for p in (packed, None):
+                    got = thin.linear(x, w, b, p, silu=table)
+                    assert got.shape == (rows, inter) and torch.equal(got.view(torch.int16), want.view(torch.int16))
+                torch.testing.assert_close(got, silu_and_mul_ref(gate_up), rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError):  # a gate block without its up block
+        thin.linear(x[:, :32], torch.zeros(48, 32, dtype=torch.bfloat16), silu=table)
+
+
+@needs_thin
 def test_a_strided_input_and_odd_values(thin):
     """A non-contiguous x (a slice of a wider one) is read as its values; inf and NaN pass through as in the
     reference, and a zero row gives zeros."""
