@@ -152,8 +152,8 @@ class NativeStack:
         c, sn = rotary_rows(m.rotary.cos, m.rotary.sin, positions, h.dtype)  # [T, 1, D] each
         slots = meta.slot_mapping.contiguous()
         nq, nkv = s.num_heads * hd, kvh * hd
-        bufs = [h.new_empty(t, w) for w in (s.hidden_size, nq + 2 * nkv, nq, nkv, nq, 2 * s.intermediate_size,
-                                            s.intermediate_size)]  # fmt: skip
+        gu = 0 if fused else 2 * s.intermediate_size  # (fused: gate_up's product is never stored)
+        bufs = [h.new_empty(t, w) for w in (s.hidden_size, nq + 2 * nkv, nq, nkv, nq, gu, s.intermediate_size)]
         step = Step(t, n.ctx.shape[0], n.tables.shape[1], c.data_ptr(), sn.data_ptr(), slots.data_ptr(),
                     n.tables.data_ptr(), n.ctx.data_ptr(), n.qsl.data_ptr(), *(b.data_ptr() for b in bufs))  # fmt: skip
         res = torch.empty_like(h)
