@@ -45,9 +45,7 @@ from pathlib import Path
 import torch
 
 from bench._common import (  # noqa: I001
-    AB,
     Workload,
-    ab,
     default_model_path,
     gemm_gflops,
     machine_line,
@@ -56,6 +54,7 @@ from bench._common import (  # noqa: I001
     timed,
     write_section,
 )
+from bench.ab import AB, ab
 from bench.peers import SERVERS, paired, run_servers
 from bench.synthetic_model import write_tiny_hybrid, write_tiny_moe  # noqa: E402
 from bench.throughput_report import CB_PAGE, memory_floor, plot, read_rate, render, shape_rates
@@ -228,7 +227,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help=f"also run hf-cb at max_batch_tokens {TUNE_MBT}")
     ap.add_argument("--quick", action="store_true", help="8 short requests; prints only unless --docs-dir")
     ap.add_argument("--docs-dir", type=Path, default=None, help="where to write (default docs/, none with --quick)")
-    ap.add_argument("--ab", choices=sorted(AB), help="ours with a switch on and off, alternated (bench/_common.py)")
+    ap.add_argument("--ab", choices=sorted(AB), help="ours with a switch on and off, alternated (bench/ab.py)")
     ap.add_argument("--moe", action="store_true", help="a small random Mixtral (8 experts, top-2) instead of SmolLM2")
     ap.add_argument("--hybrid", action="store_true", help="a small random Qwen3-Next (linear attention) instead")
     ap.add_argument("--paired", type=int, default=0, help="then N alternating rounds of ours and each server peer")

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 from engine.types import Request
 
+RUNS = True  # bench/ab.py's --ab block-runs switches it (off: the most recently freed block goes out first)
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -34,9 +36,9 @@ class BlockManager:
       until it is handed out again (LRU: the least recently freed cached block goes first). Freed blocks
       without a hash hold nothing reusable and are handed out before any cached block: a request's next block is
       the one after its last where that one is free, else the lowest-numbered. A sequence's KV then lies in runs
-      of consecutive blocks, which a CPU's decode attention reads a little faster (the lines past a block's end
-      that the L2 streamer fetches are the sequence's own): bench/throughput.py's #32 workload on a Xeon, 2
-      threads, 1.03x (median of 4 alternated pairs, 0.98-1.15x), where the most recently freed went out first.
+      of consecutive blocks, which a CPU's decode attention reads faster (the lines past a block's end that the L2
+      streamer fetches are the sequence's own): bench/cpu_attention.py's cold decode 1.08-1.13x against shuffled
+      blocks on a Xeon (docs/decisions.md); RUNS off: the most recently freed goes out first, as before.
     - The partial last block of a sequence is never registered, so never shared.
     - With `chunk` (a CPU pool, whose pages cost memory only once touched), blocks are handed out from an open
       region [0, num_open) that starts as one chunk and grows by a chunk whenever an allocation would leave less
@@ -152,6 +154,8 @@ class BlockManager:
     def _take(self, after: int | None) -> int:
         """A free block out of the queue: `after` (the block after the request's last) where it is free and holds
         nothing cached, else the lowest-numbered such block, else the least recently freed cached one."""
+        if not RUNS:
+            return self.free_queue.popitem(last=False)[0]
         if after is not None and after < self.num_open and self._plain_free(after):
             del self.free_queue[after]  # (its heap entry goes stale)
             return after

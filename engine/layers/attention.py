@@ -30,7 +30,7 @@ from kernels.prefill_attention import prefill_attention
 # A step with a longer query chunk runs the flash-tile prefill kernel (64-128 rows a tile, decodes riding along);
 # up to this, the unified kernel's 16-row tiles and flash-decoding splits fit better.
 PREFILL_TILE_MIN_QUERY = 16
-# Prefill chunks through the C kernel too (with it loaded), not SDPA: bench/_common.py's --ab native-prefill
+# Prefill chunks through the C kernel too (with it loaded), not SDPA: bench/ab.py's --ab native-prefill
 NATIVE_PREFILL = True
 # The C kernel writes the step's new K/V rows in its own call (else reshape_and_cache per layer): --ab native-write
 NATIVE_WRITE = True

@@ -83,7 +83,7 @@ COPIES = {"thin": THIN, "avx2": AVX2_PACKED}  # our_gemm's kind -> the attribute
 # Where oneDNN has no bf16 GEMM for this CPU (AVX2 alone: AMD EPYC before Zen 4, Intel before Skylake-SP), torch's bf16
 # GEMM falls back to a path that ran at 19-20 GFLOP/s on 2 cores of an AVX2 EPYC at every row count from 16 to 2048,
 # against MKL's fp32 GEMM at 96-174 (576 x 1536): every bf16 linear runs our AVX2 GEMM instead.
-AVX2 = True  # bench/_common.py's --ab avx2-gemm switches it (off: MKL's fp32 GEMM, widened per call)
+AVX2 = True  # bench/ab.py's --ab avx2-gemm switches it (off: MKL's fp32 GEMM, widened per call)
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from kernels._common import use_triton
 from kernels.cpu_layers import GEMM_KINDS, Layer, Linear, Model, NativeLayers, Step, address
 from kernels.rotary import rotary_rows
 
-ENABLED = True  # bench/_common.py's --ab native-stack switches it
+ENABLED = True  # bench/ab.py's --ab native-stack switches it
 FUSED_SILU = True  # gate_up with SiLU-and-mul in the GEMM's epilogue (thin GEMM): --ab fused-silu switches it
 NAMES = ("qkv", "o_proj", "gate_up", "down")  # DecoderLayer.LINEARS, as Layer's fields qkv, o, gate_up, down
 OTHERS = ("qkv_bias", "o_proj_bias", "input_norm", "post_norm")  # the layer's other tensors the C reads
@@ -100,7 +100,7 @@ class NativeStack:
         """The last layer's output + residual for h [T, hidden] (the embedding rows, overwritten), or None when
         this step cannot run here (the caller runs the layers itself)."""
         m, s = self.model, self.model.spec
-        # each as the Python path would take it (bench/_common.py's --ab switches turn them off there too)
+        # each as the Python path would take it (bench/ab.py's --ab switches turn them off there too)
         if use_triton(h) or h.dtype != torch.bfloat16 or h.device.type != "cpu":
             return None
         # the layers' linears all fit (_plain): one answer for every one of them
