@@ -319,7 +319,7 @@ class AsyncEngine:
             self.engine.idle.held = False
         elif cmd[0] == "abort":
             _, rid, done, with_parts = cmd
-            for r in [rid, *(k for k in self.engine.output.groups if with_parts and k.startswith(rid + "/"))]:
+            for r in [rid, *(k for k in self.engine.output.groups if with_parts and is_part(k, rid))]:
                 self.engine.abort(r)
             self._stats = self.engine.stats()
             if done is not None:
@@ -334,6 +334,12 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed
             self.engine.abort(request_id)
+
+
+def is_part(request_id: str, of: str) -> bool:
+    """Whether request_id is "{of}/{i}": prompt i > 0 of a batched job whose prompt 0 is `of` (handler's naming; a
+    job id holding "/" cannot make another job's request look like one)."""
+    return request_id.startswith(of + "/") and request_id[len(of) + 1 :].isdigit()
 
 
 def _wait_unless(done: threading.Event, stop: Callable[[], object]) -> None:

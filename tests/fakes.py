@@ -28,6 +28,7 @@ from engine import (
     Tokenizer,
     ValidRequest,
 )
+from engine.async_engine import is_part
 from engine.intake import Intake
 from engine.pooling import model_pooling
 
@@ -88,7 +89,7 @@ class FakeAsyncEngine:
         its next step."""
         if error is not None and request_id in self._blocks:
             self._errors[request_id] = error
-        for rid in [request_id, *(k for k in list(self._blocks) if with_parts and k.startswith(request_id + "/"))]:
+        for rid in [request_id, *(k for k in list(self._blocks) if with_parts and is_part(k, request_id))]:
             self._blocks.pop(rid, None)
 
     async def generate(

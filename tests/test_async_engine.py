@@ -161,3 +161,11 @@ def test_200_requests_over_10x_kv_pool(tiny_llama):
             {"prompt_token_ids": prompts[i]}, SamplingParams(temperature=0, max_tokens=lens[i], ignore_eos=True)
         )
         assert results[i][1] == ref[0].outputs[0].token_ids, f"request {i}"
+
+
+def test_a_batch_jobs_parts_are_its_prompts_by_name_alone():
+    """abort(with_parts=True) takes "{rid}/{i}" only: another job whose id holds "/" keeps its request."""
+    from engine.async_engine import is_part
+
+    assert is_part("job#1/2", "job#1") and is_part("job#1/10", "job#1")
+    assert not is_part("job#1/2#7", "job#1") and not is_part("job#12", "job#1") and not is_part("job#1", "job#1")
