@@ -94,10 +94,11 @@ def _native_stack(llm, on: bool) -> None:
 
 
 def _fused_silu(llm, on: bool) -> None:
-    """The native stack's gate_up and SiLU-and-mul in one call (kernels/cpu_gemm.c gemm_silu), or two (same bits)."""
-    from engine.layers import native_stack
+    """gate_up and SiLU-and-mul in one call (kernels/cpu_gemm.c gemm_silu), in the native stack and the Python loop,
+    or two (the same bits): engine/layers/dense.py FUSED_SILU."""
+    from engine.layers import dense
 
-    native_stack.FUSED_SILU = on
+    dense.FUSED_SILU = on
 
 
 def _block_runs(llm, on: bool) -> None:

@@ -169,3 +169,18 @@ def test_the_stack_follows_a_weight_that_changes(models, monkeypatch, calls):
     calls.clear()
     assert _run(llms[True], prompts, params, True) == _run(llms[False], prompts, params, False)
     assert calls and all(r is None for r in calls)
+
+
+@pytest.mark.skipif(not cpu_gemm.has_thin(), reason="no AVX512-BF16 here")
+def test_the_fused_silu_gives_the_two_calls_bits(models, monkeypatch, calls):
+    """gate_up's SiLU-and-mul in the thin GEMM's epilogue (dense.FUSED_SILU), in the Python loop and in the stack:
+    the tokens and logprobs of dense() then silu_and_mul, on the plain weights and on their packed copies."""
+    prompts, params, outs = _prompts(), _params(), {}
+    for fused in (True, False):
+        monkeypatch.setattr(dense, "FUSED_SILU", fused)
+        for on in (False, True):  # the Python loop, then the stack: an engine each
+            calls.clear()
+            llm = _engine(models["qwen2"], "thin", monkeypatch)
+            outs[fused, on] = _plain_then_packed(llm, prompts, params, on, calls)
+    assert outs[True, False] == outs[False, False] and outs[True, True] == outs[False, True]
+    assert outs[True, True] == outs[True, False]

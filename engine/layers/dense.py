@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.host_memory import memory_room
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_ops
 
 log = logging.getLogger("engine")
 
@@ -74,6 +74,21 @@ def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
     xp[:rows] = x
     xp[rows:] = 0
     return linear(xp, w, bias)[:rows]
+
+
+FUSED_SILU = True  # bench/ab.py's --ab fused-silu switches it (off: dense() and then silu_and_mul, the same bits)
+
+
+def dense_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """silu_and_mul(dense(x, w)) for w [gate; up] with no bias, in one call where dense() would run the thin GEMM on w
+    (its epilogue takes the SiLU-and-mul: the same bits, kernels/cpu_gemm.py `linear(..., silu=)`); None elsewhere,
+    where the caller makes the two calls."""
+    if not FUSED_SILU or x.device.type != "cpu" or x.dim() != 2 or not x.dtype == w.dtype == torch.bfloat16:
+        return None
+    gemm = our_gemm(w, x.shape[0])
+    if gemm is None or gemm[0] != "thin" or w.shape[0] % 32 or not hasattr(gemm[1].lib, "gemm_silu"):
+        return None
+    return gemm[1].linear(x, w, None, getattr(w, THIN, None), silu=cpu_ops.silu_table())
 
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy

@@ -20,7 +20,6 @@ from kernels.cpu_layers import GEMM_KINDS, Layer, Linear, Model, NativeLayers, S
 from kernels.rotary import rotary_rows
 
 ENABLED = True  # bench/ab.py's --ab native-stack switches it
-FUSED_SILU = True  # gate_up with SiLU-and-mul in the GEMM's epilogue (thin GEMM): --ab fused-silu switches it
 NAMES = ("qkv", "o_proj", "gate_up", "down")  # DecoderLayer.LINEARS, as Layer's fields qkv, o, gate_up, down
 OTHERS = ("qkv_bias", "o_proj_bias", "input_norm", "post_norm")  # the layer's other tensors the C reads
 
@@ -141,7 +140,9 @@ class NativeStack:
         t, hd = h.shape[0], s.head_dim
         kvh, blocks, bs = kv_caches.shape[2], kv_caches.shape[3], kv_caches.shape[4]
         ones = native._scale(None, kvh)
-        fused = address(g.lib.gemm_silu) if kind == "thin" and FUSED_SILU and hasattr(g.lib, "gemm_silu") else None
+        fused = (
+            address(g.lib.gemm_silu) if kind == "thin" and dense.FUSED_SILU and hasattr(g.lib, "gemm_silu") else None
+        )
         model = Model(
             address(g.lib.gemm_any if kind == "thin" else g.lib.gemm), GEMM_KINDS[kind], fused,
             address(ops.add_rms_norm), address(ops.rope), address(ops.silu_and_mul_lut),

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.layers import native_stack
-from engine.layers.dense import dense
+from engine.layers.dense import dense, dense_silu
 from engine.layers.rotary import RotaryCache
 from engine.models import loading
 from engine.models.spec import ModelSpec
@@ -238,10 +238,13 @@ class LlamaForCausalLM(nn.Module):
 
     def mlp(self, i: int, layer, x, lora) -> torch.Tensor:
         """Layer i's gated MLP on normed x [T, hidden] -> [T, hidden]."""
-        gate_up = layer.linear("gate_up", x)  # [T, 2 * inter]
-        if lora is not None:
-            lora(i, "gate_up", x, gate_up)
-        act = self.act_and_mul(gate_up)  # [T, inter]
+        plain = lora is None and layer.quant_linears is None and "gate_up" not in layer.fp8_scales
+        act = dense_silu(x, layer.gate_up) if plain and self.act_and_mul is silu_and_mul else None  # one call
+        if act is None:
+            gate_up = layer.linear("gate_up", x)  # [T, 2 * inter]
+            if lora is not None:
+                lora(i, "gate_up", x, gate_up)
+            act = self.act_and_mul(gate_up)  # [T, inter]
         h = layer.linear("down", act)
         if lora is not None:
             lora(i, "down", act, h)
