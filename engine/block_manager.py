@@ -156,7 +156,7 @@ class BlockManager:
         nothing cached, else the lowest-numbered such block, else the least recently freed cached one."""
         if not RUNS:
             return self.free_queue.popitem(last=False)[0]
-        if after is not None and after < self.num_open and self._plain_free(after):
+        if after is not None and self._plain_free(after):
             del self.free_queue[after]  # (its heap entry goes stale)
             return after
         while self.plain:
@@ -167,7 +167,7 @@ class BlockManager:
         return self.free_queue.popitem(last=False)[0]
 
     def _plain_free(self, block_id: int) -> bool:
-        return self.ref_counts[block_id] == 0 and self.block_hash[block_id] is None and block_id in self.free_queue
+        return block_id in self.free_queue and self.block_hash[block_id] is None  # (a queued block has no owner)
 
     def _free_plain(self, block_id: int) -> None:
         """A free block that holds nothing: the front of the queue (handed out before any cached block)."""

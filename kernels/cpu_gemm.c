@@ -85,12 +85,12 @@ static inline void put_rows(const float *sums, int64_t q0, int64_t q1, int64_t r
 
 /* The blocks a group works on: b (K / 32 tiles of 1 KiB each, in a row) and, where nb is 2, b1 (the next block, or
  * with `silu` the up block of b's gate block), their biases (NULL: none); the next group's blocks, asked for into L2
- * during this one (pf_lines of 64 bytes from pf, then from pf1). */
+ * during this one (pf_lines of 64 bytes: a block's from pf, then from pf1). */
 typedef struct {
     const uint16_t *b, *b1;
     const float *bias, *bias1;
     const char *pf, *pf1;
-    int64_t pf_lines, pf_split; /* lines at pf: pf_split, the rest at pf1 */
+    int64_t pf_lines;
 } group_t;
 
 /* y rows [m0, m1) x one group's nb (1 or 2) column blocks, 32 rows at a time: C tiles 0-3 = A tiles 4, 5 (16 rows
@@ -101,7 +101,7 @@ typedef struct {
 static void rows_x_group(const uint16_t *x, const uint16_t *tail, int64_t full, int64_t m0, int64_t m1, int64_t m,
                          int64_t k, const group_t *gr, int nb, uint16_t *y, int64_t n, int stream,
                          const uint16_t *silu) {
-    const int64_t kt = k / 32, steps = (m1 - m0 + 31) / 32, pf_lines = gr->pf_lines;
+    const int64_t kt = k / 32, steps = (m1 - m0 + 31) / 32, pf_lines = gr->pf_lines, split = kt * 16;
     /* the next group's panel asked for into L2 at an even rate over this group's K steps */
     const int64_t per_kb = (pf_lines + steps * kt - 1) / (steps * kt), rows_kb = (32 + kt - 1) / kt;
     int64_t line = 0, prev = -1; /* prev: the step whose sums wait to be stored (its first row), or -1 */
@@ -118,7 +118,7 @@ static void rows_x_group(const uint16_t *x, const uint16_t *tail, int64_t full, 
         _tile_zero(3);
         for (int64_t kb = 0; kb < kt; kb++) {
             for (int64_t e = line + per_kb < pf_lines ? line + per_kb : pf_lines; line < e; line++)
-                _mm_prefetch(line < gr->pf_split ? gr->pf + line * 64 : gr->pf1 + (line - gr->pf_split) * 64,
+                _mm_prefetch(line < split ? gr->pf + line * 64 : gr->pf1 + (line - split) * 64,
                              _MM_HINT_T1);
             _tile_loadd(6, b + kb * 512, 64);
             _tile_loadd(4, a0 + kb * 32, k * 2);
@@ -192,11 +192,10 @@ static int gemm_core(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                     if (nb > 1) pack_block(w, k, b1, buf + blk);
                 }
                 group_t gr = {wp ? wp + g * blk : buf, wp ? wp + b1 * blk : buf + blk, bias ? bias + g * 16 : NULL,
-                              bias ? bias + b1 * 16 : NULL, NULL, NULL, 0, 0};
+                              bias ? bias + b1 * 16 : NULL, NULL, NULL, 0};
                 if (wp && next) { /* the next group: blocks g + 2, g + 3, or the gate and up blocks after these */
                     gr.pf = (const char *)(wp + (g + nu) * blk);
                     gr.pf1 = (const char *)(wp + (silu ? g + nu + half : g + nu + 1) * blk);
-                    gr.pf_split = kt * 16;
                     gr.pf_lines = (silu ? 2 : next) * kt * 16;
                 }
                 rows_x_group(x, tail, full, m0, m1, m, k, &gr, nb, y + g * 16, ny, stream &&

@@ -83,12 +83,18 @@ def dense_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """silu_and_mul(dense(x, w)) for w [gate; up] with no bias, in one call where dense() would run the thin GEMM on w
     (its epilogue takes the SiLU-and-mul: the same bits, kernels/cpu_gemm.py `linear(..., silu=)`); None elsewhere,
     where the caller makes the two calls."""
-    if not FUSED_SILU or x.device.type != "cpu" or x.dim() != 2 or not x.dtype == w.dtype == torch.bfloat16:
+    if x.device.type != "cpu" or x.dim() != 2 or not x.dtype == w.dtype == torch.bfloat16 or w.shape[0] % 32:
         return None
-    gemm = our_gemm(w, x.shape[0])
-    if gemm is None or gemm[0] != "thin" or w.shape[0] % 32 or not hasattr(gemm[1].lib, "gemm_silu"):
+    if (thin := silu_kernel(our_gemm(w, x.shape[0]))) is None:
         return None
-    return gemm[1].linear(x, w, None, getattr(w, THIN, None), silu=cpu_ops.silu_table())
+    return thin.linear(x, w, None, getattr(w, THIN, None), silu=cpu_ops.silu_table())
+
+
+def silu_kernel(gemm):
+    """The kernel of our_gemm's (kind, kernel) that takes gate_up's SiLU-and-mul in its epilogue (the thin GEMM's
+    gemm_silu; a past revision's build lacks it), or None: the Python loop's and the native stack's one answer."""
+    ok = FUSED_SILU and gemm is not None and gemm[0] == "thin" and hasattr(gemm[1].lib, "gemm_silu")
+    return gemm[1] if ok else None
 
 
 PACKED = "onednn_packed"  # the attribute of a weight parameter that holds its packed copy

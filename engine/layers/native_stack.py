@@ -140,9 +140,7 @@ class NativeStack:
         t, hd = h.shape[0], s.head_dim
         kvh, blocks, bs = kv_caches.shape[2], kv_caches.shape[3], kv_caches.shape[4]
         ones = native._scale(None, kvh)
-        fused = (
-            address(g.lib.gemm_silu) if kind == "thin" and dense.FUSED_SILU and hasattr(g.lib, "gemm_silu") else None
-        )
+        fused = address(f.lib.gemm_silu) if (f := dense.silu_kernel(gemm)) is not None else None
         model = Model(
             address(g.lib.gemm_any if kind == "thin" else g.lib.gemm), GEMM_KINDS[kind], fused,
             address(ops.add_rms_norm), address(ops.rope), address(ops.silu_and_mul_lut),
