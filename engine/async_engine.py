@@ -20,6 +20,7 @@ from engine.errors import EngineError, EngineFault
 from engine.host_memory import memory_breakdown, trim_heap
 from engine.intake import ValidRequest
 from engine.llm_engine import LLMEngine
+from engine.openmp import release_openmp_threads
 from engine.timeline import Timeline
 from engine.types import LoRARequest, RequestOutput, SamplingParams
 
@@ -55,6 +56,9 @@ class AsyncEngine:
         # called once, from the engine thread or the watchdog's, when the engine faults (the worker stops serving)
         self.on_fault: Callable[[EngineFault], None] | None = None
         self._step_began: float | None = None  # when the running step began (None: between steps)
+        # the steps' OpenMP regions run on the loop's thread: this (building) thread's pool ends here, or libgomp
+        # counts both and its workers sleep between regions instead of spinning (engine/openmp.py)
+        release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
         threading.Thread(target=self._watchdog, name="engine-step-watchdog", daemon=True).start()

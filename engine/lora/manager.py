@@ -28,6 +28,7 @@ from engine.errors import InvalidRequestError
 from engine.lora.adapter import load_adapter, max_adapter_bytes, module_shapes
 from engine.lora.disk_cache import AdapterDiskCache, cache_key
 from engine.lora.source import AdapterRef, LoRALoadError, resolve
+from engine.openmp import release_openmp_threads
 from engine.parallel.shard import Shard
 from kernels import add_lora, slot_groups
 
@@ -263,7 +264,14 @@ class LoRAManager:
     # ---- loader threads ----------------------------------------------------------------------
     def _load(self, ref: AdapterRef) -> list:
         """Fetch (once) and load an adapter into padded host tensors: rank 0's (a, b), then under tensor parallelism
-        each other rank's part packed as bytes (here, off the step loop)."""
+        each other rank's part packed as bytes (here, off the step loop). The thread's OpenMP pool, if its torch work
+        made one, ends with the load (engine/openmp.py: a second pool makes the step loop's workers sleep)."""
+        try:
+            return self._host_parts(ref)
+        finally:
+            release_openmp_threads()
+
+    def _host_parts(self, ref: AdapterRef) -> list:
         with self.disk.use(ref) as path:
             try:
                 ad = load_adapter(path, self.spec, self.cfg.max_lora_rank, ref.name)
