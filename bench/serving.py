@@ -11,7 +11,8 @@ HF_HUB_OFFLINE=1, through the real entry points, one measurement at a time (2 co
    emulator's "ready" line (the worker's first job-take), the first streamed token. Median of 2 launches.
 3. Streaming: one native job (prompt of ~20 tokens, max_tokens 256, ignore_eos, temperature 0, stream) by
    (a) direct: engine.AsyncEngine in a child process (built from the same settings as the worker), `async for`
-       over generate(), timed from submit to the last token, after a 4-token warm-up request;
+       over generate(), timed from submit to the last token, after a 4-token warm-up request and the idle work
+       (weight packing);
    (b) emulator: POST /run, then GET /stream/{id} in a loop until COMPLETED; this is the protocol of
        runpod.Endpoint(...).run(...).stream(), minus the SDK's 1 s sleep before every poll;
    (c) openai: the same prompt on /openai/v1/completions with the `openai` client, stream=True.
@@ -77,7 +78,10 @@ def direct_child(max_tokens: int, runs: int) -> None:
         return dict(s=now() - t0, ttft=first - t0, n=n)
 
     async def main() -> list:
-        return [await one(mt) for mt in [4] + [max_tokens] * runs][1:]  # a 4-token warm-up first
+        await one(4)  # a warm-up, then the idle work (weight packing) done, as a worker's is by its first jobs
+        while eng.engine.idle.pending:
+            await asyncio.sleep(0.05)
+        return [await one(max_tokens) for _ in range(runs)]
 
     res = asyncio.run(main())
     print(json.dumps({"runs": res, "prompt_tokens": len(eng.tokenize(PROMPT))}), flush=True)

@@ -4,11 +4,10 @@ libgomp (the OpenMP runtime torch and kernels/cpu_*.c share) gives every thread 
 of its own, kept until that thread exits. It counts the threads of all pools, and once they outnumber the CPUs
 every worker spins only 1,000 rounds (not 300,000) before it sleeps on a futex, so each of the hundreds of parallel
 regions of a step pays for waking a sleeping thread. A worker whose engine was built on one thread (the main
-thread: weight conversions, the kernel warm-up) and steps on another (AsyncEngine's) had two pools on 2 CPUs:
-batch-1 decode of the default model ran at 41 tok/s on the step thread against 73 tok/s on the building thread
-(Xeon, 2 threads, ad hoc; docs/decisions.md). Ending the other threads' pools when their torch work is done (the
-builder's, a LoRA loader's) leaves the step loop's alone: it spins as it should, and serving decodes as fast as
-LLM.generate does."""
+thread: weight conversions, the kernel warm-up) and steps on another (AsyncEngine's) had two pools on 2 CPUs, and
+streamed one job at 42 tok/s where LLM.generate decodes at 73 (docs/decisions.md, "One OpenMP pool"). Ending the
+other threads' pools when their torch work is done (the builder's, a LoRA loader's) leaves the step loop's alone:
+it spins as it should."""
 
 from __future__ import annotations
 
