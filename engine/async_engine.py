@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
+from engine.cpu_threads import ThreadGovernor
 from engine.errors import EngineError, EngineFault
 from engine.host_memory import memory_breakdown, trim_heap
 from engine.intake import ValidRequest
@@ -56,6 +57,7 @@ class AsyncEngine:
         # called once, from the engine thread or the watchdog's, when the engine faults (the worker stops serving)
         self.on_fault: Callable[[EngineFault], None] | None = None
         self._step_began: float | None = None  # when the running step began (None: between steps)
+        self.governor: ThreadGovernor | None = None  # set by the step thread (engine/cpu_threads.py)
         # the steps' OpenMP regions run on the loop's thread: this (building) thread's pool ends here, or libgomp
         # counts both and its workers sleep between regions instead of spinning (engine/openmp.py)
         release_openmp_threads()
@@ -212,6 +214,8 @@ class AsyncEngine:
             import torch
 
             torch.cuda.set_device(eng.device)  # per thread: this one launches every kernel of the steps
+        # on CPU: fewer threads while another process holds a core (before this thread's first parallel region)
+        self.governor = governor = ThreadGovernor.for_step_thread(eng.device, eng.cfg.tensor_parallel_size)
         last_log, last_generated = time.monotonic(), 0
         last_trim, busy_since_trim = time.monotonic(), False
         trims = [0, 0.0, 0]  # count, seconds, bytes returned: for the status line
@@ -255,7 +259,7 @@ class AsyncEngine:
                 self._stats = eng.stats()
                 continue
             busy_since_trim = True
-            self._step_began = time.monotonic()
+            self._step_began = began = time.monotonic()
             try:
                 outputs = eng.step()
             except Exception as e:  # a bug or a device error, not user input: fail everything, promptly
@@ -265,6 +269,8 @@ class AsyncEngine:
                 continue
             finally:
                 self._step_began = None
+            if governor is not None:
+                governor.after_step(time.monotonic() - began)
             self._stats = eng.stats()
             self._stalled = not outputs and not self._stats["running"]
             for out in outputs:

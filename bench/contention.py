@@ -1,0 +1,172 @@
+"""Serving decode on CPU while another process keeps a core busy: the thread governor on and off.
+
+engine/cpu_threads.py runs a served step on fewer threads while a team thread waits for a CPU. This measures what
+that buys and what it costs, in one run: the embedded default model (bfloat16, CPU, torch's thread count) in an
+engine.AsyncEngine per child process (as the worker runs it), `--streams` requests at once, each --tokens tokens
+(ignore_eos, greedy), output tok/s = tokens / (last token - first submit), after a warm-up and the idle work.
+Two machine states: "cores free" (nothing else running) and "one core busy" (a `python -c "while True: pass"`
+process, unpinned, started before the child and killed after it). In each, --rounds rounds of the governor on
+and off (cpu_threads.ADAPT), alternating which goes first; medians, and on ÷ off. "thread changes" counts the
+governor's changes of the thread count in the on runs (drops and tries).
+
+Usage: python -m bench.contention [--rounds 2] [--streams 1 8] [--tokens 48] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of"
+STATES = ("cores free", "one core busy")
+
+
+def child(adapt: bool, streams: list[int], tokens: int) -> None:
+    """Child mode: one AsyncEngine, each stream count in turn; prints one JSON line."""
+    import asyncio
+    import logging
+
+    import engine.cpu_threads as ct
+    from engine import AsyncEngine, SamplingParams
+
+    ct.ADAPT = adapt
+    changes = []
+    log = logging.getLogger("engine")
+    log.setLevel(logging.INFO)  # the governor's changes are info lines: counted here, printed by nobody
+    log.addFilter(lambda r: changes.append(1) if "CPU threads" in r.getMessage() else True)
+    eng = AsyncEngine(dtype="bfloat16", log_stats_interval=0)
+
+    async def one(n: int, mt: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True)
+
+        async def stream(i: int) -> int:
+            return sum([len(o.outputs[0].delta_token_ids) async for o in eng.generate(f"{i}. {PROMPT}", params)])
+
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*[stream(i) for i in range(n)])
+        assert sum(done) == n * mt, done
+        return n * mt / (time.perf_counter() - t0)
+
+    async def main() -> dict:
+        await one(1, 4)
+        while eng.engine.idle.pending:
+            await asyncio.sleep(0.05)
+        return {str(n): await one(n, tokens) for n in streams}
+
+    rates = asyncio.run(main())
+    eng.shutdown()
+    print(json.dumps({"rates": rates, "changes": len(changes)}), flush=True)
+
+
+def run_child(adapt: bool, busy: bool, streams: list[int], tokens: int) -> dict:
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        argv = [sys.executable, "-m", "bench.contention", "--child", "on" if adapt else "off", "--tokens", str(tokens)]
+        out = subprocess.run([*argv, "--streams", *map(str, streams)], cwd=REPO, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(out.stderr[-3000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+
+
+def render(res: dict, streams: list[int], rounds: int, tokens: int, cmd: str, machine: str) -> str:
+    rows = []
+    for state in STATES:
+        for n in streams:
+            on = [r["rates"][str(n)] for r in res[state]["on"]]
+            off = [r["rates"][str(n)] for r in res[state]["off"]]
+            m_on, m_off = statistics.median(on), statistics.median(off)
+            changes = sum(r["changes"] for r in res[state]["on"])
+            rows.append(
+                f"| {state} | {n} | {m_on:.1f} | {m_off:.1f} | {m_on / m_off:.2f}x | "
+                f"{', '.join(f'{a / b:.2f}x' for a, b in zip(on, off))} | {changes} |"
+            )
+    return "\n".join(
+        [
+            "## CPU decode while another process holds a core",
+            "",
+            f"`{cmd}` on {time.strftime('%Y-%m-%d')}: {machine}. SmolLM2-135M-Instruct (the embedded default), "
+            f"bfloat16, `engine.AsyncEngine` in a child process per run; {tokens} output tokens per request "
+            f"(ignore_eos, greedy); {rounds} rounds per state, on and off alternating. Method: the docstring of "
+            "`bench/contention.py`.",
+            "",
+            "| machine | streams | governor on tok/s | off tok/s | on ÷ off | per round | thread changes (on) |",
+            "|---|---:|---:|---:|---:|---|---:|",
+            *rows,
+            "",
+            "Notes:",
+            "- governor: engine/cpu_threads.py (one thread fewer while a step thread waits for a CPU more than 30 % "
+            "of a window; one more tried again after 2 s, backing off to 64 s). one core busy: one unpinned "
+            "`while True: pass` process beside the engine.",
+            "",
+            "![CPU decode with a busy core: governor on and off](contention.png)",
+        ]
+    )
+
+
+def plot(res: dict, streams: list[int], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{state}, {n} stream{'s' * (n > 1)}" for state in STATES for n in streams]
+    med = {m: [statistics.median(r["rates"][str(n)] for r in res[s][m]) for s in STATES for n in streams]
+           for m in ("on", "off")}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    y = range(len(labels))
+    for k, (m, color) in enumerate((("on", "tab:green"), ("off", "tab:gray"))):
+        bars = ax.barh([i + 0.4 * k for i in y], med[m], height=0.4, color=color, label=f"governor {m}")
+        ax.bar_label(bars, fmt="{:.1f}", padding=3)
+    ax.set_yticks([i + 0.2 for i in y], labels)
+    ax.set_xlim(0, max(med["on"] + med["off"]) * 1.2)
+    ax.invert_yaxis()
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.set_title("CPU decode with a busy core beside it, SmolLM2-135M bf16")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md's section")
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child == "on", args.streams, args.tokens)
+    res = {s: {"on": [], "off": []} for s in STATES}
+    for state in STATES:
+        for r in range(args.rounds):
+            for adapt in (True, False) if r % 2 == 0 else (False, True):
+                got = run_child(adapt, state != "cores free", args.streams, args.tokens)
+                res[state]["on" if adapt else "off"].append(got)
+                rates = ", ".join(f"{n} streams {v:.1f} tok/s" for n, v in got["rates"].items())
+                print(f"  {state}, governor {'on' if adapt else 'off'}: {rates}; changes {got['changes']}", flush=True)
+
+    from bench._common import machine_line, write_section
+
+    cmd = ("python -m bench.contention " + " ".join(a for a in sys.argv[1:] if a != "--write-docs")).strip()
+    md = render(res, args.streams, args.rounds, args.tokens, cmd, machine_line("cpu"))
+    print("\n" + md)
+    if args.write_docs:
+        write_section(REPO / "docs" / "benchmarks.md", "contention", md)
+        plot(res, args.streams, REPO / "docs" / "contention.png")
+        print(f"\nwrote {REPO / 'docs' / 'benchmarks.md'} and {REPO / 'docs' / 'contention.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The CPU thread governor (engine/cpu_threads.py): its policy on simulated run delays, its reading of /proc, and
+a served engine beside a busy process dropping to one thread."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+
+import engine.cpu_threads as ct
+from engine.cpu_threads import ThreadGovernor, read_team_delays
+
+STEP = 1 / 16  # s: a binary fraction, so that steps add up to a window exactly
+
+
+class Sim:
+    """Run delays of a team: tid -> ns, grown by step(): the team's second thread, when it runs, waits `wait` of each
+    step (it shares its core with the busy process; the first has one to itself)."""
+
+    def __init__(self):
+        self.delays: dict[int, int] = {}
+        self.wait = 0.0
+        self.applied: list[int] = []
+        self.gov = ThreadGovernor(2, read=lambda: dict(self.delays), apply=self.applied.append)
+
+    def step(self, seconds: float = STEP) -> None:
+        for t in range(100, 100 + self.gov.threads):
+            self.delays[t] = self.delays.get(t, 0) + int(self.wait * seconds * 1e9) * (t == 101)
+        self.gov.after_step(seconds)
+
+    def run(self, seconds: float, step: float = STEP) -> None:
+        for _ in range(round(seconds / step)):
+            self.step(step)
+
+    def until_applied(self, limit: float, step: float = STEP) -> float:
+        """Step until the governor sets a count; the seconds of steps that took (inf: none within `limit`)."""
+        n, t = len(self.applied), 0.0
+        while len(self.applied) == n:
+            if t > limit:
+                return float("inf")
+            self.step(step)
+            t += step
+        return t
+
+
+def test_free_cores_keep_every_thread():
+    s = Sim()
+    s.wait = 0.05
+    s.run(120)
+    assert s.applied == [] and s.gov.threads == 2
+
+
+def test_a_team_thread_waiting_for_a_cpu_drops_one_thread_after_one_window():
+    s = Sim()
+    s.wait = 0.45
+    s.run(ct.WINDOW_S - STEP)
+    assert s.applied == []  # the window is not full yet
+    s.step()
+    assert s.applied == [1] and s.gov.threads == 1
+
+
+def test_a_window_needs_its_steps_too():
+    s = Sim()
+    s.wait = 0.45
+    for _ in range(ct.MIN_STEPS - 1):
+        s.step(1.0)  # long steps: the time is there, the steps are not
+    assert s.applied == []
+    s.step(1.0)
+    assert s.applied == [1]
+
+
+def test_tries_again_backs_off_while_the_core_stays_taken_and_returns_when_it_is_free():
+    s = Sim()
+    s.wait = 0.45
+    assert s.until_applied(10) == pytest.approx(ct.WINDOW_S) and s.applied == [1]
+    s.wait = 0.0
+    waited = s.until_applied(30)
+    assert s.applied == [1, 2] and ct.PROBE_FIRST_S <= waited <= ct.PROBE_FIRST_S + ct.WINDOW_S + 0.1
+    s.wait = 0.45  # the try's window: a thread waits again, so back to one, and the next try comes later
+    assert s.until_applied(10) == pytest.approx(ct.WINDOW_S) and s.applied == [1, 2, 1]
+    assert s.gov.backoff == 2 * ct.PROBE_FIRST_S
+    s.wait = 0.0
+    waited = s.until_applied(30)
+    assert s.applied == [1, 2, 1, 2] and 2 * ct.PROBE_FIRST_S <= waited <= 2 * ct.PROBE_FIRST_S + ct.WINDOW_S + 0.1
+    s.run(60)  # the core is free now: the try holds, and nothing changes after it
+    assert s.applied == [1, 2, 1, 2] and s.gov.threads == 2 and s.gov.backoff == ct.PROBE_FIRST_S
+
+
+def test_the_wait_between_tries_stops_doubling_at_its_cap():
+    s = Sim()
+    s.wait = 0.45
+    for _ in range(12):
+        s.run(ct.PROBE_MAX_S + ct.WINDOW_S)
+    assert s.gov.backoff == ct.PROBE_MAX_S and max(s.applied) == 2 and min(s.applied) == 1
+
+
+def test_a_thread_new_in_the_window_counts_all_its_delay():
+    delays = {100: 0}
+    gov = ThreadGovernor(2, read=lambda: dict(delays), apply=lambda n: None)
+    delays[101] = int(0.4 * ct.WINDOW_S * 1e9)  # started during the window (a try's new worker)
+    for _ in range(ct.MIN_STEPS):
+        gov.after_step(ct.WINDOW_S / ct.MIN_STEPS)
+    assert gov.threads == 1
+
+
+def test_read_team_delays_takes_the_named_threads_schedstat(tmp_path):
+    for tid, name, stat in [(7, ct.TEAM_NAME, "900 250 3"), (8, "python", "5 999 1"), (9, ct.TEAM_NAME, "1 40 2")]:
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "comm").write_text(name + "\n")
+        (tmp_path / str(tid) / "schedstat").write_text(stat + "\n")
+    (tmp_path / "10").mkdir()  # a thread that ended between the listing and the read
+    assert read_team_delays(tmp_path) == {7: 250, 9: 40}
+
+
+@pytest.mark.slow
+def test_a_served_engine_beside_a_busy_process_steps_on_one_thread(smollm2_path):
+    """Two threads, a busy process on this (2-core) machine: a team thread waits for a CPU, and the step loop drops
+    to one thread while it serves. Its OpenMP worker carries the team's name (the governor reads it)."""
+    from engine import AsyncEngine, SamplingParams
+
+    eng = AsyncEngine(model=str(smollm2_path), dtype="bfloat16", num_threads=2, log_stats_interval=0)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+
+        async def serve_until_dropped() -> list[int]:
+            params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+            team, deadline = [], time.monotonic() + 60
+            async for _ in eng.generate("The history of the Roman Empire", params):
+                team = team or list(read_team_delays())
+                if eng.governor.threads == 1 or time.monotonic() > deadline:
+                    break
+            return team
+
+        team = asyncio.run(serve_until_dropped())
+        assert eng.governor is not None and eng.governor.max_threads == 2
+        assert len(team) == 2, f"the team's threads by name: {team}"
+        assert eng.governor.threads == 1
+    finally:
+        for h in hogs:
+            h.kill()
+        eng.shutdown()
