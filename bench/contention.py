@@ -36,7 +36,7 @@ def child(adapt: bool, streams: list[int], tokens: int) -> None:
     from engine import AsyncEngine, SamplingParams
 
     ct.ADAPT = adapt
-    changes = []
+    changes, waits = [], {}
     log = logging.getLogger("engine")
     log.setLevel(logging.INFO)  # the governor's changes are info lines: counted here, printed by nobody
     log.addFilter(lambda r: changes.append(1) if "CPU threads" in r.getMessage() else True)
@@ -48,10 +48,12 @@ def child(adapt: bool, streams: list[int], tokens: int) -> None:
         async def stream(i: int) -> int:
             return sum([len(o.outputs[0].delta_token_ids) async for o in eng.generate(f"{i}. {PROMPT}", params)])
 
-        t0 = time.perf_counter()
+        t0, d0 = time.perf_counter(), ct.read_team_delays()
         done = await asyncio.gather(*[stream(i) for i in range(n)])
+        wall, d1 = time.perf_counter() - t0, ct.read_team_delays()
         assert sum(done) == n * mt, done
-        return n * mt / (time.perf_counter() - t0)
+        waits[str(n)] = max((d1[t] - d0.get(t, 0) for t in d1), default=0) / 1e9 / wall
+        return n * mt / wall
 
     async def main() -> dict:
         await one(1, 4)
@@ -61,7 +63,7 @@ def child(adapt: bool, streams: list[int], tokens: int) -> None:
 
     rates = asyncio.run(main())
     eng.shutdown()
-    print(json.dumps({"rates": rates, "changes": len(changes)}), flush=True)
+    print(json.dumps({"rates": rates, "waits": waits, "changes": len(changes)}), flush=True)
 
 
 def run_child(adapt: bool, busy: bool, streams: list[int], tokens: int) -> dict:
@@ -86,9 +88,11 @@ def render(res: dict, streams: list[int], rounds: int, tokens: int, cmd: str, ma
             off = [r["rates"][str(n)] for r in res[state]["off"]]
             m_on, m_off = statistics.median(on), statistics.median(off)
             changes = sum(r["changes"] for r in res[state]["on"])
+            wait = {m: statistics.median(r["waits"][str(n)] for r in res[state][m]) for m in ("on", "off")}
             rows.append(
                 f"| {state} | {n} | {m_on:.1f} | {m_off:.1f} | {m_on / m_off:.2f}x | "
-                f"{', '.join(f'{a / b:.2f}x' for a, b in zip(on, off))} | {changes} |"
+                f"{', '.join(f'{a / b:.2f}x' for a, b in zip(on, off))} | {changes} | {wait['on']:.0%} | "
+                f"{wait['off']:.0%} |"
             )
     return "\n".join(
         [
@@ -99,14 +103,17 @@ def render(res: dict, streams: list[int], rounds: int, tokens: int, cmd: str, ma
             f"(ignore_eos, greedy); {rounds} rounds per state, on and off alternating. Method: the docstring of "
             "`bench/contention.py`.",
             "",
-            "| machine | streams | governor on tok/s | off tok/s | on ÷ off | per round | thread changes (on) |",
-            "|---|---:|---:|---:|---:|---|---:|",
+            "| machine | streams | governor on tok/s | off tok/s | on ÷ off | per round | thread changes (on) "
+            "| team wait on | team wait off |",
+            "|---|---:|---:|---:|---:|---|---:|---:|---:|",
             *rows,
             "",
             "Notes:",
             "- governor: engine/cpu_threads.py (one thread fewer while a step thread waits for a CPU more than 30 % "
             "of a window; one more tried again after 2 s, backing off to 64 s). one core busy: one unpinned "
-            "`while True: pass` process beside the engine.",
+            "`while True: pass` process beside the engine. team wait: the share of the run the step thread or one "
+            "of its OpenMP workers (the one that waited most) spent waiting for a CPU while it could run, median "
+            "of the rounds.",
             "",
             "![CPU decode with a busy core: governor on and off](contention.png)",
         ]

@@ -69,15 +69,15 @@ class ThreadGovernor:
         """Name this thread the team's; a governor where it can work: CPU, more than one thread, one rank (a TP
         rank's threads are its own process's), run delays readable (Linux with schedstats)."""
         threads = torch.get_num_threads()
-        if not ADAPT or device.type != "cpu" or threads < 2 or tensor_parallel_size > 1:
+        if device.type != "cpu" or tensor_parallel_size > 1:
             return None
-        try:
+        try:  # named even when the governor is off: `top -H` shows it, bench/contention.py reads its delays
             (TASKS / str(threading.get_native_id()) / "comm").write_text(TEAM_NAME)
             if not read_team_delays():
                 return None
         except (OSError, AttributeError):
             return None
-        return cls(threads)
+        return cls(threads) if ADAPT and threads > 1 else None
 
     def _start_window(self) -> None:
         self.window_s, self.steps, self.delays = 0.0, 0, self.read()
