@@ -39,7 +39,7 @@ def child(adapt: bool, streams: list[int], tokens: int) -> None:
     changes, waits = [], {}
     log = logging.getLogger("engine")
     log.setLevel(logging.INFO)  # the governor's changes are info lines: counted here, printed by nobody
-    log.addFilter(lambda r: changes.append(1) if "CPU threads" in r.getMessage() else True)
+    log.addFilter(lambda r: changes.append(1) if "CPU threads" in r.getMessage() and "->" in r.getMessage() else True)
     eng = AsyncEngine(dtype="bfloat16", log_stats_interval=0)
 
     async def one(n: int, mt: int) -> float:
@@ -48,9 +48,9 @@ def child(adapt: bool, streams: list[int], tokens: int) -> None:
         async def stream(i: int) -> int:
             return sum([len(o.outputs[0].delta_token_ids) async for o in eng.generate(f"{i}. {PROMPT}", params)])
 
-        t0, d0 = time.perf_counter(), ct.read_team_delays()
+        t0, d0 = time.perf_counter(), eng.governor.read()
         done = await asyncio.gather(*[stream(i) for i in range(n)])
-        wall, d1 = time.perf_counter() - t0, ct.read_team_delays()
+        wall, d1 = time.perf_counter() - t0, eng.governor.read()
         assert sum(done) == n * mt, done
         waits[str(n)] = max((d1[t] - d0.get(t, 0) for t in d1), default=0) / 1e9 / wall
         return n * mt / wall
@@ -110,7 +110,8 @@ def render(res: dict, streams: list[int], rounds: int, tokens: int, cmd: str, ma
             "",
             "Notes:",
             "- governor: engine/cpu_threads.py (one thread fewer while a step thread waits for a CPU more than 30 % "
-            "of a window; one more tried again after 2 s, backing off to 64 s). one core busy: one unpinned "
+            "of a window; one more tried again after 2 s, kept under 15 %, else backing off to 64 s). one core "
+            "busy: one unpinned "
             "`while True: pass` process beside the engine. team wait: the share of the run the step thread or one "
             "of its OpenMP workers (the one that waited most) spent waiting for a CPU while it could run, median "
             "of the rounds.",

@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+import torch
+
 from engine.config import EngineConfig
 from engine.cpu_threads import ThreadGovernor
 from engine.errors import EngineError, EngineFault
@@ -58,8 +60,10 @@ class AsyncEngine:
         self.on_fault: Callable[[EngineFault], None] | None = None
         self._step_began: float | None = None  # when the running step began (None: between steps)
         self.governor: ThreadGovernor | None = None  # set by the step thread (engine/cpu_threads.py)
+        self._threads = torch.get_num_threads()  # as the engine claimed them (the step thread's start sets its own)
         # the steps' OpenMP regions run on the loop's thread: this (building) thread's pool ends here, or libgomp
-        # counts both and its workers sleep between regions instead of spinning (engine/openmp.py)
+        # counts both and its workers sleep between regions instead of spinning (engine/openmp.py). An `engine`
+        # passed in was built elsewhere: its builder's thread is that caller's to release.
         release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self._thread.start()
@@ -211,11 +215,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         eng = self.engine
         if eng.device.type == "cuda" and eng.device.index is not None:
-            import torch
-
             torch.cuda.set_device(eng.device)  # per thread: this one launches every kernel of the steps
-        # on CPU: fewer threads while another process holds a core (before this thread's first parallel region)
-        self.governor = governor = ThreadGovernor.for_step_thread(eng.device, eng.cfg.tensor_parallel_size)
+        # on CPU: this thread's OpenMP team, run on fewer threads while another process holds a core
+        governor = ThreadGovernor.for_step_thread(eng.device, eng.cfg.tensor_parallel_size, self._threads)
+        self.governor = governor
         last_log, last_generated = time.monotonic(), 0
         last_trim, busy_since_trim = time.monotonic(), False
         trims = [0, 0.0, 0]  # count, seconds, bytes returned: for the status line
@@ -246,9 +249,13 @@ class AsyncEngine:
                         eng.idle.step()
                     finally:
                         self._step_began = None
+                    if governor is not None:
+                        governor.restart()
                     continue
             while cmd is not None:
                 if cmd[0] == "stop":
+                    if governor is not None:
+                        governor.close()
                     return
                 self._handle(cmd)
                 try:
@@ -257,9 +264,11 @@ class AsyncEngine:
                     cmd = None
             if not eng.has_unfinished():
                 self._stats = eng.stats()
+                if governor is not None:  # idle: the next busy spell starts a window of its own
+                    governor.restart()
                 continue
             busy_since_trim = True
-            self._step_began = began = time.monotonic()
+            self._step_began = time.monotonic()
             try:
                 outputs = eng.step()
             except Exception as e:  # a bug or a device error, not user input: fail everything, promptly
@@ -270,14 +279,15 @@ class AsyncEngine:
             finally:
                 self._step_began = None
             if governor is not None:
-                governor.after_step(time.monotonic() - began)
+                governor.after_step()
             self._stats = eng.stats()
             self._stalled = not outputs and not self._stats["running"]
             for out in outputs:
                 self._send(out.request_id, out.error if out.error is not None else out)
             # a busy worker warms up too: one piece within its share of the loop, after this step's tokens went out
             self._step_began = time.monotonic()
-            eng.idle.busy()
+            if eng.idle.busy() and governor is not None:  # a piece ran: its time is no step's
+                governor.restart()
             self._step_began = None
             interval = eng.cfg.log_stats_interval
             if interval and time.monotonic() - last_log >= interval:

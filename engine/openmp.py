@@ -16,21 +16,15 @@ import ctypes
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t; libgomp frees the calling thread's pool for either kind
 
 
-_found: tuple[ctypes.CDLL, ...] = ()
-
-
-def _libgomps() -> tuple[ctypes.CDLL, ...]:
+def _libgomps() -> list[ctypes.CDLL]:
     """The libgomps this process has loaded (torch's; another package may bring its own copy), by their paths in
-    /proc/self/maps; none where there is none (macOS's libomp, a torch built without OpenMP). Read again until one
-    is found (torch may not be imported yet)."""
-    global _found
-    if _found:
-        return _found
+    /proc/self/maps, read at each call (a later import may load another); none where there is none (macOS's
+    libomp, a torch built without OpenMP)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {ln.split()[-1] for ln in f if "libgomp" in ln and "/" in ln}
     except OSError:
-        return ()
+        return []
     libs = []
     for path in sorted(paths):
         try:
@@ -39,8 +33,7 @@ def _libgomps() -> tuple[ctypes.CDLL, ...]:
             libs.append(lib)
         except (OSError, AttributeError):  # a libgomp before OpenMP 5.0 (GCC 9) has no omp_pause_resource_all
             continue
-    _found = tuple(libs)
-    return _found
+    return libs
 
 
 def release_openmp_threads() -> bool:

@@ -24,10 +24,15 @@ torch.set_num_threads(2)
 
 
 def pool_ended() -> int:
-    '''How many threads ending this thread's OpenMP pool ended: 0 when it had none.'''
+    '''How many threads ending this thread's OpenMP pool ended: 0 when it had none. (Joined, a worker may still be
+    listed for a moment: looked for up to 1 s.)'''
+    import time
     before = set(os.listdir("/proc/self/task"))
     release_openmp_threads()
-    return len(before - set(os.listdir("/proc/self/task")))
+    deadline = time.monotonic() + 1
+    while not (gone := before - set(os.listdir("/proc/self/task"))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(gone)
 
 
 def parallel_region() -> None:
