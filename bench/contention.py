@@ -9,7 +9,7 @@ process, unpinned, started before the child and killed after it). In each, --rou
 and off (cpu_threads.ADAPT), alternating which goes first; medians, and on ÷ off. "thread changes" counts the
 governor's changes of the thread count in the on runs (drops and tries).
 
-Usage: python -m bench.contention [--rounds 2] [--streams 1 8] [--tokens 48] [--write-docs]
+Usage: python -m bench.contention [--rounds 2] [--streams 1 8] [--tokens 128] [--write-docs]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of"
-STATES = ("cores free", "one core busy")
+STATES = {"free": "cores free", "busy": "one core busy"}  # --states: the machine beside the engine
 
 
 def child(adapt: bool, streams: list[int], tokens: int) -> None:
@@ -48,9 +48,10 @@ def child(adapt: bool, streams: list[int], tokens: int) -> None:
         async def stream(i: int) -> int:
             return sum([len(o.outputs[0].delta_token_ids) async for o in eng.generate(f"{i}. {PROMPT}", params)])
 
-        t0, d0 = time.perf_counter(), eng.governor.read()
+        read = eng.governor.read if eng.governor is not None else dict  # None: the warm-up's first step not yet run
+        t0, d0 = time.perf_counter(), read()
         done = await asyncio.gather(*[stream(i) for i in range(n)])
-        wall, d1 = time.perf_counter() - t0, eng.governor.read()
+        wall, d1 = time.perf_counter() - t0, read()
         assert sum(done) == n * mt, done
         waits[str(n)] = max((d1[t] - d0.get(t, 0) for t in d1), default=0) / 1e9 / wall
         return n * mt / wall
@@ -82,7 +83,7 @@ def run_child(adapt: bool, busy: bool, streams: list[int], tokens: int) -> dict:
 
 def render(res: dict, streams: list[int], rounds: int, tokens: int, cmd: str, machine: str) -> str:
     rows = []
-    for state in STATES:
+    for state in res:
         for n in streams:
             on = [r["rates"][str(n)] for r in res[state]["on"]]
             off = [r["rates"][str(n)] for r in res[state]["off"]]
@@ -127,8 +128,8 @@ def plot(res: dict, streams: list[int], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{state}, {n} stream{'s' * (n > 1)}" for state in STATES for n in streams]
-    med = {m: [statistics.median(r["rates"][str(n)] for r in res[s][m]) for s in STATES for n in streams]
+    labels = [f"{state}, {n} stream{'s' * (n > 1)}" for state in res for n in streams]
+    med = {m: [statistics.median(r["rates"][str(n)] for r in res[s][m]) for s in res for n in streams]
            for m in ("on", "off")}  # fmt: skip
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     y = range(len(labels))
@@ -151,13 +152,14 @@ def main() -> None:
     ap.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--states", nargs="+", choices=("free", "busy"), default=["free", "busy"], help="machine states")
     ap.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md's section")
     args = ap.parse_args()
     if args.child:
         return child(args.child == "on", args.streams, args.tokens)
-    res = {s: {"on": [], "off": []} for s in STATES}
-    for state in STATES:
+    res = {STATES[k]: {"on": [], "off": []} for k in args.states}
+    for state in res:
         for r in range(args.rounds):
             for adapt in (True, False) if r % 2 == 0 else (False, True):
                 got = run_child(adapt, state != "cores free", args.streams, args.tokens)

@@ -34,6 +34,7 @@ WINDOW_S = 0.5  # a window: this much time of stepping (restarted when the loop 
 MIN_STEPS = 4  # and at least this many steps
 DROP = 0.3  # a team thread that waited for a CPU this share of the window: one thread fewer
 KEEP = 0.15  # a tried thread stays when the longest wait of its window stayed under this (no flapping at ~DROP)
+PROBE_MIN_S = 0.05  # a try is undone as soon as its longest wait passes DROP over at least this long
 PROBE_FIRST_S = 2.0  # after a drop, one more thread is tried again this much later, in seconds of windows
 PROBE_MAX_S = 64.0  # the longest wait between tries (doubling after each try that found the cores taken)
 ADAPT = True  # False: the governor only measures (bench/contention.py's comparison)
@@ -42,14 +43,29 @@ TASKS = Path("/proc/self/task")
 
 def read_team_delays(leader: int, tasks: Path = TASKS) -> dict[int, int]:
     """Run delay in ns of the leader (a thread id) and of each thread named TEAM_NAME: {tid: ns}."""
+    return read_delays([t for t in _task_ids(tasks) if t == leader or _comm(tasks, t) == TEAM_NAME], tasks)
+
+
+def read_delays(tids: list[int], tasks: Path = TASKS) -> dict[int, int]:
+    """Run delay in ns of each of `tids` still running: {tid: ns}."""
     out = {}
-    for task in tasks.iterdir():
+    for t in tids:
         try:
-            if int(task.name) == leader or (task / "comm").read_text().strip() == TEAM_NAME:
-                out[int(task.name)] = int((task / "schedstat").read_text().split()[1])
-        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            out[t] = int((tasks / str(t) / "schedstat").read_text().split()[1])
+        except (OSError, ValueError, IndexError):  # the thread ended
             continue
     return out
+
+
+def _task_ids(tasks: Path) -> list[int]:
+    return [int(p.name) for p in tasks.iterdir() if p.name.isdigit()]
+
+
+def _comm(tasks: Path, tid: int) -> str | None:
+    try:
+        return (tasks / str(tid) / "comm").read_text().strip()
+    except OSError:  # the thread ended meanwhile
+        return None
 
 
 class ThreadGovernor:
@@ -87,11 +103,12 @@ class ThreadGovernor:
             torch.ones(threads << 16).add_(1)  # a region past torch's grain on every thread: the whole pool
             comm.write_text(LEADER_NAME)
             leader = threading.get_native_id()
-            if leader not in read_team_delays(leader):
+            team = list(read_team_delays(leader))  # found once: the pool keeps its threads for the leader's life
+            if leader not in team:
                 return None
         except (OSError, AttributeError):
             return None
-        return cls(threads, read=lambda: read_team_delays(leader), enabled=ADAPT and threads > 1)
+        return cls(threads, read=lambda: read_delays(team), enabled=ADAPT and threads > 1)
 
     def restart(self) -> None:
         """The loop did something else than steps: the window in progress is dropped, the next step starts one."""
@@ -113,11 +130,16 @@ class ThreadGovernor:
             return self._start_window()
         self.steps += 1
         window = self.clock() - self.began
-        if window < WINDOW_S or self.steps < MIN_STEPS:
+        full = window >= WINDOW_S and self.steps >= MIN_STEPS
+        # a try is read after every step (its team's reads are a few small files): one that waits is undone after
+        # its first slow step, not a whole window of them
+        if not full and not (self.probing and window >= PROBE_MIN_S):
             return
         now = self.read()
         # the share of the window the most-waiting thread waited (a thread new in the window: all its delay)
         waited = max((now[t] - self.delays.get(t, 0) for t in now), default=0) / 1e9 / window
+        if self.probing and not full and waited <= DROP:
+            return
         self.since_change += window
         if self.probing:  # the window ran one thread more: kept if the longest wait stayed low, else undone
             self.probing = False
