@@ -14,8 +14,9 @@ never leaves it. A CPU quota's throttling (a container's --cpus) is not run dela
 The team: the step thread (the leader) names itself TEAM_NAME, opens one parallel region on all its threads, so
 that libgomp starts every worker of its pool at once and each inherits the name (Linux copies a thread's name to
 the threads it creates), then renames itself LEADER_NAME: threads it starts later (LoRA loaders, the KV pool's
-prefault thread) carry that name and are not counted. Only the serving loop (AsyncEngine) has a governor:
-LLM.generate runs on the caller's thread, which it does not rename."""
+prefault thread) carry that name and are not counted. The workers found, their ids are kept and they are renamed
+WORKER_NAME, so that another engine starting in the process does not count them as its own. Only the serving
+loop (AsyncEngine) has a governor: LLM.generate runs on the caller's thread, which it does not rename."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 log = logging.getLogger("engine")
 TEAM_NAME = "llm-step"  # the step thread's OpenMP workers (15 characters at most: the kernel's limit)
 LEADER_NAME = "llm-engine"  # the step thread itself, once its workers exist
+WORKER_NAME = "llm-worker"  # its workers, once found
 WINDOW_S = 0.5  # a window: this much time of stepping (restarted when the loop goes idle or runs an idle piece)
 MIN_STEPS = 4  # and at least this many steps
 DROP = 0.3  # a team thread that waited for a CPU this share of the window: one thread fewer
@@ -106,6 +108,9 @@ class ThreadGovernor:
             team = list(read_team_delays(leader))  # found once: the pool keeps its threads for the leader's life
             if leader not in team:
                 return None
+            for t in team:  # named for `top -H`, and no longer TEAM_NAME: another engine's start does not take them
+                if t != leader:
+                    (TASKS / str(t) / "comm").write_text(WORKER_NAME)
         except (OSError, AttributeError):
             return None
         return cls(threads, read=lambda: read_delays(team), enabled=ADAPT and threads > 1)

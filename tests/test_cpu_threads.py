@@ -201,3 +201,23 @@ def test_a_served_engine_beside_busy_processes_steps_on_one_thread(smollm2_path)
         eng.shutdown()
         os.sched_setaffinity(0, before)
     assert eng.governor.threads == 2  # close(): torch's count is the engine's again
+
+
+def test_two_engines_in_one_process_each_count_their_own_team(tiny_llama):
+    """The second engine's start must not take the first's workers for its own (they are renamed once found)."""
+    from engine import AsyncEngine, SamplingParams
+
+    engines = [AsyncEngine(model=str(tiny_llama), dtype="float32", num_threads=2) for _ in range(2)]
+    try:
+
+        async def one(eng):
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            return [o async for o in eng.generate({"prompt_token_ids": [5, 17, 42]}, params)]
+
+        for eng in engines:  # a request: the step loop has started, and made its governor
+            asyncio.run(one(eng))
+        a, b = (set(eng.governor.read()) for eng in engines)
+        assert len(a) == 2 and len(b) == 2 and not a & b, (a, b)
+    finally:
+        for eng in engines:
+            eng.shutdown()
