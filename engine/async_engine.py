@@ -59,14 +59,16 @@ class AsyncEngine:
         # called once, from the engine thread or the watchdog's, when the engine faults (the worker stops serving)
         self.on_fault: Callable[[EngineFault], None] | None = None
         self._step_began: float | None = None  # when the running step began (None: between steps)
-        self.governor: ThreadGovernor | None = None  # set by the step thread (engine/cpu_threads.py)
+        self.governor: ThreadGovernor | None = None  # made by the step thread, before __init__ returns
         self._threads = torch.get_num_threads()  # as the engine claimed them (the step thread's start sets its own)
         # the steps' OpenMP regions run on the loop's thread: this (building) thread's pool ends here, or libgomp
         # counts both and its workers sleep between regions instead of spinning (engine/openmp.py). An `engine`
         # passed in was built elsewhere: its builder's thread is that caller's to release.
         release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._loop_ready = threading.Event()
         self._thread.start()
+        self._loop_ready.wait()  # the step thread's OpenMP team and governor exist (a few ms)
         threading.Thread(target=self._watchdog, name="engine-step-watchdog", daemon=True).start()
 
     @property
@@ -214,11 +216,14 @@ class AsyncEngine:
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
-        if eng.device.type == "cuda" and eng.device.index is not None:
-            torch.cuda.set_device(eng.device)  # per thread: this one launches every kernel of the steps
-        # on CPU: this thread's OpenMP team, run on fewer threads while another process holds a core
-        governor = ThreadGovernor.for_step_thread(eng.device, eng.cfg.tensor_parallel_size, self._threads)
-        self.governor = governor
+        try:  # whatever happens here, __init__ stops waiting
+            if eng.device.type == "cuda" and eng.device.index is not None:
+                torch.cuda.set_device(eng.device)  # per thread: this one launches every kernel of the steps
+            # on CPU: this thread's OpenMP team, run on fewer threads while another process holds a core
+            governor = ThreadGovernor.for_step_thread(eng.device, eng.cfg.tensor_parallel_size, self._threads)
+            self.governor = governor
+        finally:
+            self._loop_ready.set()
         last_log, last_generated = time.monotonic(), 0
         last_trim, busy_since_trim = time.monotonic(), False
         trims = [0, 0.0, 0]  # count, seconds, bytes returned: for the status line
