@@ -222,3 +222,29 @@ class MotoServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def cpu_cgroup(name: str, quota_cpus: float) -> tuple[Path, Path] | None:
+    """A new cgroup with a CPU quota (v1's cpu controller, or v2 where the root lets us make one), or None where
+    this machine does not let us (not root, a read-only /sys/fs/cgroup): (its cgroup.procs, its directory). A
+    process joins it by writing its pid to cgroup.procs; the caller removes the directory (rmdir) once it is empty.
+    For tests/test_cpu_threads.py and bench/contention.py's quota state."""
+    root = Path("/sys/fs/cgroup")
+    for base, write in ((root / "cpu", "v1"), (root, "v2")):
+        d = base / name
+        try:
+            if write == "v2" and "cpu" not in (root / "cgroup.subtree_control").read_text().split():
+                continue
+            d.mkdir(exist_ok=True)
+            if write == "v1":
+                (d / "cpu.cfs_period_us").write_text("100000")
+                (d / "cpu.cfs_quota_us").write_text(str(int(quota_cpus * 100000)))
+            else:
+                (d / "cpu.max").write_text(f"{int(quota_cpus * 100000)} 100000")
+            return d / "cgroup.procs", d
+        except OSError:
+            try:
+                d.rmdir()  # made, but its quota could not be set
+            except OSError:
+                pass
+    return None

@@ -273,6 +273,8 @@ class AsyncEngine:
                     governor.restart()
                 continue
             busy_since_trim = True
+            if governor is not None:
+                governor.before_step()
             self._step_began = time.monotonic()
             try:
                 outputs = eng.step()

@@ -1,4 +1,5 @@
-"""How many threads a served CPU step runs on: fewer while another process holds a core.
+"""How many threads a CPU engine starts with (claim_threads: torch's count, or the cgroup's CPU quota where lower),
+and how many a served step runs on: fewer while another process holds a core.
 
 A step's OpenMP team meets at a barrier after each of its few hundred parallel regions, so it goes at the pace of
 its least-scheduled thread. Where another process keeps a core busy, the team's thread that shares it runs about
@@ -6,10 +7,12 @@ half the time and every region waits for it: one busy process on a 2-core VM mad
 than one (docs/decisions.md, "Fewer CPU threads while a core is taken"). The scheduler says how long each thread
 waited for a CPU while it could run (its run delay, /proc/self/task/<tid>/schedstat's second field), so the
 governor reads that for the team's threads over each window of stepping: when the thread that waited most waited
-for more than DROP of the window, the next steps run one thread fewer. After a while it tries one more again for
+for more than DROP of the window, the next steps run on as many threads as the team had CPUs (_fewer), at
+least one fewer. After a while it tries one more again for
 a window and keeps it when the longest wait stayed under KEEP (else the next try waits twice as long, up to
 PROBE_MAX_S). It never goes above the count the engine started with, so a machine whose cores are the worker's own
-never leaves it. A CPU quota's throttling (a container's --cpus) is not run delay and is not seen here.
+never leaves it. A CPU quota's throttling (a container's --cpus) counts as run delay too (the 2-core VM, cgroup
+v1, 2 threads under a quota of one CPU: dropped to one), for a quota set or lowered after the start.
 
 The team: the step thread (the leader) names itself TEAM_NAME, opens one parallel region on all its threads, so
 that libgomp starts every worker of its pool at once and each inherits the name (Linux copies a thread's name to
@@ -21,6 +24,8 @@ loop (AsyncEngine) has a governor: LLM.generate runs on the caller's thread, whi
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,19 +33,64 @@ from pathlib import Path
 
 import torch
 
+from engine.config import EngineConfig
+from engine.host_memory import cpu_quota
+
 log = logging.getLogger("engine")
 TEAM_NAME = "llm-step"  # the step thread's OpenMP workers (15 characters at most: the kernel's limit)
 LEADER_NAME = "llm-engine"  # the step thread itself, once its workers exist
 WORKER_NAME = "llm-worker"  # its workers, once found
 WINDOW_S = 0.5  # a window: this much time of stepping (restarted when the loop goes idle or runs an idle piece)
-MIN_STEPS = 4  # and at least this many steps
-DROP = 0.3  # a team thread that waited for a CPU this share of the window: one thread fewer
+MIN_STEPS = 4  # and at least this many steps,
+LONG_S = 1.0  # unless it is this long (a step this slow is no noise: under a busy core, a batch's prefill)
+DROP = 0.3  # a team thread that waited for a CPU this share of the window: fewer threads (_fewer)
 KEEP = 0.15  # a tried thread stays when the longest wait of its window stayed under this (no flapping at ~DROP)
 PROBE_MIN_S = 0.05  # a try is undone as soon as its longest wait passes DROP over at least this long
 PROBE_FIRST_S = 2.0  # after a drop, one more thread is tried again this much later, in seconds of windows
 PROBE_MAX_S = 64.0  # the longest wait between tries (doubling after each try that found the cores taken)
 ADAPT = True  # False: the governor only measures (bench/contention.py's comparison)
+QUOTA_CAP = True  # False: torch's own count under a CPU quota too (bench/contention.py's comparison)
 TASKS = Path("/proc/self/task")
+
+
+def claim_threads(cfg: EngineConfig, device: torch.device) -> int | None:
+    """Rank 0's share of the machine: the current CUDA device (Triton launches on it, not on the tensors'), and
+    torch's threads: cfg.num_threads where given, else default_threads. Returns the count to give back at shutdown
+    where it changed torch's, else None."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+        return None
+    if device.type != "cpu":
+        return None
+    before = torch.get_num_threads()
+    threads, why = default_threads(cfg.tensor_parallel_size)
+    if threads == before:
+        return None
+    log.info("CPU threads at start: %d, not torch's %d (%s)", threads, before, why)
+    torch.set_num_threads(threads)
+    return before
+
+
+def default_threads(ranks: int = 1, quota: tuple[float, str] | None | bool = True) -> tuple[int, str]:
+    """One of `ranks` CPU ranks' thread count where nobody chose one, and why. torch's count, unless it is its own
+    default (a thread per CPU this process may run on) and the cgroup's CPU quota (`quota`: True reads it) is
+    lower: then the quota rounded up. Under a quota of one CPU on the 2-core VM, two threads decoded 15-25 % slower
+    than one (spinning workers spend the quota, and the whole cgroup is throttled once it is spent); under 1.5
+    CPUs two beat one by 20-30 % (docs/decisions.md, "A CPU quota's share of threads"). On a large host with a
+    small quota, torch's default would run one thread per host CPU."""
+    threads, why = torch.get_num_threads(), "torch's count"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota() if quota is True else quota
+    if QUOTA_CAP and quota and threads == cpus and math.ceil(round(quota[0], 6)) < threads:
+        threads, why = (
+            max(1, math.ceil(round(quota[0], 6))),
+            f"the cgroup's CPU quota is {quota[0]:g} CPUs ({quota[1]})",
+        )
+    if ranks > 1:
+        threads, why = max(1, threads // ranks), f"{why}, shared by {ranks} ranks"
+    return threads, why
 
 
 def read_team_delays(leader: int, tasks: Path = TASKS) -> dict[int, int]:
@@ -128,21 +178,27 @@ class ThreadGovernor:
     def _start_window(self) -> None:
         self.began, self.steps, self.delays, self._stale = self.clock(), 0, self.read(), False
 
+    def before_step(self) -> None:
+        """A step begins: where no window is open, one starts here, so that this step is in it."""
+        if self.enabled and self._stale:
+            self._start_window()
+
     def after_step(self) -> None:
         if not self.enabled:
             return
-        if self._stale:
+        if self._stale:  # no before_step: the window starts after this step
             return self._start_window()
         self.steps += 1
         window = self.clock() - self.began
-        full = window >= WINDOW_S and self.steps >= MIN_STEPS
+        full = window >= WINDOW_S and (self.steps >= MIN_STEPS or window >= LONG_S)
         # a try is read after every step (its team's reads are a few small files): one that waits is undone after
         # its first slow step, not a whole window of them
         if not full and not (self.probing and window >= PROBE_MIN_S):
             return
         now = self.read()
-        # the share of the window the most-waiting thread waited (a thread new in the window: all its delay)
-        waited = max((now[t] - self.delays.get(t, 0) for t in now), default=0) / 1e9 / window
+        # each thread's share of the window it waited (a thread new in the window: all its delay)
+        shares = [(now[t] - self.delays.get(t, 0)) / 1e9 / window for t in now]
+        waited = max(shares, default=0)
         if self.probing and not full and waited <= DROP:
             return
         self.since_change += window
@@ -155,12 +211,20 @@ class ThreadGovernor:
                 self.backoff = PROBE_FIRST_S
                 log.info("CPU threads: %d again (the longest wait %.0f%% of the window)", self.threads, 100 * waited)
         elif waited > DROP and self.threads > 1:
-            self._set(self.threads - 1, f"a step thread waited for a CPU {waited:.0%} of the last {window:.1f} s"
-                      " (another process holds a core)")  # fmt: skip
+            self._set(self._fewer(shares), f"a step thread waited for a CPU {waited:.0%} of the last {window:.1f} s"
+                      " (another process holds a core, or a CPU quota is spent)")  # fmt: skip
         elif self.threads < self.max_threads and self.since_change >= self.backoff:
             self.probing = True
             self._set(self.threads + 1, "trying one more")
         self._start_window()
+
+    def _fewer(self, shares: list[float]) -> int:
+        """The count after a window whose most-waiting thread waited past DROP: the CPUs the team had, as many
+        threads as ran less what they waited (the pool's idle threads wait for nothing), rounded down, and at least
+        one fewer. Under a quota of 2 CPUs a team of 16 waits about 7/8 each and drops to 2 at once; with one busy
+        process on 16 cores, to 15 (two busy: 15, then 14 the window after)."""
+        had = self.threads - sum(min(1.0, max(0.0, w)) for w in shares)
+        return max(1, min(self.threads - 1, math.floor(had)))
 
     def _set(self, threads: int, why: str) -> None:
         log.info("CPU threads %d -> %d: %s", self.threads, threads, why)

@@ -1,6 +1,7 @@
 """The CPU KV pool's automatic size (KV_CACHE_MEMORY unset): a capacity from the model and the concurrency, capped by
 the memory the machine has at start. `cpu_pool_bytes` is the arithmetic, on plain numbers (tests simulate them);
 `read_host_memory` is the one reading of the machine it takes (/proc/meminfo and the cgroup's limit). No torch.
+`cpu_quota` reads the cgroup's CPU quota the same way, for the thread count (engine/cpu_threads.py).
 
 The capacity is address space, not memory: the pool is an anonymous mapping whose pages are touched only as the
 block manager opens its region (engine/kv_cache.py's Prefaulter), so a large capacity costs nothing until the load
@@ -65,24 +66,52 @@ def _cgroup_limit(proc: Path, cgroup: Path) -> tuple[int, str] | None:
 
 def _cgroup_limits(proc: Path, cgroup: Path) -> list[tuple[int, str]]:
     """Each memory limit on this process's cgroup and its ancestors (v2 memory.max, v1 memory.limit_in_bytes), and
-    the file that set it. Inside a container's cgroup namespace its own cgroup shows as /."""
+    the file that set it."""
     found = []
+    for d, v2 in _cgroup_dirs(proc, cgroup, "memory"):
+        f = d / ("memory.max" if v2 else "memory.limit_in_bytes")
+        text = _read(f).strip()  # v2: "max" when unlimited; v1: a huge number
+        if text.isdigit() and int(text) < _NO_LIMIT:
+            found.append((int(text), str(f)))
+    return found
+
+
+def cpu_quota(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[float, str] | None:
+    """The lowest CPU quota on this process's cgroup and its ancestors, in CPUs (a container's --cpus, a Kubernetes
+    CPU limit: quota / period, v2 cpu.max, v1 cpu.cfs_quota_us and cpu.cfs_period_us), and the file that set it;
+    None: no quota. A quota throttles the whole cgroup once its threads used it up within a period (100 ms), so
+    threads beyond it only spin and wait (engine/cpu_threads.py's claim_threads)."""
+    found = []
+    for d, v2 in _cgroup_dirs(proc, cgroup, "cpu"):
+        if v2:
+            f, parts = d / "cpu.max", _read(d / "cpu.max").split()  # "max 100000" when unlimited
+        else:
+            f = d / "cpu.cfs_quota_us"  # -1 when unlimited
+            parts = [_read(f).strip(), _read(d / "cpu.cfs_period_us").strip()]
+        if len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[1]) > 0:
+            found.append((int(parts[0]) / int(parts[1]), str(f)))
+    return min(found) if found else None
+
+
+def _cgroup_dirs(proc: Path, cgroup: Path, controller: str) -> list[tuple[Path, bool]]:
+    """This process's cgroup directory for `controller` and each ancestor up to the hierarchy's root, each with
+    whether it is v2's unified hierarchy (no controller list in /proc/self/cgroup). Inside a container's cgroup
+    namespace its own cgroup shows as /."""
+    dirs = []
     for line in _read(proc / "self" / "cgroup").splitlines():
         _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2's unified hierarchy
-            root, name = cgroup, "memory.max"
-        elif "memory" in controllers.split(","):
-            root, name = cgroup / "memory", "memory.limit_in_bytes"
+        if controllers == "":
+            root = cgroup
+        elif controller in controllers.split(","):
+            root = cgroup / controller
         else:
             continue
         own = root / path.strip().lstrip("/")
         for d in (own, *own.parents):
-            text = _read(d / name).strip()  # v2: "max" when unlimited; v1: a huge number
-            if text.isdigit() and int(text) < _NO_LIMIT:
-                found.append((int(text), str(d / name)))
+            dirs.append((d, controllers == ""))
             if d == root:
                 break
-    return found
+    return dirs
 
 
 def cpu_pool_bytes(

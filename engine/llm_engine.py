@@ -11,6 +11,7 @@ import torch
 
 from engine import faults, memory, pooling, startup
 from engine.config import EngineConfig
+from engine.cpu_threads import claim_threads
 from engine.errors import InvalidRequestError
 from engine.intake import Intake, ValidRequest
 from engine.lora.manager import LoRAManager
@@ -35,7 +36,7 @@ class LLMEngine:
         self.timeline = tl = timeline or Timeline()
         tl.mark("engine setup")
         self.facts = facts = startup.resolve(cfg)  # the config files alone: no weight read yet
-        self._threads_before = startup.claim_threads(cfg, facts.device)  # given back at shutdown
+        self._threads_before = claim_threads(cfg, facts.device)  # given back at shutdown
         plan = startup.device_plan(cfg, facts)  # refuses what cannot fit, before anything is allocated
         self.kv_prefault, kv = startup.early_pool(cfg, facts, plan)  # CPU: faulting in while the tokenizer loads
         startup.start_cpu(cfg, facts)  # CPU: its C kernels build while the weights load

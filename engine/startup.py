@@ -109,21 +109,6 @@ def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank) if rank else dev
 
 
-def claim_threads(cfg: EngineConfig, device: torch.device) -> int | None:
-    """Rank 0's share of the machine: the current CUDA device (Triton launches on it, not on the tensors'), and
-    torch's threads. Returns the thread count to give back at shutdown when it took fewer (tensor-parallel ranks on
-    CPU share the cores), else None."""
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    elif cfg.tensor_parallel_size > 1 and device.type == "cpu":
-        before = torch.get_num_threads()
-        torch.set_num_threads(max(1, before // cfg.tensor_parallel_size))
-        return before
-    return None
-
-
 def open_tokenizer(cfg: EngineConfig, facts: ModelFacts) -> tuple[Tokenizer, frozenset[int]]:
     """The engine's tokenizer (Rust; transformers only if asked for), and the tokens that end a sequence: the
     generation config's EOS ids and the tokenizer's."""

@@ -19,19 +19,25 @@ STEP = 1 / 16  # s: a binary fraction, so that steps add up to a window exactly
 
 
 class Sim:
-    """A team's run delays (tid -> ns) and a clock, both moved by step(): the team's second thread, when it runs,
-    waits `wait` of each step (it shares its core with the busy process; the first has one to itself)."""
+    """A team's run delays (tid -> ns) and a clock, both moved by step(), as the loop calls the governor. Threads
+    100.. run (as many as its count; the pool's others sleep and wait for nothing). The team's threads in `busy`
+    (the second one unless told) each wait `wait` of each step: each shares its core with a busy process. Under a
+    `quota` of CPUs, every running thread waits what the quota leaves it short of a CPU."""
 
-    def __init__(self):
-        self.delays: dict[int, int] = {}
-        self.wait, self.now = 0.0, 0.0
+    def __init__(self, threads: int = 2, busy: tuple[int, ...] = (101,), quota: float | None = None):
+        self.delays: dict[int, int] = {t: 0 for t in range(100, 100 + threads)}
+        self.wait, self.now, self.busy, self.quota = 0.0, 0.0, busy, quota
         self.applied: list[int] = []
-        self.gov = ThreadGovernor(2, read=lambda: dict(self.delays), apply=self.applied.append, clock=lambda: self.now)
-        self.gov.after_step()  # the first step starts the first window
+        self.gov = ThreadGovernor(
+            threads, read=lambda: dict(self.delays), apply=self.applied.append, clock=lambda: self.now
+        )
 
     def step(self, seconds: float = STEP) -> None:
-        for t in range(100, 100 + self.gov.threads):
-            self.delays[t] = self.delays.get(t, 0) + int(self.wait * seconds * 1e9) * (t == 101)
+        self.gov.before_step()
+        n = self.gov.threads
+        for t in range(100, 100 + n):
+            share = max(0.0, 1 - self.quota / n) if self.quota else self.wait * (t in self.busy)
+            self.delays[t] += int(share * seconds * 1e9)
         self.now += seconds
         self.gov.after_step()
 
@@ -66,14 +72,51 @@ def test_a_team_thread_waiting_for_a_cpu_drops_one_thread_after_one_window():
     assert s.applied == [1] and s.gov.threads == 1
 
 
-def test_a_window_needs_its_steps_too():
+def test_a_window_needs_its_steps_too_unless_it_is_long():
     s = Sim()
     s.wait = 0.45
+    step = ct.LONG_S / ct.MIN_STEPS  # slow steps: the window's time is there before its steps are
+    assert step * (ct.MIN_STEPS - 1) >= ct.WINDOW_S
     for _ in range(ct.MIN_STEPS - 1):
-        s.step(1.0)  # long steps: the time is there, the steps are not
+        s.step(step)
     assert s.applied == []
-    s.step(1.0)
+    s.step(step)
     assert s.applied == [1]
+    s = Sim()  # one step as long as LONG_S (a batch's prefill beside a busy process) is a window: it is measured
+    s.wait = 0.45
+    s.step(ct.LONG_S)
+    assert s.applied == [1]
+
+
+def test_the_first_step_after_an_idle_gap_is_in_the_window():
+    """The loop calls before_step: the window opens as the step begins, so a busy spell's first step counts (a
+    governor told of a step only after it ran opens its window then)."""
+    s = Sim()
+    s.wait = 0.45
+    s.gov.restart()
+    s.step(ct.LONG_S)
+    assert s.applied == [1]
+    delays, now = {100: 0, 101: 0}, [0.0]
+    gov = ThreadGovernor(2, read=lambda: dict(delays), apply=lambda n: None, clock=lambda: now[0])
+    delays[101], now[0] = int(0.45 * ct.LONG_S * 1e9), ct.LONG_S
+    gov.after_step()  # no before_step: this step opens the window, its own time is not in it
+    assert gov.threads == 2
+
+
+def test_fewer_threads_are_as_many_as_the_cpus_the_team_had():
+    s = Sim(16, quota=2.0)  # a CPU quota of 2 on a team of 16: each waits 7/8
+    s.run(ct.WINDOW_S)
+    assert s.applied == [2]
+    s.run(30)  # tries of a third thread wait a third of the time (past KEEP): undone each time
+    assert set(s.applied) == {2, 3} and s.gov.threads == 2
+    s = Sim(16)  # one busy process on 16 cores: one thread fewer
+    s.wait = 0.5
+    s.run(ct.WINDOW_S)
+    assert s.applied == [15]
+    s = Sim(16, busy=(101, 102))  # two: a thread fewer each window (the team had 15 CPUs by its waits)
+    s.wait = 0.5
+    s.run(2 * ct.WINDOW_S)
+    assert s.applied == [15, 14]
 
 
 def test_what_the_loop_does_between_steps_is_no_window():
@@ -140,7 +183,7 @@ def test_the_wait_between_tries_stops_doubling_at_its_cap():
 def test_a_thread_new_in_the_window_counts_all_its_delay():
     delays, now = {100: 0}, [0.0]
     gov = ThreadGovernor(2, read=lambda: dict(delays), apply=lambda n: None, clock=lambda: now[0])
-    gov.after_step()
+    gov.before_step()
     delays[101] = int(0.4 * ct.WINDOW_S * 1e9)  # started during the window (a try's new worker)
     for _ in range(ct.MIN_STEPS):
         now[0] += ct.WINDOW_S / ct.MIN_STEPS
@@ -221,3 +264,68 @@ def test_two_engines_in_one_process_each_count_their_own_team(tiny_llama):
     finally:
         for eng in engines:
             eng.shutdown()
+
+
+def test_default_threads_take_a_cpu_quota_below_torchs_own_count(monkeypatch):
+    """A 16-CPU machine (simulated) whose cgroup has a quota: torch's own count (one a CPU) comes down to the quota
+    rounded up; a count somebody chose (OMP_NUM_THREADS, set_num_threads) stays; TP ranks share what is left."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    f = "/sys/fs/cgroup/cpu.max"
+    assert ct.default_threads(1, (2.0, f)) == (2, f"the cgroup's CPU quota is 2 CPUs ({f})")
+    assert [ct.default_threads(1, (q, f))[0] for q in (1.5, 1.0, 0.3, 16.0, 40.0)] == [2, 1, 1, 16, 16]
+    assert ct.default_threads(1, None) == (16, "torch's count")
+    assert ct.default_threads(2, (4.0, f))[0] == 2 and "shared by 2 ranks" in ct.default_threads(2, (4.0, f))[1]
+    monkeypatch.setattr(ct, "QUOTA_CAP", False)
+    assert ct.default_threads(1, (2.0, f))[0] == 16
+    monkeypatch.setattr(ct, "QUOTA_CAP", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)  # chosen: not torch's own default
+    assert ct.default_threads(1, (2.0, f))[0] == 6
+
+
+def test_claim_threads_sets_torchs_count_and_says_what_to_give_back(monkeypatch):
+    from types import SimpleNamespace
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(ct, "cpu_quota", lambda: (1.0, "cpu.max"))
+    try:
+        torch.set_num_threads(4)  # torch's own count on a (simulated) 4-CPU machine under a quota of one CPU
+        assert ct.claim_threads(SimpleNamespace(num_threads=None, tensor_parallel_size=1), torch.device("cpu")) == 4
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(4)  # an engine told its count takes it, whatever the quota
+        assert ct.claim_threads(SimpleNamespace(num_threads=3, tensor_parallel_size=1), torch.device("cpu")) is None
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(4)  # no quota: torch's count as it is
+        monkeypatch.setattr(ct, "cpu_quota", lambda: None)
+        assert ct.claim_threads(SimpleNamespace(num_threads=None, tensor_parallel_size=1), torch.device("cpu")) is None
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a quota of one CPU caps nothing on one CPU")
+def test_an_engine_in_a_cgroup_with_a_cpu_quota_starts_with_the_quotas_threads(tiny_llama):
+    """A real cgroup with a quota of one CPU (where this machine lets a test make one: root and a writable cgroup
+    tree, as CI and this VM; elsewhere skipped, and the test above covers the arithmetic): the engine's count is 1
+    while it runs, torch's own again after shutdown."""
+    from bench.procs import cpu_cgroup
+
+    made = cpu_cgroup(f"llm-quota-test-{os.getpid()}", 1.0)
+    if made is None:
+        pytest.skip("no writable CPU cgroup here (not root, or a read-only /sys/fs/cgroup)")
+    procs, d = made
+    code = (
+        f"import os; open({str(procs)!r}, 'w').write(str(os.getpid()))\n"
+        "import torch\nfrom engine import LLM\n"
+        f"llm = LLM(model={str(tiny_llama)!r}, dtype='float32')\n"
+        "during = torch.get_num_threads(); llm.engine.shutdown()\n"
+        "print(during, torch.get_num_threads(), len(os.sched_getaffinity(0)))\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    finally:
+        d.rmdir()
+    assert out.returncode == 0, out.stderr[-2000:]
+    during, after, cpus = map(int, out.stdout.split()[-3:])
+    assert (during, after) == (1, cpus)

@@ -222,3 +222,24 @@ def test_the_engine_gives_the_heap_back_under_a_load_that_never_lets_it_go_idle(
     during = [t for t, busy in calls if busy]
     assert took > 0.2 and len(during) >= 2, (took, calls)  # while the request ran
     assert all(b - a >= 0.05 for a, b in zip(during, during[1:]))  # not more often than the interval
+
+
+def test_reading_the_cgroups_cpu_quota(tmp_path):
+    from engine.host_memory import cpu_quota
+
+    # v2: the own cgroup unlimited ("max"), its parent at 1.5 CPUs, the root's file absent: 1.5, from the parent
+    proc, cg = _files(tmp_path / "a", None, "0::/pod/worker", {
+        "pod/worker/cpu.max": "max 100000", "pod/cpu.max": "150000 100000"})  # fmt: skip
+    assert cpu_quota(proc, cg) == (1.5, str(cg / "pod" / "cpu.max"))
+    # v1 (cpu,cpuacct mounted as cpu): -1 is no quota; 50 ms of a 100 ms period is half a CPU; the lowest counts
+    proc, cg = _files(tmp_path / "b", None, "3:cpu,cpuacct:/x/y\n4:memory:/x", {
+        "cpu/x/y/cpu.cfs_quota_us": "-1", "cpu/x/y/cpu.cfs_period_us": "100000",
+        "cpu/x/cpu.cfs_quota_us": "400000", "cpu/x/cpu.cfs_period_us": "100000",
+        "cpu/cpu.cfs_quota_us": "50000", "cpu/cpu.cfs_period_us": "100000"})  # fmt: skip
+    assert cpu_quota(proc, cg) == (0.5, str(cg / "cpu" / "cpu.cfs_quota_us"))
+    # a container's namespace (its cgroup is /), a quota of 2 CPUs at the root; none anywhere; nothing readable
+    proc, cg = _files(tmp_path / "c", None, "0::/", {"cpu.max": "200000 100000"})
+    assert cpu_quota(proc, cg)[0] == 2.0
+    proc, cg = _files(tmp_path / "d", None, "0::/", {"cpu.max": "max 100000"})
+    assert cpu_quota(proc, cg) is None
+    assert cpu_quota(tmp_path / "nothing", tmp_path / "nothing") is None

@@ -59,6 +59,10 @@ def test_release_ends_the_calling_threads_pool_and_no_other():
         second = pool_ended()
         t = threading.Thread(target=lambda: (parallel_region(), other.append(pool_ended())))
         t.start(); t.join()
+        import time  # joined, its OS thread may still be listed: gone before the next count, which it would join
+        deadline = time.monotonic() + 1
+        while str(t.native_id) in os.listdir("/proc/self/task") and time.monotonic() < deadline:
+            time.sleep(0.02)
         parallel_region()  # a new pool after a release
         print(json.dumps({"first": first, "second": second, "other": other[0], "again": pool_ended()}))
     """)

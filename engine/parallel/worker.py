@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import sys
 import traceback
@@ -23,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.cpu_threads import default_threads
 from engine.model_runner import ModelRunner
 from engine.parallel.rank import join_group
 from engine.parallel.tables import TableMirror
@@ -59,7 +59,7 @@ def _start(rank: int, tp: int, init_method: str, cfg, max_positions: int, conn) 
     facts = resolve(cfg, rank)
     if facts.device.type == "cuda":
         torch.cuda.set_device(facts.device)
-    torch.set_num_threads(cfg.num_threads or max(1, (os.cpu_count() or 1) // tp))
+    torch.set_num_threads(cfg.num_threads or default_threads(tp)[0])  # the machine's (or its quota's) share
     join_group(facts.device, init_method, rank, tp, cfg.distributed_timeout_s)
     model, _ = load_rank(cfg, facts, max_positions)
     conn.send(("loaded",))
