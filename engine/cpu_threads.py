@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.host_memory import cpu_quota
+from engine.host_memory import cpu_quota, physical_cores
 
 log = logging.getLogger("engine")
 TEAM_NAME = "llm-step"  # the step thread's OpenMP workers (15 characters at most: the kernel's limit)
@@ -75,19 +75,18 @@ def claim_threads(cfg: EngineConfig, device: torch.device) -> int | None:
 
 def default_threads(ranks: int = 1, quota: tuple[float, str] | None | bool = True) -> tuple[int, str]:
     """One of `ranks` CPU ranks' thread count where nobody chose one, and why. torch's count, unless it is its own
-    default (a thread per CPU this process may run on) and the cgroup's CPU quota (`quota`: True reads it) is
-    lower: then the quota rounded up. Under a quota of one CPU on the 2-core VM, two threads decoded 15-25 % slower
-    than one (spinning workers spend the quota, and the whole cgroup is throttled once it is spent); under 1.5
-    CPUs two beat one by 20-30 % (docs/decisions.md, "A CPU quota's share of threads"). On a large host with a
-    small quota, torch's default would run one thread per host CPU."""
+    default (a thread per CPU this process may run on, or per core where cores run two threads) and the cgroup's
+    CPU quota (`quota`: True reads it) is lower: then the quota rounded up. Under a quota of one CPU on the 2-core
+    VM, two threads decoded 15-25 % slower than one (spinning workers spend the quota, and the whole cgroup is
+    throttled once it is spent); under 1.5 CPUs two beat one by 20-30 % (docs/decisions.md, "A CPU quota's share of
+    threads"). On a large host with a small quota, torch's default would run a thread per host core."""
     threads, why = torch.get_num_threads(), "torch's count"
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    own = {len(cpus), physical_cores(cpus)}  # torch's default: a thread per CPU, or per core where cores run two
     quota = cpu_quota() if quota is True else quota
-    if QUOTA_CAP and quota and threads == cpus and math.ceil(round(quota[0], 6)) < threads:
-        threads, why = (
-            max(1, math.ceil(round(quota[0], 6))),
-            f"the cgroup's CPU quota is {quota[0]:g} CPUs ({quota[1]})",
-        )
+    share = max(1, math.ceil(round(quota[0], 6))) if quota else threads
+    if QUOTA_CAP and threads in own and share < threads:
+        threads, why = share, f"the cgroup's CPU quota is {quota[0]:g} CPUs ({quota[1]})"
     if ranks > 1:
         threads, why = max(1, threads // ranks), f"{why}, shared by {ranks} ranks"
     return threads, why

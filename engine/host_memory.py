@@ -93,6 +93,19 @@ def cpu_quota(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup"))
     return min(found) if found else None
 
 
+def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """How many cores `cpus` (logical CPU numbers) sit on: their distinct (package, core) pairs from sysfs; None
+    where the topology cannot be read. torch's own thread count is one a core where cores run two threads."""
+    cores = set()
+    for c in cpus:
+        topo = sysfs / f"cpu{c}" / "topology"
+        pkg, core = _read(topo / "physical_package_id").strip(), _read(topo / "core_id").strip()
+        if not core:
+            return None
+        cores.add((pkg, core))
+    return len(cores) or None
+
+
 def _cgroup_dirs(proc: Path, cgroup: Path, controller: str) -> list[tuple[Path, bool]]:
     """This process's cgroup directory for `controller` and each ancestor up to the hierarchy's root, each with
     whether it is v2's unified hierarchy (no controller list in /proc/self/cgroup). Inside a container's cgroup

@@ -281,6 +281,9 @@ def test_default_threads_take_a_cpu_quota_below_torchs_own_count(monkeypatch):
     monkeypatch.setattr(ct, "QUOTA_CAP", True)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 6)  # chosen: not torch's own default
     assert ct.default_threads(1, (2.0, f))[0] == 6
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # 16 CPUs on 8 cores: torch's default is 8, capped
+    monkeypatch.setattr(ct, "physical_cores", lambda cpus: 8)
+    assert ct.default_threads(1, (2.0, f))[0] == 2
 
 
 def test_claim_threads_sets_torchs_count_and_says_what_to_give_back(monkeypatch):

@@ -5,6 +5,7 @@ files; the engine's plan and its start-up line."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -243,3 +244,17 @@ def test_reading_the_cgroups_cpu_quota(tmp_path):
     proc, cg = _files(tmp_path / "d", None, "0::/", {"cpu.max": "max 100000"})
     assert cpu_quota(proc, cg) is None
     assert cpu_quota(tmp_path / "nothing", tmp_path / "nothing") is None
+
+
+def test_physical_cores_count_the_cores_the_cpus_sit_on(tmp_path):
+    from engine.host_memory import physical_cores
+
+    for cpu, pkg, core in ((0, 0, 0), (1, 0, 0), (2, 0, 1), (3, 0, 1), (4, 1, 0)):  # two threads a core; 2 packages
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{pkg}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    assert physical_cores({0, 1, 2, 3, 4}, tmp_path) == 3
+    assert physical_cores({0, 2}, tmp_path) == 2 and physical_cores({0, 1}, tmp_path) == 1
+    assert physical_cores({0, 9}, tmp_path) is None  # cpu9's topology unreadable
+    assert physical_cores(os.sched_getaffinity(0)) >= 1  # this machine
