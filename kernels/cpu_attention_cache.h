@@ -31,6 +31,12 @@ static inline void prefetch_l2(const char *p) {
  * each block's end. */
 static inline void prefetch_rows(const void *base, const int32_t *bt, int64_t kh, int64_t nb, int64_t bs, int64_t p,
                                  int64_t hi, int esize) {
+    if ((bs & 7) == 0) { /* p a multiple of 8: its 8 rows lie in one block, one after another: one lookup */
+        const char *row = (const char *)base + cache_row(bt, kh, nb, bs, p) * HEAD_DIM * esize;
+        const int64_t end = (hi - p < 8 ? hi - p : 8) * HEAD_DIM * esize;
+        for (int64_t off = 0; off < end; off += 64) prefetch_l2(row + off);
+        return;
+    }
     for (int64_t j = 0; j < 8 && p + j < hi; j++) {
         const char *row = (const char *)base + cache_row(bt, kh, nb, bs, p + j) * HEAD_DIM * esize;
         for (int64_t off = 0; off < HEAD_DIM * esize; off += 64) prefetch_l2(row + off);
