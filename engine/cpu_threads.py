@@ -86,7 +86,7 @@ def default_threads(ranks: int = 1, quota: tuple[float, str] | None | bool = Tru
     quota = cpu_quota() if quota is True else quota
     share = max(1, math.ceil(round(quota[0], 6))) if quota else threads
     if QUOTA_CAP and threads in own and share < threads:
-        threads, why = share, f"the cgroup's CPU quota is {quota[0]:g} CPUs ({quota[1]})"
+        threads, why = share, f"the cgroup's CPU quota is {quota[0]:g} CPU{'s' * (quota[0] != 1)} ({quota[1]})"
     if ranks > 1:
         threads, why = max(1, threads // ranks), f"{why}, shared by {ranks} ranks"
     return threads, why
