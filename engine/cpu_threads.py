@@ -18,8 +18,9 @@ The team: the step thread (the leader) names itself TEAM_NAME, opens one paralle
 that libgomp starts every worker of its pool at once and each inherits the name (Linux copies a thread's name to
 the threads it creates), then renames itself LEADER_NAME: threads it starts later (LoRA loaders, the KV pool's
 prefault thread) carry that name and are not counted. The workers found, their ids are kept and they are renamed
-WORKER_NAME, so that another engine starting in the process does not count them as its own. Only the serving
-loop (AsyncEngine) has a governor: LLM.generate runs on the caller's thread, which it does not rename."""
+WORKER_NAME, so that another engine starting in the process does not count them as its own; the team is found
+again each time the count rises (_Team: libgomp ends and starts pool threads as teams shrink and grow). Only the
+serving loop (AsyncEngine) has a governor: LLM.generate runs on the caller's thread, which it does not rename."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ KEEP = 0.15  # a tried thread stays when the longest wait of its window stayed u
 PROBE_MIN_S = 0.05  # a try is undone as soon as its longest wait passes DROP over at least this long
 PROBE_FIRST_S = 2.0  # after a drop, one more thread is tried again this much later, in seconds of windows
 PROBE_MAX_S = 64.0  # the longest wait between tries (doubling after each try that found the cores taken)
+SLACK = 0.25  # CPUs added to the team's estimate before it is rounded down (_fewer)
 ADAPT = True  # False: the governor only measures (bench/contention.py's comparison)
 QUOTA_CAP = True  # False: torch's own count under a CPU quota too (bench/contention.py's comparison)
 TASKS = Path("/proc/self/task")
@@ -75,16 +77,20 @@ def claim_threads(cfg: EngineConfig, device: torch.device) -> int | None:
 
 def default_threads(ranks: int = 1, quota: tuple[float, str] | None | bool = True) -> tuple[int, str]:
     """One of `ranks` CPU ranks' thread count where nobody chose one, and why. torch's count, unless it is its own
-    default (a thread per CPU this process may run on, or per core where cores run two threads) and the cgroup's
-    CPU quota (`quota`: True reads it) is lower: then the quota rounded up. Under a quota of one CPU on the 2-core
-    VM, two threads decoded 15-25 % slower than one (spinning workers spend the quota, and the whole cgroup is
-    throttled once it is spent); under 1.5 CPUs two beat one by 20-30 % (docs/decisions.md, "A CPU quota's share of
-    threads"). On a large host with a small quota, torch's default would run a thread per host core."""
+    default (a thread per CPU or per core) and the cgroup's CPU quota (`quota`: True reads it) is lower: then the
+    quota rounded half up. Under a quota of one CPU on the 2-core VM, two threads decoded 15-25 % slower than one
+    (spinning workers spend the quota, and the whole cgroup is throttled once it is spent); under 1.5 CPUs two beat
+    one by 20-30 % (docs/decisions.md, "A CPU quota's share of threads"). On a large host with a small quota,
+    torch's default would run a thread per host core. A count chosen equal to torch's default (OMP_NUM_THREADS)
+    cannot be told from it and is capped too; num_threads is never capped."""
     threads, why = torch.get_num_threads(), "torch's count"
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    own = {len(cpus), physical_cores(cpus)}  # torch's default: a thread per CPU, or per core where cores run two
     quota = cpu_quota() if quota is True else quota
-    share = max(1, math.ceil(round(quota[0], 6))) if quota else threads
+    host = set(range(os.cpu_count() or 1))
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else host
+    # torch's default: a thread per CPU or per core, of the affinity mask (here) or of the host (builds whose count
+    # comes from cpuinfo)
+    own = {len(cpus), len(host), *((physical_cores(cpus), physical_cores(host)) if quota else ())}
+    share = max(1, math.floor(quota[0] + 0.5)) if quota else threads  # half up: 1.5 CPUs -> 2, 1.05 -> 1
     if QUOTA_CAP and threads in own and share < threads:
         threads, why = share, f"the cgroup's CPU quota is {quota[0]:g} CPU{'s' * (quota[0] != 1)} ({quota[1]})"
     if ranks > 1:
@@ -119,6 +125,34 @@ def _comm(tasks: Path, tid: int) -> str | None:
         return None
 
 
+class _Team:
+    """The step thread's OpenMP team: its thread ids, found by name (module docstring). libgomp ends the pool's
+    threads past a smaller team's count and starts new ones when a team grows again (4 threads, then 2, then 4: two
+    new workers), so the team is found again whenever the governor raises the count."""
+
+    def __init__(self, leader: int):
+        self.leader, self.ids = leader, [leader]
+
+    def start(self, threads: int) -> None:
+        """On the leader's thread: one region on `threads` threads, under TEAM_NAME, so that the workers it starts
+        inherit the name; those found are added and renamed WORKER_NAME (for `top -H`, and so that another engine's
+        start does not take them); ended ones are dropped."""
+        comm = Path("/proc/thread-self/comm")
+        comm.write_text(TEAM_NAME)
+        try:
+            torch.ones(threads << 16).add_(1)  # a region past torch's grain on every thread: the whole team
+        finally:
+            comm.write_text(LEADER_NAME)
+        live = set(_task_ids(TASKS))
+        new = [t for t in read_team_delays(self.leader) if t != self.leader and t not in self.ids]
+        for t in new:
+            (TASKS / str(t) / "comm").write_text(WORKER_NAME)
+        self.ids = [t for t in self.ids if t in live] + new
+
+    def read(self) -> dict[int, int]:
+        return read_delays(self.ids)
+
+
 class ThreadGovernor:
     """On the step thread: after_step() once per step, restart() when the loop did something else (went idle, ran an
     idle piece), close() when it stops. It sets torch's thread count there (our C kernels read it at each call).
@@ -132,9 +166,11 @@ class ThreadGovernor:
         apply: Callable[[int], None] = torch.set_num_threads,
         clock: Callable[[], float] = time.monotonic,
         enabled: bool = True,
+        grown: Callable[[int], None] | None = None,
     ):
         self.max_threads = self.threads = max_threads
         self.read, self.apply, self.clock, self.enabled = read, apply, clock, enabled
+        self.grown = grown  # called with the new count after a rise: the team's new threads are found (_Team.start)
         self.backoff = PROBE_FIRST_S
         self.since_change = 0.0  # seconds of windows since the count last changed
         self.probing = False  # this window runs one thread more than the last settled count
@@ -149,20 +185,13 @@ class ThreadGovernor:
             return None
         torch.set_num_threads(threads)  # this thread's count (and torch's process-wide one) as the engine claimed it
         try:
-            comm = Path("/proc/thread-self/comm")
-            comm.write_text(TEAM_NAME)
-            torch.ones(threads << 16).add_(1)  # a region past torch's grain on every thread: the whole pool
-            comm.write_text(LEADER_NAME)
-            leader = threading.get_native_id()
-            team = list(read_team_delays(leader))  # found once: the pool keeps its threads for the leader's life
-            if leader not in team:
-                return None
-            for t in team:  # named for `top -H`, and no longer TEAM_NAME: another engine's start does not take them
-                if t != leader:
-                    (TASKS / str(t) / "comm").write_text(WORKER_NAME)
+            team = _Team(threading.get_native_id())
+            team.start(threads)
         except (OSError, AttributeError):
             return None
-        return cls(threads, read=lambda: read_delays(team), enabled=ADAPT and threads > 1)
+        if team.leader not in team.read():  # no schedstat here (a kernel without it): nothing to measure
+            return None
+        return cls(threads, read=team.read, enabled=ADAPT and threads > 1, grown=team.start)
 
     def restart(self) -> None:
         """The loop did something else than steps: the window in progress is dropped, the next step starts one."""
@@ -219,13 +248,20 @@ class ThreadGovernor:
 
     def _fewer(self, shares: list[float]) -> int:
         """The count after a window whose most-waiting thread waited past DROP: the CPUs the team had, as many
-        threads as ran less what they waited (the pool's idle threads wait for nothing), rounded down, and at least
-        one fewer. Under a quota of 2 CPUs a team of 16 waits about 7/8 each and drops to 2 at once; with one busy
-        process on 16 cores, to 15 (two busy: 15, then 14 the window after)."""
+        threads as ran less what they waited (the pool's idle threads wait for nothing), rounded down after SLACK
+        (measured waits scatter around whole CPUs), and at least one fewer. Under a quota of 2 CPUs a team of 16
+        waits about 7/8 each and drops to 2 at once; with one busy process on 16 cores, to 15 (two busy: 15, then 14
+        the window after)."""
         had = self.threads - sum(min(1.0, max(0.0, w)) for w in shares)
-        return max(1, min(self.threads - 1, math.floor(had)))
+        return max(1, min(self.threads - 1, math.floor(had + SLACK)))
 
     def _set(self, threads: int, why: str) -> None:
         log.info("CPU threads %d -> %d: %s", self.threads, threads, why)
+        rise = threads > self.threads
         self.threads, self.since_change = threads, 0.0
         self.apply(threads)
+        if rise and self.grown is not None:
+            try:
+                self.grown(threads)
+            except OSError:  # /proc went away: the team read stays as it was
+                pass

@@ -94,15 +94,18 @@ def cpu_quota(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup"))
 
 
 def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
-    """How many cores `cpus` (logical CPU numbers) sit on: their distinct (package, core) pairs from sysfs; None
-    where the topology cannot be read. torch's own thread count is one a core where cores run two threads."""
+    """How many cores `cpus` (logical CPU numbers) sit on, from sysfs: their distinct lists of a core's CPUs
+    (core_cpus_list; thread_siblings_list on older kernels; else the (package, core_id) pair); None where the
+    topology cannot be read. torch's own thread count is one a core where cores run two threads."""
     cores = set()
     for c in cpus:
         topo = sysfs / f"cpu{c}" / "topology"
-        pkg, core = _read(topo / "physical_package_id").strip(), _read(topo / "core_id").strip()
-        if not core:
+        key = _read(topo / "core_cpus_list").strip() or _read(topo / "thread_siblings_list").strip()
+        if not key and (core := _read(topo / "core_id").strip()):
+            key = (_read(topo / "physical_package_id").strip(), core)
+        if not key:
             return None
-        cores.add((pkg, core))
+        cores.add(key)
     return len(cores) or None
 
 
@@ -115,8 +118,9 @@ def _cgroup_dirs(proc: Path, cgroup: Path, controller: str) -> list[tuple[Path, 
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             root = cgroup
-        elif controller in controllers.split(","):
-            root = cgroup / controller
+        elif controller in controllers.split(","):  # v1: mounted as the controller's name (often a link to the
+            root = cgroup / controller  # joint mount, "cpu" -> "cpu,cpuacct"), else as the joint name
+            root = root if root.exists() else cgroup / controllers
         else:
             continue
         own = root / path.strip().lstrip("/")

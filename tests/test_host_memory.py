@@ -238,6 +238,10 @@ def test_reading_the_cgroups_cpu_quota(tmp_path):
         "cpu/x/cpu.cfs_quota_us": "400000", "cpu/x/cpu.cfs_period_us": "100000",
         "cpu/cpu.cfs_quota_us": "50000", "cpu/cpu.cfs_period_us": "100000"})  # fmt: skip
     assert cpu_quota(proc, cg) == (0.5, str(cg / "cpu" / "cpu.cfs_quota_us"))
+    # v1 mounted under the joint name only (no "cpu" link), a period of 50 ms: 150 ms of it is 3 CPUs
+    proc, cg = _files(tmp_path / "b2", None, "3:cpu,cpuacct:/x", {
+        "cpu,cpuacct/x/cpu.cfs_quota_us": "150000", "cpu,cpuacct/x/cpu.cfs_period_us": "50000"})  # fmt: skip
+    assert cpu_quota(proc, cg) == (3.0, str(cg / "cpu,cpuacct" / "x" / "cpu.cfs_quota_us"))
     # a container's namespace (its cgroup is /), a quota of 2 CPUs at the root; none anywhere; nothing readable
     proc, cg = _files(tmp_path / "c", None, "0::/", {"cpu.max": "200000 100000"})
     assert cpu_quota(proc, cg)[0] == 2.0
@@ -257,4 +261,9 @@ def test_physical_cores_count_the_cores_the_cpus_sit_on(tmp_path):
     assert physical_cores({0, 1, 2, 3, 4}, tmp_path) == 3
     assert physical_cores({0, 2}, tmp_path) == 2 and physical_cores({0, 1}, tmp_path) == 1
     assert physical_cores({0, 9}, tmp_path) is None  # cpu9's topology unreadable
-    assert physical_cores(os.sched_getaffinity(0)) >= 1  # this machine
+    for cpu in (0, 1):  # where the kernel lists a core's CPUs, that list is the core (core_id may repeat elsewhere)
+        (tmp_path / f"cpu{cpu}" / "topology" / "core_cpus_list").write_text("0-1\n")
+    (tmp_path / "cpu2" / "topology" / "core_cpus_list").write_text("2-3\n")
+    assert physical_cores({0, 1, 2}, tmp_path) == 2
+    here = physical_cores(os.sched_getaffinity(0))  # this machine: None where a sandbox hides the topology
+    assert here is None or 1 <= here <= len(os.sched_getaffinity(0))
