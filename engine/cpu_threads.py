@@ -7,12 +7,12 @@ half the time and every region waits for it: one busy process on a 2-core VM mad
 than one (docs/decisions.md, "Fewer CPU threads while a core is taken"). The scheduler says how long each thread
 waited for a CPU while it could run (its run delay, /proc/self/task/<tid>/schedstat's second field), so the
 governor reads that for the team's threads over each window of stepping: when the thread that waited most waited
-for more than DROP of the window, the next steps run on as many threads as the team had CPUs (_fewer), at
-least one fewer. After a while it tries one more again for
-a window and keeps it when the longest wait stayed under KEEP (else the next try waits twice as long, up to
-PROBE_MAX_S). It never goes above the count the engine started with, so a machine whose cores are the worker's own
-never leaves it. A CPU quota's throttling (a container's --cpus) counts as run delay too (the 2-core VM, cgroup
-v1, 2 threads under a quota of one CPU: dropped to one), for a quota set or lowered after the start.
+for more than DROP of the window, the next steps run on as many threads as the team had CPUs (_fewer), at least
+one fewer. After a while it tries one more again for a window and keeps it when the longest wait stayed under KEEP
+(else the next try waits twice as long, up to PROBE_MAX_S). It never goes above the count the engine started with,
+so a machine whose cores are the worker's own never leaves it. A CPU quota's throttling (a container's --cpus)
+counts as run delay too (the 2-core VM, cgroup v1, 2 threads under a quota of one CPU: dropped to one), for a
+quota set or lowered after the start.
 
 The team: the step thread (the leader) names itself TEAM_NAME, opens one parallel region on all its threads, so
 that libgomp starts every worker of its pool at once and each inherits the name (Linux copies a thread's name to
