@@ -20,7 +20,8 @@ the threads it creates), then renames itself LEADER_NAME: threads it starts late
 prefault thread) carry that name and are not counted. The workers found, their ids are kept and they are renamed
 WORKER_NAME, so that another engine starting in the process does not count them as its own; the team is found
 again each time the count rises (_Team: libgomp ends and starts pool threads as teams shrink and grow). Only the
-serving loop (AsyncEngine) has a governor: LLM.generate runs on the caller's thread, which it does not rename."""
+serving loop's step thread (AsyncEngine) is the leader for good; LLM.generate's is its calling thread, named
+TEAM_NAME only while it starts its team and then given its own name back (for_calling_thread)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.host_memory import cpu_quota, physical_cores
+from engine.openmp import release_openmp_threads
 
 log = logging.getLogger("engine")
 TEAM_NAME = "llm-step"  # the step thread's OpenMP workers (15 characters at most: the kernel's limit)
@@ -130,8 +132,8 @@ class _Team:
     threads past a smaller team's count and starts new ones when a team grows again (4 threads, then 2, then 4: two
     new workers), so the team is found again whenever the governor raises the count."""
 
-    def __init__(self, leader: int):
-        self.leader, self.ids = leader, [leader]
+    def __init__(self, leader: int, name: str = LEADER_NAME):
+        self.leader, self.ids, self.name = leader, [leader], name  # name: the leader's own, between starts
 
     def start(self, threads: int) -> None:
         """On the leader's thread: one region on `threads` threads, under TEAM_NAME, so that the workers it starts
@@ -142,7 +144,7 @@ class _Team:
         try:
             torch.ones(threads << 16).add_(1)  # a region past torch's grain on every thread: the whole team
         finally:
-            comm.write_text(LEADER_NAME)
+            comm.write_text(self.name)
         live = set(_task_ids(TASKS))
         new = [t for t in read_team_delays(self.leader) if t != self.leader and t not in self.ids]
         for t in new:
@@ -151,6 +153,9 @@ class _Team:
 
     def read(self) -> dict[int, int]:
         return read_delays(self.ids)
+
+
+_TEAMS: dict[int, _Team] = {}  # LLM.generate's: a calling thread's team, by its thread id
 
 
 class ThreadGovernor:
@@ -190,6 +195,29 @@ class ThreadGovernor:
         except (OSError, AttributeError):
             return None
         if team.leader not in team.read():  # no schedstat here (a kernel without it): nothing to measure
+            return None
+        return cls(threads, read=team.read, enabled=ADAPT and threads > 1, grown=team.start)
+
+    @classmethod
+    def for_calling_thread(cls, device: torch.device, tensor_parallel_size: int, threads: int) -> ThreadGovernor | None:
+        """LLM.generate's: a governor over the calling thread's team, which keeps its own name. The team is made
+        once a thread (_TEAMS), and again where its workers are gone (a drop ended them, or other work on the
+        thread remade its pool): the thread's pool, started under its own name, is ended first
+        (release_openmp_threads) so that a region under TEAM_NAME starts workers that can be found."""
+        if device.type != "cpu" or tensor_parallel_size > 1:
+            return None
+        torch.set_num_threads(threads)
+        tid = threading.get_native_id()
+        try:
+            team = _TEAMS.get(tid)
+            if team is None or len(team.read()) < threads:
+                name = Path("/proc/thread-self/comm").read_text().strip()
+                release_openmp_threads()
+                team = _TEAMS[tid] = _Team(tid, name)
+                team.start(threads)
+        except (OSError, AttributeError):
+            return None
+        if tid not in team.read():
             return None
         return cls(threads, read=team.read, enabled=ADAPT and threads > 1, grown=team.start)
 

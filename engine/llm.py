@@ -6,7 +6,10 @@ import itertools
 import time
 from collections.abc import Sequence
 
+import torch
+
 from engine.config import EngineConfig
+from engine.cpu_threads import ThreadGovernor
 from engine.llm_engine import LLMEngine
 from engine.types import LoRARequest, PoolingParams, RequestOutput, SamplingParams
 
@@ -48,9 +51,16 @@ class LLM:
         # a batch API: the kernel warm-up, then the graphs this batch can use, before its first step
         self.engine.idle.drain(batch=sum(sp.n for sp in params))
         results: list[RequestOutput | None] = [None] * len(prompts)
+        # on CPU: the steps run on fewer threads while another process holds a core (engine/cpu_threads.py)
+        eng = self.engine
+        gov = ThreadGovernor.for_calling_thread(eng.device, eng.cfg.tensor_parallel_size, torch.get_num_threads())
         try:
             while self.engine.has_unfinished():
+                if gov is not None:
+                    gov.before_step()
                 outs = self.engine.step()
+                if gov is not None:
+                    gov.after_step()
                 for out in outs:
                     if out.error is not None:
                         raise out.error
@@ -58,10 +68,15 @@ class LLM:
                         results[order[out.request_id]] = out
                 if not outs and not self.engine.scheduler.running:
                     time.sleep(0.01)  # everything waits for an adapter download
+                    if gov is not None:
+                        gov.restart()
         except BaseException:
             for rid in order:
                 self.engine.abort(rid)
             raise
+        finally:
+            if gov is not None:
+                gov.close()  # the thread's count back to the engine's
         return results
 
     def embed(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,3 +366,34 @@ def test_the_team_is_found_again_when_it_grows():
     assert len(first) == 4 and len(again) == 4, (first, again)
     assert again - first, "no new worker read after the team grew"
     assert all(names[t] == (ct.LEADER_NAME if t == got["leader"] else ct.WORKER_NAME) for t in again), names
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin the engine and the busy processes to")
+def test_llm_generate_beside_busy_processes_steps_on_fewer_threads(smollm2_path, caplog):
+    """The offline API governs its calling thread's team too: beside two busy processes on the same 2 CPUs, a long
+    generate drops to one thread; afterwards the thread has its own name and torch's count back."""
+    import logging
+
+    from engine import LLM, SamplingParams
+
+    cpus, before = set(sorted(os.sched_getaffinity(0))[:2]), os.sched_getaffinity(0)
+    busy = f"import os; os.sched_setaffinity(0, {cpus}); exec('while True: pass')"
+    comm = Path("/proc/thread-self/comm")
+    name = comm.read_text().strip()
+    llm = LLM(model=str(smollm2_path), dtype="bfloat16", num_threads=2, log_stats_interval=0)
+    os.sched_setaffinity(0, cpus)
+    hogs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
+    try:
+        with caplog.at_level(logging.INFO, logger="engine"):
+            out = llm.generate("The history of the Roman Empire", SamplingParams(temperature=0, max_tokens=192,
+                                                                                ignore_eos=True))  # fmt: skip
+        assert len(out[0].outputs[0].token_ids) == 192
+        said = [r.getMessage() for r in caplog.records]
+        assert any("CPU threads 2 -> 1" in m for m in said), said
+        assert comm.read_text().strip() == name and torch.get_num_threads() == 2
+    finally:
+        for h in hogs:
+            h.kill()
+        os.sched_setaffinity(0, before)
+        llm.engine.shutdown()
