@@ -140,22 +140,25 @@ class _Team:
         inherit the name; those found are added and renamed WORKER_NAME (for `top -H`, and so that another engine's
         start does not take them); ended ones are dropped."""
         comm = Path("/proc/thread-self/comm")
-        comm.write_text(TEAM_NAME)
-        try:
-            torch.ones(threads << 16).add_(1)  # a region past torch's grain on every thread: the whole team
-        finally:
-            comm.write_text(self.name)
-        live = set(_task_ids(TASKS))
-        new = [t for t in read_team_delays(self.leader) if t != self.leader and t not in self.ids]
-        for t in new:
-            (TASKS / str(t) / "comm").write_text(WORKER_NAME)
+        with _NAMING:  # one thread named TEAM_NAME at a time: two starting at once would take each other's workers
+            try:
+                comm.write_text(TEAM_NAME)
+                torch.ones(threads << 16).add_(1)  # a region past torch's grain on every thread: the whole team
+            finally:
+                comm.write_text(self.name)
+            live = set(_task_ids(TASKS))
+            new = [t for t in read_team_delays(self.leader) if t != self.leader and t not in self.ids]
+            for t in new:
+                (TASKS / str(t) / "comm").write_text(WORKER_NAME)
         self.ids = [t for t in self.ids if t in live] + new
 
     def read(self) -> dict[int, int]:
         return read_delays(self.ids)
 
 
-_TEAMS: dict[int, _Team] = {}  # LLM.generate's: a calling thread's team, by its thread id
+_NAMING = threading.Lock()  # held while a thread is named TEAM_NAME (_Team.start)
+_CALLERS = threading.local()  # LLM.generate's: .team, the calling thread's (for_calling_thread)
+_UNAVAILABLE: list[str] = []  # why no team can be made in this process (no schedstat, comm not writable): tried once
 
 
 class ThreadGovernor:
@@ -201,23 +204,26 @@ class ThreadGovernor:
     @classmethod
     def for_calling_thread(cls, device: torch.device, tensor_parallel_size: int, threads: int) -> ThreadGovernor | None:
         """LLM.generate's: a governor over the calling thread's team, which keeps its own name. The team is made
-        once a thread (_TEAMS), and again where its workers are gone (a drop ended them, or other work on the
+        once a thread (_CALLERS), and again where its workers are gone (a drop ended them, or other work on the
         thread remade its pool): the thread's pool, started under its own name, is ended first
-        (release_openmp_threads) so that a region under TEAM_NAME starts workers that can be found."""
-        if device.type != "cpu" or tensor_parallel_size > 1:
+        (release_openmp_threads) so that a region under TEAM_NAME starts workers that can be found. Where that
+        cannot work here (no schedstat, a comm that cannot be written), found once and not tried again."""
+        if device.type != "cpu" or tensor_parallel_size > 1 or _UNAVAILABLE:
             return None
         torch.set_num_threads(threads)
         tid = threading.get_native_id()
         try:
-            team = _TEAMS.get(tid)
+            team = getattr(_CALLERS, "team", None)
             if team is None or len(team.read()) < threads:
                 name = Path("/proc/thread-self/comm").read_text().strip()
                 release_openmp_threads()
-                team = _TEAMS[tid] = _Team(tid, name)
+                team = _CALLERS.team = _Team(tid, name)
                 team.start(threads)
-        except (OSError, AttributeError):
+        except (OSError, AttributeError) as e:
+            _UNAVAILABLE.append(f"{type(e).__name__}: {e}")
             return None
         if tid not in team.read():
+            _UNAVAILABLE.append("no schedstat")
             return None
         return cls(threads, read=team.read, enabled=ADAPT and threads > 1, grown=team.start)
 

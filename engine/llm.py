@@ -52,9 +52,9 @@ class LLM:
         self.engine.idle.drain(batch=sum(sp.n for sp in params))
         results: list[RequestOutput | None] = [None] * len(prompts)
         # on CPU: the steps run on fewer threads while another process holds a core (engine/cpu_threads.py)
-        eng = self.engine
-        gov = ThreadGovernor.for_calling_thread(eng.device, eng.cfg.tensor_parallel_size, torch.get_num_threads())
+        eng, gov = self.engine, None
         try:
+            gov = ThreadGovernor.for_calling_thread(eng.device, eng.cfg.tensor_parallel_size, torch.get_num_threads())
             while self.engine.has_unfinished():
                 if gov is not None:
                     gov.before_step()

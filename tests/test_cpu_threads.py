@@ -380,9 +380,9 @@ def test_llm_generate_beside_busy_processes_steps_on_fewer_threads(smollm2_path,
     cpus, before = set(sorted(os.sched_getaffinity(0))[:2]), os.sched_getaffinity(0)
     busy = f"import os; os.sched_setaffinity(0, {cpus}); exec('while True: pass')"
     comm = Path("/proc/thread-self/comm")
-    name = comm.read_text().strip()
+    name, count = comm.read_text().strip(), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)  # this thread's, and its workers' (made before and after)
     llm = LLM(model=str(smollm2_path), dtype="bfloat16", num_threads=2, log_stats_interval=0)
-    os.sched_setaffinity(0, cpus)
     hogs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
     try:
         with caplog.at_level(logging.INFO, logger="engine"):
@@ -397,3 +397,32 @@ def test_llm_generate_beside_busy_processes_steps_on_fewer_threads(smollm2_path,
             h.kill()
         os.sched_setaffinity(0, before)
         llm.engine.shutdown()
+        torch.set_num_threads(count)  # num_threads=2 is not given back by the engine
+
+
+def test_two_threads_making_their_teams_at_once_keep_their_own():
+    """Teams are found by name: two threads starting theirs at the same moment must not take each other's workers
+    (one thread named TEAM_NAME at a time), and each keeps its own name."""
+    got, meet = {}, threading.Barrier(2)
+
+    def body(k):
+        before, comm = torch.get_num_threads(), Path("/proc/thread-self/comm")
+        comm.write_text(f"caller-{k}")
+        try:
+            for _ in range(20):
+                meet.wait()
+                ct._CALLERS.__dict__.pop("team", None)  # this thread's team made afresh each round
+                gov = ThreadGovernor.for_calling_thread(torch.device("cpu"), 1, 2)
+                ids = set(gov.read())
+                got.setdefault(k, []).append((ids, comm.read_text().strip()))
+        finally:
+            torch.set_num_threads(before)
+
+    threads = [threading.Thread(target=body, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (a, name_a), (b, name_b) in zip(got[0], got[1]):
+        assert len(a) == 2 and len(b) == 2 and not a & b, (a, b)
+        assert (name_a, name_b) == ("caller-0", "caller-1")
