@@ -71,7 +71,7 @@ def child(adapt: bool, streams: list[int], tokens: int, cgroup: str | None) -> N
         return {str(n): await one(n, tokens) for n in streams}
 
     rates = asyncio.run(main())
-    threads = eng._threads
+    threads = eng.governor.max_threads  # the count the engine started on
     eng.shutdown()
     print(json.dumps({"rates": rates, "waits": waits, "changes": len(changes), "threads": threads}), flush=True)
 

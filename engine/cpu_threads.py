@@ -135,10 +135,10 @@ class _Team:
     def __init__(self, leader: int, name: str = LEADER_NAME):
         self.leader, self.ids, self.name = leader, [leader], name  # name: the leader's own, between starts
 
-    def start(self, threads: int) -> None:
+    def start(self, threads: int) -> _Team:
         """On the leader's thread: one region on `threads` threads, under TEAM_NAME, so that the workers it starts
         inherit the name; those found are added and renamed WORKER_NAME (for `top -H`, and so that another engine's
-        start does not take them); ended ones are dropped."""
+        start does not take them); ended ones are dropped. Returns the team."""
         comm = Path("/proc/thread-self/comm")
         with _NAMING:  # one thread named TEAM_NAME at a time: two starting at once would take each other's workers
             try:
@@ -151,6 +151,7 @@ class _Team:
             for t in new:
                 (TASKS / str(t) / "comm").write_text(WORKER_NAME)
         self.ids = [t for t in self.ids if t in live] + new
+        return self
 
     def read(self) -> dict[int, int]:
         return read_delays(self.ids)
@@ -174,7 +175,7 @@ class ThreadGovernor:
         apply: Callable[[int], None] = torch.set_num_threads,
         clock: Callable[[], float] = time.monotonic,
         enabled: bool = True,
-        grown: Callable[[int], None] | None = None,
+        grown: Callable[[int], object] | None = None,
     ):
         self.max_threads = self.threads = max_threads
         self.read, self.apply, self.clock, self.enabled = read, apply, clock, enabled
@@ -186,44 +187,42 @@ class ThreadGovernor:
 
     @classmethod
     def for_step_thread(cls, device: torch.device, tensor_parallel_size: int, threads: int) -> ThreadGovernor | None:
-        """Make this thread's OpenMP team of `threads` and name it (module docstring); a governor where one can work:
-        CPU, one rank (a TP rank's steps must stay in step with the others', which read no delays of their own),
-        Linux's /proc. It acts (enabled) where there is a thread to drop and ADAPT is on."""
-        if device.type != "cpu" or tensor_parallel_size > 1:
-            return None
-        torch.set_num_threads(threads)  # this thread's count (and torch's process-wide one) as the engine claimed it
-        try:
-            team = _Team(threading.get_native_id())
-            team.start(threads)
-        except (OSError, AttributeError):
-            return None
-        if team.leader not in team.read():  # no schedstat here (a kernel without it): nothing to measure
-            return None
-        return cls(threads, read=team.read, enabled=ADAPT and threads > 1, grown=team.start)
+        """AsyncEngine's: make this (new) thread's OpenMP team of `threads` and name it (module docstring)."""
+        return cls._over(device, tensor_parallel_size, threads, lambda: _Team(threading.get_native_id()).start(threads))
 
     @classmethod
     def for_calling_thread(cls, device: torch.device, tensor_parallel_size: int, threads: int) -> ThreadGovernor | None:
         """LLM.generate's: a governor over the calling thread's team, which keeps its own name. The team is made
         once a thread (_CALLERS), and again where its workers are gone (a drop ended them, or other work on the
         thread remade its pool): the thread's pool, started under its own name, is ended first
-        (release_openmp_threads) so that a region under TEAM_NAME starts workers that can be found. Where that
-        cannot work here (no schedstat, a comm that cannot be written), found once and not tried again."""
-        if device.type != "cpu" or tensor_parallel_size > 1 or _UNAVAILABLE:
-            return None
-        torch.set_num_threads(threads)
-        tid = threading.get_native_id()
-        try:
-            team = getattr(_CALLERS, "team", None)
-            if team is None or len(team.read()) < threads:
+        (release_openmp_threads) so that a region under TEAM_NAME starts workers that can be found."""
+
+        def team() -> _Team:
+            kept = getattr(_CALLERS, "team", None)
+            if kept is None or len(kept.read()) < threads:
                 name = Path("/proc/thread-self/comm").read_text().strip()
                 release_openmp_threads()
-                team = _CALLERS.team = _Team(tid, name)
-                team.start(threads)
+                kept = _CALLERS.team = _Team(threading.get_native_id(), name).start(threads)
+            return kept
+
+        return cls._over(device, tensor_parallel_size, threads, team)
+
+    @classmethod
+    def _over(cls, device, tensor_parallel_size, threads, team_of: Callable[[], _Team]) -> ThreadGovernor | None:
+        """A governor over this thread's team of `threads` (`team_of` gives it, started) where one can work: CPU, one
+        rank (a TP rank's steps must stay in step with the others', which read no delays of their own), Linux's /proc
+        with schedstat and a writable comm (found once a process: _UNAVAILABLE). It acts (enabled) where there is a
+        thread to drop and ADAPT is on."""
+        if device.type != "cpu" or tensor_parallel_size > 1 or _UNAVAILABLE:
+            return None
+        torch.set_num_threads(threads)  # this thread's count (and torch's process-wide one) as the engine claimed it
+        try:
+            team = team_of()
         except (OSError, AttributeError) as e:
             _UNAVAILABLE.append(f"{type(e).__name__}: {e}")
             return None
-        if tid not in team.read():
-            _UNAVAILABLE.append("no schedstat")
+        if team.leader not in team.read():
+            _UNAVAILABLE.append("no schedstat")  # a kernel without it: nothing to measure
             return None
         return cls(threads, read=team.read, enabled=ADAPT and threads > 1, grown=team.start)
 
