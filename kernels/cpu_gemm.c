@@ -59,6 +59,7 @@ typedef struct {
 int amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
 enum { MC_BYTES = 1 << 20, STREAM_BYTES = 4 << 20 }; /* the rows of x a thread's column groups pass over at a time: half of L2 */
+enum { PF_ROWS = 32 }; /* the next group's panel prefetched only past this many rows (gemm_core) */
 
 /* rows [q0, q1) of a 32-row step's sums ([2 halves][2 blocks][16 rows][16] fp32) + bias -> y's rows r0 + q (n
  * apart), nb blocks of 16 columns, a row's columns in one store (a whole cache line where nb is 2), or with `silu`
@@ -193,7 +194,12 @@ static int gemm_core(const uint16_t *x, int64_t m, int64_t k, const uint16_t *wp
                 }
                 group_t gr = {wp ? wp + g * blk : buf, wp ? wp + b1 * blk : buf + blk, bias ? bias + g * 16 : NULL,
                               bias ? bias + b1 * 16 : NULL, NULL, NULL, 0};
-                if (wp && next) { /* the next group: blocks g + 2, g + 3, or the gate and up blocks after these */
+                /* the next group (blocks g + 2, g + 3, or the gate and up blocks after these) asked for into L2
+                 * past PF_ROWS rows only: at fewer, a group is over before the requests help, the thread's blocks
+                 * are a front-to-back stream the L2's own prefetcher follows, and ours only compete with its (a
+                 * decode step's 121 GEMMs in model order 1.03-1.12x faster without them at 1-32 rows; at 128 rows
+                 * 0.82x: docs/decisions.md) */
+                if (wp && next && m1 - m0 > PF_ROWS) {
                     gr.pf = (const char *)(wp + (g + nu) * blk);
                     gr.pf1 = (const char *)(wp + (silu ? g + nu + half : g + nu + 1) * blk);
                     gr.pf_lines = (silu ? 2 : next) * kt * 16;

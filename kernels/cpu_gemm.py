@@ -7,11 +7,11 @@ Why: a decode step's linears have a row per sequence, and at 1-32 rows they most
 packed GEMM does at about half the memory's rate on 2 cores; and a prefill chunk's rows in oneDNN's order would
 give a token other sums than its decode does (a whole response and its stream then differ where two tokens tie).
 
-With AMX (Intel Sapphire Rapids and later): per thread, groups of 2 column blocks over L2-sized chunks of rows,
-32 rows x 32 columns in four tiles at a time, the next group's panel prefetched, each step's sums rounded and stored
-while the next step's tiles run. On 2 cores of a Xeon with AMX: 1.0-1.4x the old AMX decode kernel (same bits) at
-1-64 rows, 1.0-1.9x oneDNN's packed GEMM at 128-1024 rows, 0.85-1.05x at a 2048-token chunk (`python -m
-bench.cpu_gemm`, docs/benchmarks.md "CPU GEMM (AMX)").
+With AMX (Intel Sapphire Rapids and later): per thread, groups of 2 column blocks over L2-sized chunks of rows, 32
+rows x 32 columns in four tiles at a time, the next group's panel prefetched past 32 rows (at fewer the L2's own
+prefetcher streams it), each step's sums rounded and stored while the next step's tiles run. On 2 cores of a Xeon
+with AMX, against oneDNN's packed GEMM: 0.9-1.8x by shape at 1-64 rows, 0.97-2.2x at 128-1024, 0.87-1.14x at a
+2048-token chunk (`python -m bench.cpu_gemm`, docs/benchmarks.md "CPU GEMM (AMX)").
 
 Without AMX (AMD Zen 4 and later) the same packed layout feeds vdpbf16ps: a tile of 6 rows x 64 columns, each of
 the group's panel read from memory once and from L2 for the later row tiles, while the next group's panel is
