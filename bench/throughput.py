@@ -231,7 +231,15 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="a small random Mixtral (8 experts, top-2) instead of SmolLM2")
     ap.add_argument("--hybrid", action="store_true", help="a small random Qwen3-Next (linear attention) instead")
     ap.add_argument("--paired", type=int, default=0, help="then N alternating rounds of ours and each server peer")
+    ap.add_argument("--no-amx", action="store_true", help="the AVX512-BF16 path on an AMX CPU (bench/no_amx)")
     args = ap.parse_args()
+    if args.no_amx:  # re-runs this command in a process of its own, then builds our kernels AMX-less
+        from bench.no_amx import enter
+
+        if args.moe or args.hybrid:
+            ap.error("--no-amx times SmolLM2's workload only")
+
+        enter(sys.argv)
     oh_n, oh_out = 64, 128
     if args.quick:
         args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out = 8, 16, 64, 4, 32
@@ -301,13 +309,22 @@ def main() -> None:
             record("hf-cb-gb", timed(lambda: hf_cb_generate_batch(model, wl, args.cb_max_batch_tokens), device))
 
     skipped = notes + run_servers([p for p in peers if p in SERVERS], path, wl, record)
+    if args.no_amx:
+        skipped.append(
+            "- --no-amx: every engine on the AVX512-BF16 path, AMX off (bench/no_amx: our kernels built "
+            "without it, oneDNN capped at AVX512_CORE_BF16, vLLM's attention on its vector kernels)"
+        )
     md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device), floors)
     md = md.replace("\n\n![Offline", "\n" + "".join(s + "\n" for s in skipped) + "\n![Offline", 1)
     print("\n" + md)
     if docs is not None:
-        key = {"moe": "throughput-moe", "hybrid": "throughput-hybrid"}.get(kind, "throughput")
+        kind = kind or ("no-amx" if args.no_amx else None)
+        key = {"moe": "throughput-moe", "hybrid": "throughput-hybrid", "no-amx": "throughput-no-amx"}.get(
+            kind, "throughput"
+        )
         if kind:
-            title = {"moe": "Mixture of experts", "hybrid": "Hybrid linear attention (Qwen3-Next)"}[kind]
+            title = {"moe": "Mixture of experts", "hybrid": "Hybrid linear attention (Qwen3-Next)",
+                     "no-amx": "Without AMX (the AVX512-BF16 path on an AMX CPU)"}[kind]  # fmt: skip
             md = md.replace("## ", f"## {title}: ", 1).replace("throughput.png", f"{key}.png")
         write_section(docs / "benchmarks.md", key, md)
         plot(rows, wl, flops / (peak * 1e9), docs / f"{key}.png")
