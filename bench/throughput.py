@@ -58,6 +58,7 @@ from bench.ab import AB, ab
 from bench.peers import SERVERS, paired, run_servers
 from bench.synthetic_model import write_tiny_hybrid, write_tiny_moe  # noqa: E402
 from bench.throughput_report import CB_PAGE, memory_floor, plot, read_rate, render, shape_rates
+from engine.config import default_cache_root  # noqa: E402
 from engine.models.spec import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
 
@@ -238,8 +239,7 @@ def main() -> None:
 
         if args.moe or args.hybrid:
             ap.error("--no-amx times SmolLM2's workload only")
-
-        enter(sys.argv)
+        enter(Path(default_cache_root()) / "cpu-kernels")  # the engine's build folder (engine/cpu_native.py)
     oh_n, oh_out = 64, 128
     if args.quick:
         args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out = 8, 16, 64, 4, 32
@@ -311,8 +311,8 @@ def main() -> None:
     skipped = notes + run_servers([p for p in peers if p in SERVERS], path, wl, record)
     if args.no_amx:
         skipped.append(
-            "- --no-amx: every engine on the AVX512-BF16 path, AMX off (bench/no_amx: our kernels built "
-            "without it, oneDNN capped at AVX512_CORE_BF16, vLLM's attention on its vector kernels)"
+            "- --no-amx: AMX off (bench/no_amx): our kernels built without it, oneDNN (torch's and vLLM's) capped at "
+            "AVX512_CORE_BF16, vLLM's attention on its vector kernels; llama.cpp's build unchanged"
         )
     md = render(rows, wl, args, cmd, peak, flops, spec, p_ne, oh, machine_line(device), floors)
     md = md.replace("\n\n![Offline", "\n" + "".join(s + "\n" for s in skipped) + "\n![Offline", 1)
