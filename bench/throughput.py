@@ -58,7 +58,7 @@ from bench.ab import AB, ab
 from bench.peers import SERVERS, paired, run_servers
 from bench.synthetic_model import write_tiny_hybrid, write_tiny_moe  # noqa: E402
 from bench.throughput_report import CB_PAGE, memory_floor, plot, read_rate, render, shape_rates
-from engine.config import default_cache_root  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.models.spec import ModelSpec  # noqa: E402
 from engine.weights import read_json  # noqa: E402
 
@@ -239,7 +239,9 @@ def main() -> None:
 
         if args.moe or args.hybrid:
             ap.error("--no-amx times SmolLM2's workload only")
-        enter(Path(default_cache_root()) / "cpu-kernels")  # the engine's build folder (engine/cpu_native.py)
+        from engine.cpu_native import native_dir
+
+        enter(native_dir(EngineConfig(), torch.device("cpu")))  # where the engine builds and finds its kernels
     oh_n, oh_out = 64, 128
     if args.quick:
         args.num_requests, args.min_prompt, args.max_prompt, args.min_out, args.max_out = 8, 16, 64, 4, 32

@@ -37,9 +37,10 @@ def enter(cache_dir: Path) -> None:
     options) in a process with rerun_env (oneDNN reads its cap once, as torch loads it: too late here); in that
     process, build our kernels AMX-less into `cache_dir` and fail with the compiler's message if they cannot be (the
     engine would fall back to oneDNN without a word). Exits with a message on a CPU without AMX or AVX512-BF16."""
-    from kernels.cpu_build import cpu_flags
+    from kernels import cpu_build
+    from kernels.cpu_gemm import ThinGemm
 
-    flags = cpu_flags()
+    flags = cpu_build.cpu_flags()
     if "avx512_bf16" not in flags:
         raise SystemExit("--no-amx: this CPU has no AVX512-BF16, so there is no AMX-less bf16 path to time")
     if not {"amx_tile", "amx_bf16"} <= flags:
@@ -47,9 +48,6 @@ def enter(cache_dir: Path) -> None:
     if os.environ.get(MARK) != "1" or os.environ.get("ONEDNN_MAX_CPU_ISA") != ISA:
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], rerun_env(dict(os.environ)))
-    from kernels import cpu_build
-    from kernels.cpu_gemm import ThinGemm
-
     cpu_build.FLAGS = tuple(dict.fromkeys(cpu_build.FLAGS + FLAGS))
     gemm = ThinGemm.get(cache_dir, wait=True)
     if gemm.lib is None:
